@@ -1,0 +1,162 @@
+"""Convert a Hugging Face or mlx-lm MoE checkpoint into an edgemoe pack.
+
+    python -m edgemoe.convert --hf-path SRC --mlx-path DST [--q-bits 4] [--q-group-size 64]
+
+An unquantized source is quantized exactly as `mlx_lm.convert -q` does it (mlx-lm's
+own loader, dtype cast, quantization predicates); an mlx-lm quantized source keeps its
+quantization. The pack is written to a temporary folder beside DST and renamed at the
+end, so an interrupted conversion leaves nothing half-written at DST.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import quantize_model, save_config
+from tqdm import tqdm
+
+from .families import check_supported, expert_modules, layer_index, top_k
+from .pack import (RESIDENT_FILE, EXPERTS_FILE, ExpertsWriter, PackLayer,
+                   record_layout, write_manifest)
+
+CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
+            overwrite: bool = False) -> Path:
+    src, dst = Path(hf_path), Path(mlx_path)
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src}: no checkpoint here (config.json not found)")
+    config = json.loads((src / "config.json").read_text())
+    check_supported(config, src / "config.json")
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst}: already exists; pass --overwrite to replace it")
+
+    model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
+    if "quantization" in config:
+        q = config["quantization"]
+        print(f"[edgemoe] {src} is already quantized ({q['bits']} bits, group "
+              f"{q['group_size']}); keeping its quantization")
+    else:
+        _cast_like_mlx_lm(model, config)
+        model, config = quantize_model(model, config, q_group_size, q_bits)
+
+    tmp = dst.parent / f".{dst.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_pack(tmp, model, config)
+        save_config(config, config_path=tmp / "config.json")
+        tokenizer.save_pretrained(tmp)
+        if (src / "generation_config.json").exists():
+            shutil.copy(src / "generation_config.json", tmp)
+        _replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _cast_like_mlx_lm(model, config):
+    """Cast floating weights to the checkpoint's dtype, as mlx_lm.convert does."""
+    dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    if dtype not in CONVERSION_DTYPES:
+        return
+    dtype = getattr(mx, dtype)
+    cast = getattr(model, "cast_predicate", lambda _: True)
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters(),
+    ))
+
+
+def _write_pack(out: Path, model, config):
+    experts = dict(sorted(expert_modules(model).items(), key=lambda kv: layer_index(kv[0])))
+    expert_keys = {f"{path}." for path in experts}
+    resident = {k: v for k, v in tree_flatten(model.parameters())
+                if not any(k.startswith(p) for p in expert_keys)}
+    mx.save_safetensors(str(out / RESIDENT_FILE), resident, metadata={"format": "mlx"})
+    del resident
+
+    writer = ExpertsWriter(out / EXPERTS_FILE)
+    layers = []
+    total = sum(_num_experts(m) for m in experts.values())
+    with tqdm(total=total, desc="experts", unit="expert") as bar:
+        for path, module in experts.items():
+            layers.append(_write_layer(writer, path, module, bar))
+    size = writer.close()
+    write_manifest(out, config["model_type"], top_k(config), layers, size)
+
+
+def _num_experts(module) -> int:
+    return next(v for _, v in tree_flatten(module.parameters())).shape[0]
+
+
+def _write_layer(writer: ExpertsWriter, path: str, module, bar) -> PackLayer:
+    params = dict(tree_flatten(module.parameters()))
+    mx.eval(params)  # one layer's experts in memory at a time
+    arrays = {k: _as_numpy(v) for k, v in params.items()}
+    dtypes = {k: str(v.dtype).removeprefix("mlx.core.") for k, v in params.items()}
+    layout = record_layout(arrays, dtypes)
+    records = []
+    for e in range(next(iter(arrays.values())).shape[0]):
+        records.append(writer.write([arrays[t.name][e] for t in layout]))
+        bar.update(1)
+    return PackLayer(path, layer_index(path), layout, _quantization(module), records)
+
+
+def _as_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:  # numpy has no bfloat16; keep the bits
+        a = a.view(mx.uint16)
+    return np.array(a, copy=False)
+
+
+def _quantization(module) -> dict:
+    quant = {}
+    for name, child in module.children().items():
+        if isinstance(child, QuantizedSwitchLinear):
+            if child.global_scale is not None:
+                raise NotImplementedError(f"{name}: experts with a global scale (nvfp4)")
+            quant[name] = {"group_size": child.group_size, "bits": child.bits,
+                           "mode": child.mode}
+        elif hasattr(child, "weight"):
+            quant[name] = None
+    return quant
+
+
+def _replace(tmp: Path, dst: Path):
+    """Move the finished pack into place; an old DST goes only once the new one is whole."""
+    old = dst.parent / f".{dst.name}.old"
+    if dst.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Convert an MoE checkpoint to an edgemoe pack.")
+    parser.add_argument("--hf-path", "--model", required=True,
+                        help="Hugging Face checkpoint folder, or an mlx-lm quantized one")
+    parser.add_argument("--mlx-path", default="edgemoe_model", help="Where to write the pack")
+    parser.add_argument("--q-bits", type=int, default=4)
+    parser.add_argument("--q-group-size", type=int, default=64)
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing DST")
+    args = parser.parse_args(argv)
+    try:
+        dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size,
+                      args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        sys.exit(f"edgemoe.convert: error: {e}")
+    print(f"[edgemoe] wrote {dst}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The streaming expert module: an mlx-lm `SwitchGLU` whose experts live in slots.
+
+It computes with mlx-lm's own expert module (same projections, same activation, same
+`gather_qmm` calls), built over the layer's slot pool instead of all experts, with the
+router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
+remapped indices gives bit-identical results (shared/GUIDE.md).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+from .families import expert_modules
+from .pack import PackError
+from .store import ExpertStore, LayerSlots
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in replacement for a MoE block's `switch_mlp`; holds no parameters."""
+
+    def __init__(self, slots: LayerSlots):
+        super().__init__()
+        self.slots = slots  # a plain object: not a parameter of the model
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        ids = np.array(indices)  # the host learns this layer's routing here (a sync)
+        experts = np.unique(ids)
+        if len(experts) > self.slots.num_slots:
+            return self._in_passes(x, ids, experts)
+        slot_of = self.slots.ensure(experts)
+        out = self.slots.pool(x, mx.array(slot_of[ids].astype(np.uint32)))
+        mx.eval(out)  # every read of the slots is done before any can be refilled
+        return out
+
+    def _in_passes(self, x: mx.array, ids: np.ndarray, experts: np.ndarray) -> mx.array:
+        """More distinct experts than slots (a long prefill under a small budget):
+        compute the (token, k) rows in groups of experts that fit the pool."""
+        k = ids.shape[-1]
+        flat_ids = ids.reshape(-1)
+        tokens = x.reshape(-1, x.shape[-1])
+        rows, outs = [], []
+        for start in range(0, len(experts), self.slots.num_slots):
+            group = experts[start:start + self.slots.num_slots]
+            slot_of = self.slots.ensure(group)
+            row = np.flatnonzero(np.isin(flat_ids, group))
+            slots = slot_of[flat_ids[row]].astype(np.uint32)[:, None]
+            y = self.slots.pool(tokens[mx.array(row // k)], mx.array(slots))
+            mx.eval(y)
+            rows.append(row)
+            outs.append(y[:, 0])
+        order = np.argsort(np.concatenate(rows))
+        out = mx.concatenate(outs)[mx.array(order)]
+        return out.reshape(*ids.shape, out.shape[-1])
+
+
+def build_pool(module: nn.Module, slots: LayerSlots) -> nn.Module:
+    """Turn a freshly built mlx-lm expert module into one over the slot arrays.
+
+    Its projections are quantized exactly as the pack's manifest records, then their
+    (still lazy, never evaluated) random weights are replaced by the slot arrays.
+    """
+    for name, child in list(module.children().items()):
+        if name not in slots.layer.quantization:
+            continue
+        q = slots.layer.quantization[name]
+        if q is not None:
+            child = child.to_quantized(q["group_size"], q["bits"], mode=q["mode"])
+            assert isinstance(child, QuantizedSwitchLinear)
+        for t in slots.layer.tensors:
+            if t.projection == name:
+                setattr(child, t.kind, slots.arrays[t.name])
+        setattr(module, name, child)
+    module.freeze()
+    return module
+
+
+def install(model: nn.Module, store: ExpertStore) -> nn.Module:
+    """Replace every routed-expert module of `model` by a streaming one."""
+    found = expert_modules(model)
+    if set(found) != set(store.layers):
+        raise PackError(
+            f"{store.pack.path}: the manifest's MoE layers do not match the model's "
+            f"(manifest: {len(store.layers)}, model: {len(found)})"
+        )
+    for path, module in found.items():
+        slots = store.layers[path]
+        slots.pool = build_pool(module, slots)
+        parent_path, name = path.rsplit(".", 1)
+        parent = model
+        for part in parent_path.split("."):
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        setattr(parent, name, StreamingExperts(slots))
+    return model

@@ -1,0 +1,46 @@
+"""Which mlx-lm model families edgemoe streams, and where their routed experts live.
+
+Every supported family's MoE block computes its own routing, then calls its expert
+module (`switch_mlp`, an mlx-lm `SwitchGLU`) with the chosen indices. Swapping that
+module for a streaming one keeps the family's routing math exact.
+"""
+
+from typing import Dict
+
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "mixtral", "olmoe", "qwen3_moe")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def check_supported(config: dict, where) -> str:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{where}: model_type {model_type!r} is not a supported MoE family; "
+            f"edgemoe supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model_type
+
+
+def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """The routed-expert modules of a model, by module path, in layer order."""
+    return {
+        path: module
+        for path, module in model.named_modules()
+        if isinstance(module, (SwitchGLU, SwitchMLP))
+    }
+
+
+def layer_index(module_path: str) -> int:
+    """`model.layers.3.mlp.switch_mlp` -> 3."""
+    parts = module_path.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def top_k(config: dict) -> int:
+    return int(config["num_experts_per_tok"])

@@ -1,0 +1,68 @@
+"""Generate text from an edgemoe pack, streaming routed experts from disk.
+
+    python -m edgemoe.generate --model PACK --prompt "..." --expert-budget 25%
+"""
+
+import argparse
+import sys
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from .generation import generate
+
+DEFAULT_PROMPT = "hello"
+DEFAULT_MAX_TOKENS = 100
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Generate text, streaming MoE experts from disk.")
+    p.add_argument("--model", type=str, required=True, help="An edgemoe pack folder")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
+                   help="Message to be processed by the model ('-' reads from stdin)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
+    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="Use the raw prompt without the tokenizer's chat template")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   default=True, help="Stream the text and print statistics")
+    p.add_argument("--expert-budget", default="1.0",
+                   help="Memory for routed experts: a fraction (0.25), a percentage "
+                        "(25%%) or a size (2GB)")
+    p.add_argument("--adapter-path", default=None)
+    return p
+
+
+def main(argv=None):
+    from .loader import load
+
+    args = setup_arg_parser().parse_args(argv)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        model, tokenizer = load(args.model, expert_budget=args.expert_budget,
+                                adapter_path=args.adapter_path)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"edgemoe.generate: error: {e}")
+
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    use_chat_template = not args.ignore_chat_template and tokenizer.has_chat_template
+    if use_chat_template:
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True)
+    tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
+    sampler = make_sampler(args.temp, args.top_p)
+    text = generate(model, tokenizer, tokens, verbose=args.verbose,
+                    max_tokens=args.max_tokens, sampler=sampler)
+    if not args.verbose:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

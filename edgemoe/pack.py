@@ -1,0 +1,226 @@
+"""The edgemoe pack: resident weights, one aligned record per routed expert, a manifest.
+
+    model.safetensors   everything but the routed experts, as mlx-lm names it
+    experts.bin         one contiguous record per (layer, expert), 16 KiB aligned
+    manifest.json       format version, per-layer record layout, offsets, CRC32s
+    config.json, tokenizer files
+
+A record holds all of one expert's tensors (weights, scales, biases of every
+projection) back to back, so one `preadv` scatters it straight into the slot arrays.
+"""
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+FORMAT = "edgemoe.pack"
+VERSION = 1
+ALIGNMENT = 16 * 1024
+MANIFEST = "manifest.json"
+EXPERTS_FILE = "experts.bin"
+RESIDENT_FILE = "model.safetensors"
+
+
+class PackError(ValueError):
+    """A pack is missing, truncated, corrupt, or of another format version."""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor inside an expert record: e.g. `gate_proj.scales`."""
+
+    name: str
+    dtype: str  # an MLX dtype name: uint32, float32, bfloat16, ...
+    shape: tuple
+    offset: int  # within the record
+    nbytes: int
+
+    @property
+    def projection(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def kind(self) -> str:
+        return self.name.rsplit(".", 1)[1]
+
+
+@dataclass(frozen=True)
+class Record:
+    offset: int
+    length: int
+    crc32: int
+
+
+@dataclass
+class PackLayer:
+    """The routed experts of one MoE layer: where each record lies and what it holds."""
+
+    module: str  # mlx-lm module path, e.g. model.layers.3.mlp.switch_mlp
+    index: int  # decoder layer index
+    tensors: List[TensorLayout]
+    quantization: Dict[str, Optional[dict]]  # projection -> {group_size, bits, mode}
+    records: List[Record]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.records)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_json(self) -> dict:
+        return {
+            "module": self.module,
+            "index": self.index,
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                 "offset": t.offset, "nbytes": t.nbytes}
+                for t in self.tensors
+            ],
+            "quantization": self.quantization,
+            "records": [[r.offset, r.length, r.crc32] for r in self.records],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PackLayer":
+        return cls(
+            module=d["module"],
+            index=d["index"],
+            tensors=[TensorLayout(t["name"], t["dtype"], tuple(t["shape"]),
+                                  t["offset"], t["nbytes"]) for t in d["tensors"]],
+            quantization=d["quantization"],
+            records=[Record(*r) for r in d["records"]],
+        )
+
+
+@dataclass
+class Pack:
+    path: Path
+    model_type: str
+    top_k: int
+    layers: List[PackLayer]
+    experts_file_size: int
+
+    @property
+    def experts_path(self) -> Path:
+        return self.path / EXPERTS_FILE
+
+    @property
+    def expert_bytes(self) -> int:
+        """All routed-expert bytes (payload, without alignment padding)."""
+        return sum(l.expert_bytes * l.num_experts for l in self.layers)
+
+    @property
+    def resident_bytes(self) -> int:
+        return (self.path / RESIDENT_FILE).stat().st_size
+
+    @classmethod
+    def open(cls, path) -> "Pack":
+        """Read and check a pack's manifest; the experts file must be whole."""
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        if not manifest_path.exists():
+            raise PackError(
+                f"{path}: not an edgemoe pack (no {MANIFEST}); convert it first with "
+                f"`python -m edgemoe.convert --hf-path {path} --mlx-path DST`"
+            )
+        try:
+            m = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as e:
+            raise PackError(f"{manifest_path}: not valid JSON ({e})") from None
+        if m.get("format") != FORMAT:
+            raise PackError(f"{manifest_path}: format is {m.get('format')!r}, expected {FORMAT!r}")
+        if m.get("version") != VERSION:
+            raise PackError(
+                f"{manifest_path}: format version {m.get('version')}, this edgemoe reads "
+                f"version {VERSION}; convert the checkpoint again"
+            )
+        pack = cls(
+            path=path,
+            model_type=m["model_type"],
+            top_k=m["top_k"],
+            layers=[PackLayer.from_json(l) for l in m["layers"]],
+            experts_file_size=m["experts_file_size"],
+        )
+        pack._check_experts_file()
+        return pack
+
+    def _check_experts_file(self):
+        if not self.experts_path.exists():
+            raise PackError(f"{self.experts_path}: missing")
+        found = self.experts_path.stat().st_size
+        if found != self.experts_file_size:
+            raise PackError(
+                f"{self.experts_path}: truncated or overwritten "
+                f"(expected {self.experts_file_size} bytes, found {found})"
+            )
+
+    def layer_named(self, module: str) -> PackLayer:
+        for layer in self.layers:
+            if layer.module == module:
+                return layer
+        raise KeyError(module)
+
+
+def record_layout(tensors: Dict[str, np.ndarray], dtypes: Dict[str, str]) -> List[TensorLayout]:
+    """Lay one expert's tensors (given stacked over experts) back to back, by name."""
+    layout, offset = [], 0
+    for name in sorted(tensors):
+        per_expert = tensors[name][0]
+        layout.append(TensorLayout(name, dtypes[name], tuple(per_expert.shape),
+                                   offset, per_expert.nbytes))
+        offset += per_expert.nbytes
+    return layout
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+class ExpertsWriter:
+    """Appends expert records to experts.bin, each at a 16 KiB boundary."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "wb")
+        self.offset = 0
+
+    def write(self, parts: List[np.ndarray]) -> Record:
+        length, crc = 0, 0
+        for part in parts:
+            buf = memoryview(np.ascontiguousarray(part)).cast("B")
+            self.file.write(buf)
+            crc = zlib.crc32(buf, crc)
+            length += len(buf)
+        record = Record(self.offset, length, crc)
+        self.offset = aligned(self.offset + length)
+        self.file.seek(self.offset)
+        return record
+
+    def close(self) -> int:
+        """Pad the file to its last record's alignment; return its size."""
+        self.file.truncate(self.offset)
+        self.file.close()
+        return self.offset
+
+
+def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
+                   experts_file_size: int):
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_type": model_type,
+        "top_k": top_k,
+        "alignment": ALIGNMENT,
+        "experts_file": EXPERTS_FILE,
+        "experts_file_size": experts_file_size,
+        "layers": [l.to_json() for l in layers],
+    }
+    tmp = path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path / MANIFEST)
