@@ -1,0 +1,95 @@
+"""Conversion: same bits as mlx_lm.convert, aligned checksummed records, safe writes."""
+
+import json
+import shutil
+import zlib
+
+import mlx.core as mx
+import pytest
+
+from edgemoe import convert as convert_module
+from edgemoe.convert import convert
+from edgemoe.families import UnsupportedModelError
+from edgemoe.pack import ALIGNMENT, Pack
+
+from conftest import FAMILIES
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_and_mlx_lm_sources_give_the_same_pack(family, packs, checkpoints):
+    from_hf, from_mlx = packs[family]["hf"], packs[family]["mlx"]
+    assert (from_hf / "experts.bin").read_bytes() == (from_mlx / "experts.bin").read_bytes()
+    resident = mx.load(str(from_hf / "model.safetensors"))
+    # the resident weights are mlx_lm.convert's own, minus the routed experts
+    reference = mx.load(str(checkpoints[family][1] / "model.safetensors"))
+    assert set(resident) == {k for k in reference if ".switch_mlp." not in k}
+    for k, v in resident.items():
+        assert mx.array_equal(v, reference[k]).item(), k
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_records_are_aligned_and_checksummed(family, packs):
+    pack = Pack.open(packs[family]["hf"])
+    data = pack.experts_path.read_bytes()
+    assert len(data) % ALIGNMENT == 0
+    for layer in pack.layers:
+        assert layer.expert_bytes == sum(t.nbytes for t in layer.tensors)
+        for r in layer.records:
+            assert r.offset % ALIGNMENT == 0 and r.length == layer.expert_bytes
+            assert zlib.crc32(data[r.offset:r.offset + r.length]) == r.crc32
+    config = json.loads((pack.path / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+
+
+def test_deepseek_keeps_shared_experts_and_dense_layers_resident(packs):
+    pack = Pack.open(packs["deepseek_v3"]["hf"])
+    assert [l.index for l in pack.layers] == [1, 2, 3]  # first_k_dense_replace = 1
+    resident = mx.load(str(pack.path / "model.safetensors"))
+    assert any(".shared_experts." in k for k in resident)
+    assert any(k.endswith("e_score_correction_bias") for k in resident)
+
+
+def test_refuses_to_overwrite_unless_asked(checkpoints, tmp_path):
+    hf = checkpoints["mixtral"][0]
+    dst = convert(hf, tmp_path / "pack")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        convert(hf, dst)
+    convert(hf, dst, overwrite=True)
+    Pack.open(dst)
+
+
+def test_failed_conversion_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert_module, "_write_layer", fail)
+    with pytest.raises(OSError, match="disk full"):
+        convert(checkpoints["mixtral"][0], tmp_path / "pack")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_overwrite_keeps_the_old_pack(checkpoints, tmp_path, monkeypatch):
+    dst = convert(checkpoints["mixtral"][0], tmp_path / "pack")
+    before = (dst / "experts.bin").read_bytes()
+    monkeypatch.setattr(convert_module, "_write_layer", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        convert(checkpoints["mixtral"][0], dst, overwrite=True)
+    assert (dst / "experts.bin").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+
+
+def test_unsupported_model_type_lists_the_supported_ones(checkpoints, tmp_path):
+    src = tmp_path / "llama"
+    shutil.copytree(checkpoints["mixtral"][0], src)
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"] = "llama"
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="qwen3_moe") as e:
+        convert(src, tmp_path / "out")
+    assert "'llama'" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        convert(tmp_path / "nowhere", tmp_path / "out")

@@ -1,0 +1,97 @@
+"""Native routing through the expert store gives mlx-lm's tokens and logits, bit for bit."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load as mlx_lm_load
+
+import edgemoe
+from edgemoe.pack import Pack
+from edgemoe.store import ExpertStore
+
+from conftest import FAMILIES
+
+PROMPT_LEN, DECODE = 64, 32
+
+
+def prompt(vocab=500):
+    return mx.array(np.random.default_rng(7).integers(3, vocab, PROMPT_LEN))
+
+
+def greedy_logits(model, tokens):
+    """Prefill then greedy decode; the logits of the prompt and of every step."""
+    cache = make_prompt_cache(model)
+    out = model(tokens[None], cache=cache)
+    logits = [out[0]]
+    for _ in range(DECODE):
+        out = model(mx.argmax(out[:, -1], -1)[None], cache=cache)
+        logits.append(out[0])
+    return mx.concatenate(logits)
+
+
+def forced_logits(model, tokens):
+    """Decode one given token at a time, so routing varies at every step."""
+    cache = make_prompt_cache(model)
+    return mx.concatenate([model(t.reshape(1, 1), cache=cache)[0] for t in tokens[:24]])
+
+
+def mlx_lm_tokens(model, tokens):
+    gen = generate_step(tokens, model, max_tokens=DECODE, sampler=make_sampler(0.0))
+    return [int(t) for t, _ in gen]
+
+
+def budgets(pack_path):
+    return {"100%": 1.0, "50%": 0.5,
+            "minimum": ExpertStore.minimum_budget(Pack.open(pack_path))}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """mlx-lm's own model on the mlx-lm int4 checkpoint, per family."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model, _ = mlx_lm_load(str(checkpoints[family][1]))
+            tokens = prompt()
+            cache[family] = (model, mlx_lm_tokens(model, tokens),
+                             greedy_logits(model, tokens), forced_logits(model, tokens))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("budget", ["100%", "50%", "minimum"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_tokens_and_logits_as_mlx_lm(family, budget, packs, reference):
+    _, ref_tokens, ref_logits, ref_forced = reference(family)
+    path = packs[family]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=budgets(path)[budget])
+    tokens = prompt()
+    assert mlx_lm_tokens(model, tokens) == ref_tokens
+    assert mx.array_equal(greedy_logits(model, tokens), ref_logits).item()
+    assert mx.array_equal(forced_logits(model, tokens), ref_forced).item()
+    stats = model.expert_store.stats
+    if budget != "100%":
+        assert stats.evictions > 0, "a small budget must have evicted experts"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pack_from_mlx_lm_checkpoint_is_exact_too(family, packs, reference):
+    _, ref_tokens, ref_logits, _ = reference(family)
+    model, _ = edgemoe.load(packs[family]["mlx"], expert_budget=0.5)
+    tokens = prompt()
+    assert mlx_lm_tokens(model, tokens) == ref_tokens
+    assert mx.array_equal(greedy_logits(model, tokens), ref_logits).item()
+
+
+def test_routing_varies_so_the_test_means_something(packs):
+    """The random test models must spread tokens over experts, or eviction is untested."""
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=budgets(path)["minimum"])
+    forced_logits(model, prompt())
+    store = model.expert_store
+    assert store.stats.loads > 4 * store.slots_per_layer * len(store.layers)

@@ -1,0 +1,85 @@
+"""Peak memory under a budget, the generation API's statistics, and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+
+import edgemoe
+from edgemoe.pack import Pack
+
+PEAK = """
+import json, sys, mlx.core as mx, numpy as np
+from mlx_lm.generate import generate_step
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "mlx_lm":
+    from mlx_lm import load
+    model, _ = load(path)
+else:
+    import edgemoe
+    model, _ = edgemoe.load(path, expert_budget=float(kind))
+prompt = mx.array(np.random.default_rng(0).integers(3, 500, 64))
+for _ in generate_step(prompt, model, max_tokens=32):
+    pass
+print(json.dumps({"peak": mx.get_peak_memory()}))
+"""
+
+
+def peak_memory(kind, path):
+    out = subprocess.run([sys.executable, "-c", PEAK, kind, str(path)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])["peak"]
+
+
+def test_quarter_budget_peak_memory_below_45_percent_of_mlx_lm(packs, checkpoints):
+    pack = Pack.open(packs["qwen3_moe_large"]["hf"])
+    assert pack.expert_bytes > 0.8 * (pack.expert_bytes + pack.resident_bytes)
+    resident = peak_memory("mlx_lm", checkpoints["qwen3_moe_large"][1])
+    streamed = peak_memory("0.25", pack.path)
+    assert streamed < 0.45 * resident, (streamed, resident)
+
+
+def test_stream_generate_reports_expert_statistics(packs):
+    model, tokenizer = edgemoe.load(packs["olmoe"]["hf"], expert_budget=0.25)
+    responses = list(edgemoe.stream_generate(model, tokenizer, "hello world", max_tokens=8))
+    last = responses[-1]
+    assert last.finish_reason in ("stop", "length") and last.generation_tokens >= 1
+    assert last.prompt_experts.loads > 0
+    routed = last.decode_experts.hits + last.decode_experts.loads
+    assert routed > 0 and routed % (4 * 4) == 0  # whole tokens: 4 layers, top-4
+    assert 0 <= last.decode_experts.hit_rate <= 1 and last.peak_rss > 0
+    text = edgemoe.generate(model, tokenizer, "hello world", max_tokens=8)
+    assert text == "".join(r.text for r in responses)
+
+
+def test_generate_cli(packs):
+    out = subprocess.run(
+        [sys.executable, "-m", "edgemoe.generate", "--model", str(packs["qwen3_moe"]["hf"]),
+         "--prompt", "hello", "--max-tokens", "12", "--expert-budget", "25%", "--seed", "1"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    for line in ("Prompt: ", "Generation: 12 tokens", "tokens-per-sec", "Peak memory: ",
+                 "peak RSS: ", "Experts: read ", "hit rate", "ms/token"):
+        assert line in out, out
+
+
+def test_generate_cli_errors_are_one_clear_line(tmp_path, packs):
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model",
+                        str(tmp_path / "nope")], capture_output=True, text=True)
+    assert r.returncode != 0 and "no such model folder" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model",
+                        str(packs["qwen3_moe"]["hf"]), "--expert-budget", "1KB"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "the minimum is" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_convert_cli(checkpoints, tmp_path):
+    dst = tmp_path / "pack"
+    args = [sys.executable, "-m", "edgemoe.convert", "--hf-path",
+            str(checkpoints["qwen3_moe"][0]), "--mlx-path", str(dst)]
+    subprocess.run(args, check=True, capture_output=True)
+    assert Pack.open(dst).top_k == 2
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode != 0 and "already exists" in r.stderr

@@ -1,0 +1,128 @@
+"""The expert store: budgets, slots filled in place, LRU, and clear errors on bad input."""
+
+import json
+import os
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import edgemoe
+from edgemoe.families import UnsupportedModelError
+from edgemoe.pack import Pack, PackError
+from edgemoe.store import BudgetError, ExpertStore, parse_budget
+
+
+def test_parse_budget():
+    total = 1000
+    assert parse_budget(0.25, total) == 250
+    assert parse_budget(1.0, total) == 1000
+    assert parse_budget(1, total) == 1000
+    assert parse_budget("25%", total) == 250
+    assert parse_budget("0.5", total) == 500
+    assert parse_budget(4096, total) == 4096
+    assert parse_budget("2GB", total) == 2 * 10**9
+    assert parse_budget("1.5 MiB", total) == int(1.5 * 2**20)
+    for bad in ("lots", "3 parsecs", -1, 0):
+        with pytest.raises(BudgetError):
+            parse_budget(bad, total)
+
+
+def test_slots_are_filled_in_place_with_the_records_bytes(packs):
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 0.25)
+    layer = pack.layers[1]
+    slots = store.layers[layer.module]
+    table = slots.ensure(np.array([5, 11]))
+    data = pack.experts_path.read_bytes()
+    for expert in (5, 11):
+        record = layer.records[expert]
+        got = b"".join(np.array(slots.arrays[t.name][table[expert]]).tobytes()
+                       for t in layer.tensors)
+        assert got == data[record.offset:record.offset + record.length]
+
+
+def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, ExpertStore.minimum_budget(pack) * 2)  # 4 slots a layer
+    slots = store.layers[pack.layers[0].module]
+    assert slots.num_slots == 4
+    slots.ensure(np.array([0, 1]))
+    slots.ensure(np.array([2, 3]))
+    slots.ensure(np.array([0, 4]))  # evicts 1, the least recently used
+    assert slots.slot_of[1] == -1 and all(slots.slot_of[[0, 2, 3, 4]] >= 0)
+    slots.ensure(np.array([5, 6, 7, 2]))
+    assert all(slots.slot_of[[5, 6, 7, 2]] >= 0)
+    assert store.stats.evictions == 4 and store.stats.hits == 2
+
+
+def test_budget_too_small_names_the_minimum(packs):
+    pack = Pack.open(packs["olmoe"]["hf"])
+    minimum = ExpertStore.minimum_budget(pack)
+    with pytest.raises(BudgetError, match=f"minimum is .*{minimum} bytes"):
+        edgemoe.load(pack.path, expert_budget=minimum - 1)
+    ExpertStore(pack, minimum)
+
+
+def test_budget_counts_slot_memory(packs):
+    pack = Pack.open(packs["qwen3_moe_large"]["hf"])
+    store = ExpertStore(pack, 0.25)
+    assert store.slot_bytes <= 0.25 * pack.expert_bytes
+    assert store.slots_per_layer == 8  # 32 experts
+
+
+@pytest.fixture
+def pack_copy(packs, tmp_path):
+    dst = tmp_path / "pack"
+    shutil.copytree(packs["mixtral"]["hf"], dst)
+    return dst
+
+
+def test_corrupt_record_names_layer_and_expert(pack_copy):
+    pack = Pack.open(pack_copy)
+    layer = pack.layers[2]
+    with open(pack.experts_path, "r+b") as f:
+        f.seek(layer.records[3].offset + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    store = ExpertStore(Pack.open(pack_copy), 1.0)
+    with pytest.raises(PackError, match=r"experts.bin: layer 2 expert 3: checksum mismatch "
+                                        r"\(expected [0-9a-f]{8}, found [0-9a-f]{8}\)"):
+        store.layers[layer.module].ensure(np.array([3]))
+    store.layers[layer.module].ensure(np.array([4]))  # the others still load
+
+
+def test_truncated_experts_file(pack_copy):
+    path = pack_copy / "experts.bin"
+    size = path.stat().st_size
+    os.truncate(path, size - 5000)
+    with pytest.raises(PackError, match=f"truncated .*expected {size} bytes, found {size - 5000}"):
+        edgemoe.load(pack_copy)
+
+
+def test_manifest_version_mismatch(pack_copy):
+    manifest = json.loads((pack_copy / "manifest.json").read_text())
+    manifest["version"] = 99
+    (pack_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackError, match="format version 99, this edgemoe reads version 1"):
+        edgemoe.load(pack_copy)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        edgemoe.load(tmp_path / "absent")
+
+
+def test_not_a_pack(checkpoints):
+    with pytest.raises(PackError, match="not an edgemoe pack.*edgemoe.convert"):
+        edgemoe.load(checkpoints["mixtral"][1])
+
+
+def test_unsupported_model_type(pack_copy):
+    config = json.loads((pack_copy / "config.json").read_text())
+    config["model_type"] = "llama"
+    (pack_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3, mixtral, olmoe, qwen3_moe"):
+        edgemoe.load(pack_copy)
