@@ -1,6 +1,5 @@
 """Generation with mlx-lm's loop, plus expert-store statistics."""
 
-import resource
 from dataclasses import dataclass
 from typing import Generator, Optional
 
@@ -8,6 +7,7 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from .store import ExpertStats
+from .telemetry import peak_rss_bytes
 
 
 @dataclass
@@ -25,10 +25,6 @@ class GenerationResponse(MlxLmResponse):
         return 1000 * self.decode_experts.blocked_s / self.generation_tokens
 
 
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
-
-
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                     draft_model=None, **kwargs) -> Generator[GenerationResponse, None, None]:
     """`mlx_lm.stream_generate`, with expert statistics on every response."""
@@ -44,7 +40,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
             **vars(r),
             prompt_experts=after_prompt - start,
             decode_experts=stats - after_prompt,
-            peak_rss=peak_rss_gb(),
+            peak_rss=peak_rss_bytes() / 1e9,
         )
 
 

@@ -1,0 +1,174 @@
+"""Benchmark: mlx-lm fully resident vs edgemoe at several expert budgets, side by side.
+
+Each configuration runs in its own process (so peak RSS is its own), and the rounds
+alternate configurations so that drift of the machine hits them all alike. Prints
+decode tok/s as a ratio to mlx-lm resident, peak MLX memory, peak RSS, page cache held
+by the model's files, expert bytes read per token and ms blocked per token; writes
+JSON and a PNG chart.
+
+    python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
+
+Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUDGETS = [1.0, 0.5, 0.25, 0.10]
+
+
+def worker(kind: str, path: str, prompt_len: int, decode: int) -> dict:
+    """Run one configuration in this process and return its measurements."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from edgemoe.telemetry import page_cache_bytes, peak_rss_bytes
+
+    if kind == "mlx-lm":
+        from mlx_lm import load
+
+        model, _ = load(path)
+    else:
+        import edgemoe
+
+        model, _ = edgemoe.load(path, expert_budget=float(kind))
+    store = getattr(model, "expert_store", None)
+    prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
+    steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(0.0))
+    tic = time.perf_counter()
+    next(steps)
+    prompt_s = time.perf_counter() - tic
+    before = store.stats.copy() if store else None
+    tic = time.perf_counter()
+    n = sum(1 for _ in steps)
+    decode_s = time.perf_counter() - tic
+    result = {
+        "config": kind,
+        "prompt_tps": prompt_len / prompt_s,
+        "decode_tps": n / decode_s,
+        "peak_mlx_bytes": mx.get_peak_memory(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "page_cache_bytes": sum(page_cache_bytes(f) for f in Path(path).glob("*")
+                                if f.suffix in (".bin", ".safetensors")),
+    }
+    if store:
+        d = store.stats - before
+        result |= {
+            "slots_per_layer": store.slots_per_layer,
+            "expert_bytes_read_per_token": d.bytes_read / n,
+            "blocked_ms_per_token": 1000 * d.blocked_s / n,
+            "hit_rate": d.hit_rate,
+        }
+    return result
+
+
+def run_config(kind, path, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path),
+           "--prompt-len", str(args.prompt_len), "--decode", str(args.decode)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def default_model(out: Path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    import make_test_checkpoints
+
+    from edgemoe.convert import convert
+
+    hf, mlx = make_test_checkpoints.make_all(out / "checkpoints", ["qwen3_moe_large"])["qwen3_moe_large"]
+    pack = out / "packs" / "qwen3_moe_large"
+    if not pack.exists():
+        convert(hf, pack)
+    return mlx, pack
+
+
+def summarize(runs: dict) -> list:
+    base = statistics.median(r["decode_tps"] for r in runs["mlx-lm"])
+    rows = []
+    for kind, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "config"}
+        med["config"] = "mlx-lm resident" if kind == "mlx-lm" else f"edgemoe {float(kind):.0%}"
+        med["decode_ratio"] = med["decode_tps"] / base
+        rows.append(med)
+    return rows
+
+
+def print_table(rows):
+    print(f"{'config':18} {'decode tok/s':>12} {'ratio':>6} {'prompt tok/s':>12} "
+          f"{'peak MLX MB':>11} {'peak RSS MB':>11} {'pg cache MB':>11} "
+          f"{'KB read/tok':>11} {'blocked ms/tok':>14} {'hit rate':>8}")
+    for r in rows:
+        print(f"{r['config']:18} {r['decode_tps']:12.1f} {r['decode_ratio']:6.2f} "
+              f"{r['prompt_tps']:12.1f} {r['peak_mlx_bytes'] / 1e6:11.1f} "
+              f"{r['peak_rss_bytes'] / 1e6:11.1f} {r['page_cache_bytes'] / 1e6:11.1f} "
+              f"{r.get('expert_bytes_read_per_token', 0) / 1e3:11.1f} "
+              f"{r.get('blocked_ms_per_token', 0):14.2f} {r.get('hit_rate', 1):8.1%}")
+
+
+def plot(rows, png: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, title, scale in (
+        (axes[0], "decode_ratio", "decode tok/s (ratio to mlx-lm resident)", 1),
+        (axes[1], "peak_mlx_bytes", "peak MLX memory (MB)", 1e-6),
+        (axes[2], "blocked_ms_per_token", "ms blocked on expert loads per token", 1),
+    ):
+        ax.bar(names, [r.get(key, 0) * scale for r in rows], color="tab:blue")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mlx-model", help="mlx-lm int4 checkpoint (the resident baseline)")
+    p.add_argument("--pack", help="the edgemoe pack of the same model")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode)))
+        return
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mlx_model and args.pack:
+        mlx, pack = Path(args.mlx_model), Path(args.pack)
+    else:
+        mlx, pack = default_model(out)
+    configs = [("mlx-lm", mlx)] + [(str(b), pack) for b in BUDGETS]
+    runs = {kind: [] for kind, _ in configs}
+    for r in range(args.rounds):
+        for kind, path in configs:  # alternate: every round runs every configuration
+            runs[kind].append(run_config(kind, path, args))
+            print(f"round {r + 1}/{args.rounds} {kind}: "
+                  f"{runs[kind][-1]['decode_tps']:.1f} tok/s", file=sys.stderr)
+    rows = summarize(runs)
+    print_table(rows)
+    result = {"mlx_model": str(mlx), "pack": str(pack), "rounds": args.rounds,
+              "prompt_len": args.prompt_len, "decode_tokens": args.decode,
+              "summary": rows, "runs": runs}
+    (out / "bench_stream.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / "bench_stream.png")
+    print(f"wrote {out / 'bench_stream.json'} and {out / 'bench_stream.png'}")
+
+
+if __name__ == "__main__":
+    main()
