@@ -1,4 +1,8 @@
-"""Which resident expert a layer's slot pool gives up when it needs room."""
+"""Which resident expert a layer's slot pool gives up when it needs room.
+
+A policy is told of every use (`touch`) and every eviction (`forget`) in its layer, and
+names a `victim` that is not pinned (the experts the current step needs).
+"""
 
 from collections import OrderedDict
 from typing import Iterable, Optional
@@ -21,3 +25,13 @@ class LRUPolicy:
         """The expert to evict, never one of `pinned` (those the current step uses)."""
         pinned = set(pinned)
         return next((e for e in self._order if e not in pinned), None)
+
+
+POLICIES = {"lru": LRUPolicy}
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(name: str):
+    if name not in POLICIES:
+        raise ValueError(f"cache policy {name!r}: choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]()

@@ -25,6 +25,8 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         ids = np.array(indices)  # the host learns this layer's routing here (a sync)
+        if self.slots.store.trace is not None:
+            self.slots.store.trace.record(self.slots.layer.index, ids)
         experts = np.unique(ids)
         if len(experts) > self.slots.num_slots:
             return self._in_passes(x, ids, experts)

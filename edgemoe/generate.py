@@ -9,6 +9,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from .cache import DEFAULT_POLICY, POLICIES
 from .generation import generate
 
 DEFAULT_PROMPT = "hello"
@@ -32,6 +33,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-budget", default="1.0",
                    help="Memory for routed experts: a fraction (0.25), a percentage "
                         "(25%%) or a size (2GB)")
+    p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help="Which resident expert to evict when a layer's slots are full")
+    p.add_argument("--trace", default=None,
+                   help="Write the routing of every token and layer to this .npz file")
     p.add_argument("--adapter-path", default=None)
     return p
 
@@ -44,7 +49,8 @@ def main(argv=None):
         mx.random.seed(args.seed)
     try:
         model, tokenizer = load(args.model, expert_budget=args.expert_budget,
-                                adapter_path=args.adapter_path)
+                                adapter_path=args.adapter_path,
+                                cache_policy=args.cache_policy)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.generate: error: {e}")
 
@@ -58,8 +64,11 @@ def main(argv=None):
                                                add_generation_prompt=True)
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
     sampler = make_sampler(args.temp, args.top_p)
+    trace = model.expert_store.start_trace() if args.trace else None
     text = generate(model, tokenizer, tokens, verbose=args.verbose,
                     max_tokens=args.max_tokens, sampler=sampler)
+    if trace is not None:
+        trace.save(args.trace)
     if not args.verbose:
         print(text)
 

@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional
 
 from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 
+from .cache import DEFAULT_POLICY
 from .experts import install
 from .families import check_supported
 from .pack import Pack
@@ -20,6 +21,7 @@ def load(
     adapter_path: Optional[str] = None,
     lazy: bool = False,
     return_config: bool = False,
+    cache_policy: str = DEFAULT_POLICY,
 ):
     """Load a pack like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
@@ -36,7 +38,7 @@ def load(
     if not config_path.exists():
         raise FileNotFoundError(f"{path}: no config.json; is this a model folder?")
     check_supported(json.loads(config_path.read_text()), config_path)
-    store = ExpertStore(Pack.open(path), expert_budget)
+    store = ExpertStore(Pack.open(path), expert_budget, cache_policy)
 
     def streaming_classes(config):
         model_class, args_class = _get_classes(config)

@@ -10,13 +10,14 @@ import re
 import time
 import zlib
 from dataclasses import dataclass, fields
-from typing import Dict, List, Union
+from typing import Dict, Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
-from .cache import LRUPolicy
+from .cache import DEFAULT_POLICY, make_policy
 from .pack import Pack, PackError, PackLayer
+from .trace import TraceRecorder
 
 
 class BudgetError(ValueError):
@@ -76,16 +77,16 @@ def parse_budget(budget: Union[None, int, float, str], total_bytes: int) -> int:
 class LayerSlots:
     """A fixed pool of expert slots for one MoE layer, filled synchronously on demand."""
 
-    def __init__(self, layer: PackLayer, num_slots: int, fd: int, path, stats: ExpertStats):
-        self.layer, self.num_slots, self.fd, self.path = layer, num_slots, fd, path
-        self.stats = stats
+    def __init__(self, store: "ExpertStore", layer: PackLayer, num_slots: int, policy: str):
+        self.store, self.layer, self.num_slots = store, layer, num_slots
+        self.stats = store.stats
         self.arrays: Dict[str, mx.array] = {}
         self._rows: Dict[str, np.ndarray] = {}  # writable views of self.arrays
         for t in layer.tensors:
             self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
-        self.policy = LRUPolicy()
+        self.policy = make_policy(policy)
 
     def ensure(self, experts: np.ndarray) -> np.ndarray:
         """Make `experts` resident; return the expert -> slot table.
@@ -123,9 +124,9 @@ class LayerSlots:
     def _load(self, expert: int, slot: int):
         record = self.layer.records[expert]
         buffers = [self._rows[t.name][slot] for t in self.layer.tensors]
-        where = f"{self.path}: layer {self.layer.index} expert {expert}"
+        where = f"{self.store.pack.experts_path}: layer {self.layer.index} expert {expert}"
         try:
-            n = os.preadv(self.fd, buffers, record.offset)
+            n = os.preadv(self.store.fd, buffers, record.offset)
         except OSError as e:
             raise PackError(f"{where}: read failed ({e})") from e
         if n != record.length:
@@ -156,7 +157,7 @@ def _slot_array(num_slots: int, shape, dtype: str):
 class ExpertStore:
     """All MoE layers' slot pools for one pack, under one memory budget."""
 
-    def __init__(self, pack: Pack, expert_budget=1.0):
+    def __init__(self, pack: Pack, expert_budget=1.0, cache_policy: str = DEFAULT_POLICY):
         self.fd = -1
         self.pack = pack
         self.budget_bytes = parse_budget(expert_budget, pack.expert_bytes)
@@ -172,12 +173,18 @@ class ExpertStore:
         max_experts = min(l.num_experts for l in pack.layers)
         self.slots_per_layer = min(self.budget_bytes // per_slot, max_experts)
         self.stats = ExpertStats()
+        self.trace: Optional[TraceRecorder] = None
         self.fd = os.open(pack.experts_path, os.O_RDONLY)
         self.layers: Dict[str, LayerSlots] = {
-            l.module: LayerSlots(l, self.slots_per_layer, self.fd, pack.experts_path,
-                                 self.stats)
+            l.module: LayerSlots(self, l, self.slots_per_layer, cache_policy)
             for l in pack.layers
         }
+
+    def start_trace(self) -> TraceRecorder:
+        """Record the routing of every forward call from now on."""
+        self.trace = TraceRecorder([l.index for l in self.pack.layers],
+                                   [l.expert_bytes for l in self.pack.layers])
+        return self.trace
 
     @staticmethod
     def minimum_budget(pack: Pack) -> int:

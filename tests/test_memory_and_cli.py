@@ -83,3 +83,22 @@ def test_convert_cli(checkpoints, tmp_path):
     assert Pack.open(dst).top_k == 2
     r = subprocess.run(args, capture_output=True, text=True)
     assert r.returncode != 0 and "already exists" in r.stderr
+
+
+def test_trace_records_every_token_and_layer(packs, tmp_path):
+    trace_path = tmp_path / "trace.npz"
+    subprocess.run(
+        [sys.executable, "-m", "edgemoe.generate", "--model", str(packs["olmoe"]["hf"]),
+         "--prompt", "hello", "--max-tokens", "6", "--ignore-chat-template",
+         "--trace", str(trace_path), "--verbose", "false"],
+        check=True, capture_output=True,
+    )
+    from edgemoe.trace import load_trace
+
+    trace = load_trace(trace_path)
+    n_tokens, n_layers, k = trace["routed"].shape
+    assert (n_layers, k) == (4, 4) and list(trace["layers"]) == [0, 1, 2, 3]
+    assert trace["decode"].sum() >= 5 and not trace["decode"][0]
+    assert trace["routed"].min() >= 0 and trace["routed"].max() < 16
+    # top-k ids are distinct within a token
+    assert all(len(set(row)) == k for row in trace["routed"].reshape(-1, k).tolist())
