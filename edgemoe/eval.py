@@ -1,0 +1,133 @@
+"""Quality of a model configuration on a text: perplexity, and agreement with another.
+
+    python -m edgemoe.eval --text heldout.txt --model PACK[,budget=0.25]
+    python -m edgemoe.eval --text heldout.txt --model HF_DIR --model PACK,budget=0.25
+
+A configuration is a path and options: `budget=` (expert budget of a pack),
+`adapter=` (adapter folder). An edgemoe pack (it has manifest.json) loads with
+edgemoe.load; any other folder (a Hugging Face or mlx-lm checkpoint) with mlx_lm.load,
+fully resident. With two configurations it reports, token by token over the same
+windows, top-1 agreement and mean KL(first || second) of the next-token distributions.
+"""
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from .pack import MANIFEST
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    options: Dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> "ModelConfig":
+        path, *opts = spec.split(",")
+        options = {}
+        for opt in opts:
+            key, sep, value = opt.partition("=")
+            if not sep or key not in ("budget", "adapter"):
+                raise ValueError(f"model option {opt!r}: expected budget=... or adapter=...")
+            options[key] = value
+        return cls(path, options)
+
+    def load(self):
+        if (Path(self.path) / MANIFEST).exists():
+            from .loader import load
+
+            return load(self.path, expert_budget=self.options.get("budget", "1.0"),
+                        adapter_path=self.options.get("adapter"))
+        if "budget" in self.options:
+            raise ValueError(f"{self.path}: budget= applies to edgemoe packs only")
+        from mlx_lm import load
+
+        return load(self.path, adapter_path=self.options.get("adapter"))
+
+    def __str__(self):
+        return ",".join([self.path] + [f"{k}={v}" for k, v in self.options.items()])
+
+
+def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
+    """Non-overlapping windows of `length` + 1 tokens (inputs and their targets)."""
+    for start in range(0, len(tokens) - 1, length):
+        chunk = tokens[start:start + length + 1]
+        if len(chunk) > 1:
+            yield np.array(chunk)
+
+
+def log_probs(model, window: np.ndarray) -> mx.array:
+    logits = model(mx.array(window[None, :-1]))[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
+             max_tokens: Optional[int] = None) -> dict:
+    models = [c.load() for c in configs]
+    tokenizer = models[0][1]
+    tokens = tokenizer.encode(text)
+    if max_tokens:
+        tokens = tokens[:max_tokens + 1]
+    nll = [0.0] * len(models)
+    agree, kl, count = 0, 0.0, 0
+    for window in tqdm(list(windows(tokens, context)), desc="eval", unit="window"):
+        targets = mx.array(window[1:])
+        lps = [log_probs(m, window) for m, _ in models]
+        for i, lp in enumerate(lps):
+            nll[i] -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+        if len(lps) == 2:
+            p, q = lps
+            agree += (mx.argmax(p, -1) == mx.argmax(q, -1)).sum().item()
+            kl += (mx.exp(p) * (p - q)).sum().item()
+        count += len(targets)
+    result = {"tokens": count, "context": context, "configs": []}
+    for config, (model, _), total in zip(configs, models, nll):
+        entry = {"model": str(config), "nll": total / count,
+                 "perplexity": math.exp(total / count)}
+        store = getattr(model, "expert_store", None)
+        if store is not None:
+            entry["expert_hit_rate"] = store.stats.hit_rate
+        result["configs"].append(entry)
+    if len(models) == 2:
+        result["top1_agreement"] = agree / count
+        result["mean_kl"] = kl / count
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--text", required=True, help="A UTF-8 text file")
+    p.add_argument("--model", action="append", required=True,
+                   help="PATH[,budget=X][,adapter=DIR]; give two to compare them")
+    p.add_argument("--context", type=int, default=256, help="Tokens per window")
+    p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
+    p.add_argument("--json", default=None, help="Also write the result here")
+    args = p.parse_args(argv)
+    if len(args.model) > 2:
+        p.error("give one --model, or two to compare")
+    try:
+        configs = [ModelConfig.parse(s) for s in args.model]
+        text = Path(args.text).read_text()
+        result = evaluate(configs, text, args.context, args.max_tokens)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"edgemoe.eval: error: {e}")
+    for c in result["configs"]:
+        print(f"{c['model']}: perplexity {c['perplexity']:.3f} (nll {c['nll']:.4f} nats/token)")
+    if "mean_kl" in result:
+        print(f"top-1 agreement {result['top1_agreement']:.2%}, "
+              f"mean KL {result['mean_kl']:.5f} nats/token over {result['tokens']} tokens")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

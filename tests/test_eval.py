@@ -1,0 +1,56 @@
+"""edgemoe.eval: perplexity, top-1 agreement and KL between two configurations."""
+
+import math
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+from edgemoe.eval import ModelConfig, evaluate
+
+TEXT = "Beautiful is better than ugly. Explicit is better than implicit. " * 12
+
+
+def test_pack_agrees_exactly_with_its_mlx_lm_checkpoint(packs, checkpoints):
+    result = evaluate([ModelConfig(str(checkpoints["qwen3_moe"][1])),
+                       ModelConfig(str(packs["qwen3_moe"]["hf"]), {"budget": "0.25"})],
+                      TEXT, context=32)
+    assert result["top1_agreement"] == 1.0 and result["mean_kl"] == 0.0
+    a, b = result["configs"]
+    assert a["perplexity"] == b["perplexity"] and b["expert_hit_rate"] < 1
+
+
+def test_int4_differs_from_the_unquantized_model(packs, checkpoints):
+    result = evaluate([ModelConfig(str(checkpoints["mixtral"][0])),
+                       ModelConfig(str(packs["mixtral"]["hf"]))], TEXT, context=32)
+    assert result["mean_kl"] > 0 and result["top1_agreement"] < 1
+
+
+def test_perplexity_is_the_mean_next_token_nll(checkpoints):
+    path = str(checkpoints["olmoe"][1])
+    result = evaluate([ModelConfig(path)], TEXT, context=1000)
+    model, tokenizer = mlx_lm_load(path)
+    tokens = mx.array(tokenizer.encode(TEXT))
+    logits = model(tokens[None, :-1])[0]
+    nll = mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(
+        logits, tokens[1:, None], -1)[:, 0]).item()
+    assert result["tokens"] == tokens.size - 1
+    assert result["configs"][0]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_bad_options_are_refused(checkpoints):
+    with pytest.raises(ValueError, match="budget="):
+        ModelConfig.parse("x,colour=blue")
+    with pytest.raises(ValueError, match="packs only"):
+        ModelConfig(str(checkpoints["olmoe"][1]), {"budget": "0.5"}).load()
+
+
+def test_cli(packs, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = subprocess.run([sys.executable, "-m", "edgemoe.eval", "--text", str(text),
+                          "--model", str(packs["olmoe"]["hf"]), "--context", "32"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "perplexity" in out
