@@ -25,14 +25,17 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         ids = np.array(indices)  # the host learns this layer's routing here (a sync)
-        if self.slots.store.trace is not None:
-            self.slots.store.trace.record(self.slots.layer.index, ids)
+        store = self.slots.store
+        if store.trace is not None:
+            store.trace.record(self.slots.layer.index, ids)
         experts = np.unique(ids)
         if len(experts) > self.slots.num_slots:
             return self._in_passes(x, ids, experts)
         slot_of = self.slots.ensure(experts)
+        store.advise(self.slots.layer.index, x, ids)  # prefetches overlap this compute
         out = self.slots.pool(x, mx.array(slot_of[ids].astype(np.uint32)))
         mx.eval(out)  # every read of the slots is done before any can be refilled
+        self.slots.release()
         return out
 
     def _in_passes(self, x: mx.array, ids: np.ndarray, experts: np.ndarray) -> mx.array:
@@ -49,6 +52,7 @@ class StreamingExperts(nn.Module):
             slots = slot_of[flat_ids[row]].astype(np.uint32)[:, None]
             y = self.slots.pool(tokens[mx.array(row // k)], mx.array(slots))
             mx.eval(y)
+            self.slots.release()
             rows.append(row)
             outs.append(y[:, 0])
         order = np.argsort(np.concatenate(rows))
@@ -77,14 +81,20 @@ def build_pool(module: nn.Module, slots: LayerSlots) -> nn.Module:
     return module
 
 
-def install(model: nn.Module, store: ExpertStore) -> nn.Module:
-    """Replace every routed-expert module of `model` by a streaming one."""
+def install(model: nn.Module, store: ExpertStore) -> dict:
+    """Replace every routed-expert module of `model` by a streaming one; return the
+    MoE blocks by decoder layer index.
+
+    The checkpoint's own expert tensors (present in an mlx-lm checkpoint read in
+    place) are dropped from the weights mlx-lm loads: they are never read whole.
+    """
     found = expert_modules(model)
     if set(found) != set(store.layers):
         raise PackError(
             f"{store.pack.path}: the manifest's MoE layers do not match the model's "
             f"(manifest: {len(store.layers)}, model: {len(found)})"
         )
+    blocks = {}
     for path, module in found.items():
         slots = store.layers[path]
         slots.pool = build_pool(module, slots)
@@ -93,4 +103,9 @@ def install(model: nn.Module, store: ExpertStore) -> nn.Module:
         for part in parent_path.split("."):
             parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
         setattr(parent, name, StreamingExperts(slots))
-    return model
+        blocks[slots.layer.index] = parent
+    sanitize = getattr(model, "sanitize", lambda weights: weights)
+    prefixes = tuple(f"{path}." for path in found)
+    model.sanitize = lambda weights: {k: v for k, v in sanitize(weights).items()
+                                      if not k.startswith(prefixes)}
+    return blocks

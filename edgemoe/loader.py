@@ -1,4 +1,4 @@
-"""`load()`: an edgemoe pack as an mlx-lm model whose routed experts stream from disk."""
+"""`load()`: an MoE model whose routed experts stream from disk, as an mlx-lm model."""
 
 import json
 from pathlib import Path
@@ -9,8 +9,17 @@ from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 from .cache import DEFAULT_POLICY
 from .experts import install
 from .families import check_supported
-from .pack import Pack
+from .inplace import open_mlx_lm
+from .pack import MANIFEST, Pack
+from .predictor import NextRouterPredictor
 from .store import ExpertStore
+
+ROUTING_MODES = ("native", "advisory")
+
+
+def open_source(path: Path) -> Pack:
+    """An edgemoe pack, or an mlx-lm quantized checkpoint read in place."""
+    return Pack.open(path) if (path / MANIFEST).exists() else open_mlx_lm(path)
 
 
 def load(
@@ -21,16 +30,25 @@ def load(
     adapter_path: Optional[str] = None,
     lazy: bool = False,
     return_config: bool = False,
+    routing: str = "native",
     cache_policy: str = DEFAULT_POLICY,
+    io: str = "buffered",
 ):
-    """Load a pack like `mlx_lm.load`, holding at most `expert_budget` of its experts.
+    """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
-    `expert_budget` is a fraction of all routed-expert bytes (0.25), a byte count, or
-    a string such as "25%" or "2GB". The model is mlx-lm's own class for the family
-    with each MoE block's expert module streaming from the pack; it is called like
-    any mlx-lm model and works with mlx-lm's generate_step, samplers and KV caches.
-    The store is at `model.expert_store`.
+    `path_or_hf_repo` is an edgemoe pack, or an mlx-lm quantized checkpoint, read in
+    place. `expert_budget` is a fraction of all routed-expert bytes (0.25), a byte
+    count, or a string such as "25%" or "2GB". `routing` is "native" (the model's own
+    router, loads on demand) or "advisory" (a predictor prefetches the next layer's
+    experts; the router still decides, so outputs are the same). `io` is "buffered"
+    or "direct" (O_DIRECT, bypassing the page cache).
+
+    The model is mlx-lm's own class for the family with each MoE block's expert
+    module streaming from disk; it works with mlx-lm's generate_step, samplers and
+    KV caches. The store is at `model.expert_store`.
     """
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
     path = Path(path_or_hf_repo)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model folder")
@@ -38,19 +56,24 @@ def load(
     if not config_path.exists():
         raise FileNotFoundError(f"{path}: no config.json; is this a model folder?")
     check_supported(json.loads(config_path.read_text()), config_path)
-    store = ExpertStore(Pack.open(path), expert_budget, cache_policy)
+    store = ExpertStore(open_source(path), expert_budget, cache_policy, io)
+    blocks = {}
 
     def streaming_classes(config):
         model_class, args_class = _get_classes(config)
 
         def build(args):
-            return install(model_class(args), store)
+            model = model_class(args)
+            blocks.update(install(model, store))
+            return model
 
         return build, args_class
 
     model, config = load_model(path, lazy, model_config=model_config,
                                get_model_classes=streaming_classes)
     model.expert_store = store
+    if routing == "advisory":
+        store.predictor = NextRouterPredictor(blocks)
     if adapter_path is not None:
         model = load_adapters(model, adapter_path)
         model.eval()

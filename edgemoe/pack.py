@@ -12,9 +12,9 @@ projection) back to back, so one `preadv` scatters it straight into the slot arr
 import json
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -51,9 +51,20 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class Record:
-    offset: int
-    length: int
-    crc32: int
+    """Where one expert's bytes lie: (file index, offset, length) segments, in the
+    order of its layer's tensors. A pack's record is one segment with a CRC32; an
+    mlx-lm checkpoint read in place has one segment per tensor and no checksum."""
+
+    segments: Tuple[Tuple[int, int, int], ...]
+    crc32: Optional[int] = None
+
+    @property
+    def offset(self) -> int:
+        return self.segments[0][1]
+
+    @property
+    def length(self) -> int:
+        return sum(s[2] for s in self.segments)
 
 
 @dataclass
@@ -84,7 +95,7 @@ class PackLayer:
                 for t in self.tensors
             ],
             "quantization": self.quantization,
-            "records": [[r.offset, r.length, r.crc32] for r in self.records],
+            "records": [[r.offset, r.length, r.crc32] for r in self.records],  # one segment
         }
 
     @classmethod
@@ -95,7 +106,7 @@ class PackLayer:
             tensors=[TensorLayout(t["name"], t["dtype"], tuple(t["shape"]),
                                   t["offset"], t["nbytes"]) for t in d["tensors"]],
             quantization=d["quantization"],
-            records=[Record(*r) for r in d["records"]],
+            records=[Record(((0, offset, length),), crc) for offset, length, crc in d["records"]],
         )
 
 
@@ -106,10 +117,15 @@ class Pack:
     top_k: int
     layers: List[PackLayer]
     experts_file_size: int
+    files: List[Path] = field(default_factory=list)  # what records' segments index
+    in_place: bool = False  # an mlx-lm checkpoint read as it is, not a repacked pack
+
+    def __post_init__(self):
+        self.files = self.files or [self.path / EXPERTS_FILE]
 
     @property
     def experts_path(self) -> Path:
-        return self.path / EXPERTS_FILE
+        return self.files[0] if self.in_place else self.path / EXPERTS_FILE
 
     @property
     def expert_bytes(self) -> int:
@@ -118,7 +134,8 @@ class Pack:
 
     @property
     def resident_bytes(self) -> int:
-        return (self.path / RESIDENT_FILE).stat().st_size
+        files = self.path.glob("model*.safetensors")
+        return sum(f.stat().st_size for f in files) - (self.expert_bytes if self.in_place else 0)
 
     @classmethod
     def open(cls, path) -> "Pack":
@@ -197,7 +214,7 @@ class ExpertsWriter:
             self.file.write(buf)
             crc = zlib.crc32(buf, crc)
             length += len(buf)
-        record = Record(self.offset, length, crc)
+        record = Record(((0, self.offset, length),), crc)
         self.offset = aligned(self.offset + length)
         self.file.seek(self.offset)
         return record

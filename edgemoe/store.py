@@ -1,43 +1,88 @@
-"""The expert store: per-layer slot pools under a memory budget, filled by pread.
+"""The expert store: per-layer slot pools under a memory budget, filled in the background.
 
 Each MoE layer owns a fixed pool of slots: one MLX array per expert tensor, shaped
-(slots, ...). Loading an expert is one `os.preadv` of its record, scattered straight
-into the slot rows through numpy views of the MLX arrays' memory (no extra copy).
+(slots, ...). A slot is free, filling (the reader is writing it), ready, or in use
+(a computation reads it). Compute asks `ensure(experts)` for a slot table; missing
+experts are read on demand and waited for. A predictor may `prefetch` a layer's
+experts ahead of time (advisory: the router still decides). The cache policy picks
+which ready slot to give up; filling and in-use slots are never evicted.
+
+This is the slot interface a backend implements (see SlotPool); the MLX backend keeps
+slots as MLX arrays in unified memory, filled in place through numpy views.
 """
 
-import os
 import re
+import threading
 import time
-import zlib
 from dataclasses import dataclass, fields
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Protocol, Union
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import DEFAULT_POLICY, make_policy
-from .pack import Pack, PackError, PackLayer
+from .pack import Pack, PackLayer
+from .reader import Fill, Reader
 from .trace import TraceRecorder
+
+FREE, FILLING, READY, IN_USE = range(4)
+WAIT_POLL_S = 0.1  # how often a waiting compute checks that the reader is alive
 
 
 class BudgetError(ValueError):
     pass
 
 
+class SlotPool(Protocol):
+    """The seam between policy and hardware, one per MoE layer.
+
+    `ensure` returns the expert -> slot table (-1 where absent) with every requested
+    expert ready and marked in use; `release` ends that use once the computation
+    that read the slots has finished; `prefetch` starts fills without waiting.
+    """
+
+    num_slots: int
+
+    def ensure(self, experts: np.ndarray) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+    def prefetch(self, experts: np.ndarray) -> None: ...
+
+
 @dataclass
 class ExpertStats:
     """Counters of one store; subtract two snapshots for the stats of a span."""
 
-    hits: int = 0
-    loads: int = 0
+    hits: int = 0  # a needed expert was ready
+    loads: int = 0  # fills started (on demand or prefetched)
     bytes_read: int = 0
-    blocked_s: float = 0.0  # compute waited this long for expert loads
+    blocked_s: float = 0.0  # compute waited this long for fills
     evictions: int = 0
+    late_fills: int = 0  # a needed expert was still filling (a prefetch that came late)
+    prefetches: int = 0  # fills started by a predictor
+    predicted: int = 0  # experts predicted for layers that then ran
+    predicted_used: int = 0  # ... of which the router chose
+    needed: int = 0  # experts needed at layers that had a prediction
+    read_busy_s: float = 0.0  # wall time with a read in flight
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.loads
-        return self.hits / total if total else 1.0
+        total = self.hits + self.late_fills + self.loads - self.prefetches
+        return self.hits / total if total > 0 else 1.0
+
+    @property
+    def precision(self) -> float:
+        return self.predicted_used / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.predicted_used / self.needed if self.needed else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        """Bandwidth while reading: bytes over the time a read was in flight."""
+        return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
 
     def __sub__(self, other: "ExpertStats") -> "ExpertStats":
         return ExpertStats(*(getattr(self, f.name) - getattr(other, f.name)
@@ -75,73 +120,139 @@ def parse_budget(budget: Union[None, int, float, str], total_bytes: int) -> int:
 
 
 class LayerSlots:
-    """A fixed pool of expert slots for one MoE layer, filled synchronously on demand."""
+    """The MLX backend's slot pool for one MoE layer."""
 
     def __init__(self, store: "ExpertStore", layer: PackLayer, num_slots: int, policy: str):
         self.store, self.layer, self.num_slots = store, layer, num_slots
-        self.stats = store.stats
+        self.stats, self.lock = store.stats, store.lock
         self.arrays: Dict[str, mx.array] = {}
         self._rows: Dict[str, np.ndarray] = {}  # writable views of self.arrays
         for t in layer.tensors:
             self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
+        self.state = np.full(num_slots, FREE, dtype=np.int8)
+        self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.policy = make_policy(policy)
+        self.pending_prediction: Optional[set] = None
 
     def ensure(self, experts: np.ndarray) -> np.ndarray:
-        """Make `experts` resident; return the expert -> slot table.
-
-        The caller must have finished every computation that reads this pool:
-        a slot may be refilled here.
-        """
-        assert len(experts) <= self.num_slots
-        missing = []
-        for e in experts.tolist():
-            if self.slot_of[e] >= 0:
-                self.stats.hits += 1
-            else:
-                missing.append(e)
-            self.policy.touch(e)
-        if missing:
-            tic = time.perf_counter()
-            for e in missing:
-                self._load(e, self._free_slot(pinned=experts))
-            self.stats.blocked_s += time.perf_counter() - tic
+        wanted = experts.tolist()
+        assert len(wanted) <= self.num_slots
+        waits, missing = [], []
+        with self.lock:
+            self._score_prediction(wanted)
+            for e in wanted:
+                slot = self.slot_of[e]
+                if slot >= 0 and self.state[slot] in (READY, IN_USE):
+                    self.stats.hits += 1
+                elif slot >= 0:
+                    self.stats.late_fills += 1
+                    waits.append(self.fills[e])
+                else:
+                    missing.append(e)
+                self.policy.touch(e)
+        while missing:
+            new, in_flight = [], []
+            with self.lock:
+                while missing and self._has_room(pinned=wanted):
+                    new.append(self._start_fill(missing.pop(), pinned=wanted))
+                if missing:  # every other slot is filling: a prefetch must land first
+                    in_flight = [f for e, f in self.fills.items() if e not in wanted]
+            if new:
+                self.store.reader.submit(new)
+                waits += new
+            if in_flight:
+                self._wait(in_flight[:1], raise_errors=False)
+        self._wait(waits)
+        with self.lock:
+            self.state[self.slot_of[experts]] = IN_USE
         return self.slot_of
 
-    def _free_slot(self, pinned) -> int:
-        empty = np.flatnonzero(self.expert_in < 0)
-        if len(empty):
-            return int(empty[0])
-        victim = self.policy.victim(pinned.tolist())
-        slot = int(self.slot_of[victim])
-        self.slot_of[victim] = -1
-        self.expert_in[slot] = -1
-        self.policy.forget(victim)
-        self.stats.evictions += 1
-        return slot
+    def release(self):
+        with self.lock:
+            self.state[self.state == IN_USE] = READY
 
-    def _load(self, expert: int, slot: int):
-        record = self.layer.records[expert]
-        buffers = [self._rows[t.name][slot] for t in self.layer.tensors]
-        where = f"{self.store.pack.experts_path}: layer {self.layer.index} expert {expert}"
-        try:
-            n = os.preadv(self.store.fd, buffers, record.offset)
-        except OSError as e:
-            raise PackError(f"{where}: read failed ({e})") from e
-        if n != record.length:
-            raise PackError(f"{where}: short read (expected {record.length} bytes, "
-                            f"got {n}); the file is truncated")
-        crc = 0
-        for b in buffers:
-            crc = zlib.crc32(b, crc)
-        if crc != record.crc32:
-            raise PackError(f"{where}: checksum mismatch (expected {record.crc32:08x}, "
-                            f"found {crc:08x})")
+    def prefetch(self, experts: np.ndarray):
+        """Start reading `experts` (a prediction) if slots can be had without waiting."""
+        new = []
+        with self.lock:
+            self.pending_prediction = set(experts.tolist())
+            for e in experts.tolist():
+                if self.slot_of[e] >= 0:
+                    continue
+                if not self._has_room(pinned=self.pending_prediction):
+                    break
+                new.append(self._start_fill(e, pinned=self.pending_prediction))
+            self.stats.prefetches += len(new)
+        if new:
+            self.store.reader.submit(new)
+
+    def _score_prediction(self, wanted):
+        if self.pending_prediction is not None:
+            self.stats.predicted += len(self.pending_prediction)
+            self.stats.predicted_used += len(self.pending_prediction.intersection(wanted))
+            self.stats.needed += len(wanted)
+            self.pending_prediction = None
+
+    def _wait(self, fills, raise_errors=True):
+        tic = time.perf_counter()
+        for f in fills:
+            while not f.done.wait(WAIT_POLL_S):
+                if not self.store.reader.alive():
+                    raise RuntimeError("edgemoe: the expert reader thread died")
+        if fills:
+            self.stats.blocked_s += time.perf_counter() - tic
+        for f in fills:
+            if f.error is not None and raise_errors:
+                raise f.error
+
+    def _evictable(self, pinned) -> list:
+        busy = set(pinned) | set(self.fills)
+        return [e for e in self.expert_in.tolist()
+                if e >= 0 and e not in busy and self.state[self.slot_of[e]] == READY]
+
+    def _has_room(self, pinned) -> bool:
+        return bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+
+    def _start_fill(self, expert: int, pinned) -> Fill:
+        """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
+        free = np.flatnonzero(self.state == FREE)
+        if len(free):
+            slot = int(free[0])
+        else:
+            candidates = set(self._evictable(pinned))
+            victim = self.policy.victim([e for e in self.expert_in.tolist()
+                                         if e not in candidates])
+            assert victim is not None and victim in candidates
+            slot = int(self.slot_of[victim])
+            self.slot_of[victim] = -1
+            self.policy.forget(victim)
+            self.stats.evictions += 1
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
+        self.state[slot] = FILLING
+        fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
+                    [self._rows[t.name][slot] for t in self.layer.tensors], self._filled)
+        self.fills[expert] = fill
+        self.policy.touch(expert)
         self.stats.loads += 1
-        self.stats.bytes_read += n
+        return fill
+
+    def _filled(self, fill: Fill, nbytes: int, error: Optional[Exception]):
+        """Called by a reader thread when a fill ends, well or not."""
+        with self.lock:
+            self.fills.pop(fill.expert, None)
+            if error is None:
+                self.state[fill.slot] = READY
+                self.stats.bytes_read += nbytes
+            else:
+                self.slot_of[fill.expert] = -1
+                self.expert_in[fill.slot] = -1
+                self.state[fill.slot] = FREE
+                self.policy.forget(fill.expert)
+                fill.error = error
+        fill.done.set()
 
 
 def _slot_array(num_slots: int, shape, dtype: str):
@@ -157,11 +268,11 @@ def _slot_array(num_slots: int, shape, dtype: str):
 class ExpertStore:
     """All MoE layers' slot pools for one pack, under one memory budget."""
 
-    def __init__(self, pack: Pack, expert_budget=1.0, cache_policy: str = DEFAULT_POLICY):
-        self.fd = -1
+    def __init__(self, pack: Pack, expert_budget=1.0, cache_policy: str = DEFAULT_POLICY,
+                 io: str = "buffered", readers: int = 2):
+        self.reader = None
         self.pack = pack
         self.budget_bytes = parse_budget(expert_budget, pack.expert_bytes)
-        per_slot = sum(l.expert_bytes for l in pack.layers)  # one slot in every layer
         minimum = self.minimum_budget(pack)
         if self.budget_bytes < minimum:
             raise BudgetError(
@@ -170,21 +281,19 @@ class ExpertStore:
                 f"{_fmt_bytes(minimum)} ({minimum} bytes, "
                 f"{minimum / pack.expert_bytes:.1%} of the routed experts)"
             )
+        per_slot = sum(l.expert_bytes for l in pack.layers)  # one slot in every layer
         max_experts = min(l.num_experts for l in pack.layers)
         self.slots_per_layer = min(self.budget_bytes // per_slot, max_experts)
         self.stats = ExpertStats()
+        self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
-        self.fd = os.open(pack.experts_path, os.O_RDONLY)
+        self.predictor = None  # set for advisory routing: prefetches the next layer
+        self.reader = Reader(pack, readers, io)
         self.layers: Dict[str, LayerSlots] = {
             l.module: LayerSlots(self, l, self.slots_per_layer, cache_policy)
             for l in pack.layers
         }
-
-    def start_trace(self) -> TraceRecorder:
-        """Record the routing of every forward call from now on."""
-        self.trace = TraceRecorder([l.index for l in self.pack.layers],
-                                   [l.expert_bytes for l in self.pack.layers])
-        return self.trace
+        self.by_index = {s.layer.index: s for s in self.layers.values()}
 
     @staticmethod
     def minimum_budget(pack: Pack) -> int:
@@ -196,10 +305,29 @@ class ExpertStore:
         """Memory the slot pools hold."""
         return self.slots_per_layer * sum(l.expert_bytes for l in self.pack.layers)
 
+    def snapshot(self) -> ExpertStats:
+        with self.lock:
+            stats = self.stats.copy()
+        stats.read_busy_s = self.reader.busy_s
+        return stats
+
+    def advise(self, layer_index: int, hidden: mx.array, routed: np.ndarray):
+        """Let the predictor see a layer's input and routing; prefetch what it predicts."""
+        if self.predictor is None:
+            return
+        for target, ids in self.predictor.predict(layer_index, hidden, routed).items():
+            self.by_index[target].prefetch(np.unique(ids))
+
+    def start_trace(self) -> TraceRecorder:
+        """Record the routing of every forward call from now on."""
+        self.trace = TraceRecorder([l.index for l in self.pack.layers],
+                                   [l.expert_bytes for l in self.pack.layers])
+        return self.trace
+
     def close(self):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
     def __del__(self):
         self.close()

@@ -95,3 +95,34 @@ def test_routing_varies_so_the_test_means_something(packs):
     forced_logits(model, prompt())
     store = model.expert_store
     assert store.stats.loads > 4 * store.slots_per_layer * len(store.layers)
+
+
+VARIANTS = {  # name -> (source, load options)
+    "advisory": ("pack", {"routing": "advisory"}),
+    "direct-io": ("pack", {"io": "direct"}),
+    "in-place": ("mlx-lm", {}),
+    "in-place-advisory": ("mlx-lm", {"routing": "advisory"}),
+}
+
+
+@pytest.mark.parametrize("budget", ["50%", "minimum"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, reference):
+    """Advisory prefetch, O_DIRECT, and an mlx-lm checkpoint read in place change
+    where and when experts are read, never the output."""
+    from edgemoe.loader import open_source
+
+    _, ref_tokens, ref_logits, ref_forced = reference(family)
+    source, options = VARIANTS[variant]
+    path = packs[family]["hf"] if source == "pack" else checkpoints[family][1]
+    amount = {"50%": 0.5, "minimum": ExpertStore.minimum_budget(open_source(path))}[budget]
+    model, _ = edgemoe.load(path, expert_budget=amount, **options)
+    tokens = prompt()
+    assert mlx_lm_tokens(model, tokens) == ref_tokens
+    assert mx.array_equal(greedy_logits(model, tokens), ref_logits).item()
+    assert mx.array_equal(forced_logits(model, tokens), ref_forced).item()
+    stats = model.expert_store.snapshot()
+    assert stats.bytes_read > 0
+    if options.get("routing") == "advisory":
+        assert stats.predicted > 0 and stats.predicted_used > 0

@@ -48,13 +48,15 @@ def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
     store = ExpertStore(pack, ExpertStore.minimum_budget(pack) * 2)  # 4 slots a layer
     slots = store.layers[pack.layers[0].module]
     assert slots.num_slots == 4
-    slots.ensure(np.array([0, 1]))
-    slots.ensure(np.array([2, 3]))
-    slots.ensure(np.array([0, 4]))  # evicts 1, the least recently used
+    for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1, least recently used
+        slots.ensure(np.array(step))
+        slots.release()
     assert slots.slot_of[1] == -1 and all(slots.slot_of[[0, 2, 3, 4]] >= 0)
     slots.ensure(np.array([5, 6, 7, 2]))
     assert all(slots.slot_of[[5, 6, 7, 2]] >= 0)
     assert store.stats.evictions == 4 and store.stats.hits == 2
+    with pytest.raises(AssertionError):  # in use: nothing can be evicted for more
+        slots.ensure(np.array([8, 9, 10, 11, 12]))
 
 
 def test_budget_too_small_names_the_minimum(packs):
@@ -115,9 +117,9 @@ def test_missing_path(tmp_path):
         edgemoe.load(tmp_path / "absent")
 
 
-def test_not_a_pack(checkpoints):
-    with pytest.raises(PackError, match="not an edgemoe pack.*edgemoe.convert"):
-        edgemoe.load(checkpoints["mixtral"][1])
+def test_unquantized_checkpoint_needs_converting(checkpoints):
+    with pytest.raises(PackError, match="neither an edgemoe pack.*edgemoe.convert"):
+        edgemoe.load(checkpoints["mixtral"][0])
 
 
 def test_unsupported_model_type(pack_copy):

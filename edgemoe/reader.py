@@ -1,0 +1,213 @@
+"""The background reader: a few threads that fill expert slots with `preadv`.
+
+`os.preadv` releases the GIL, so reads proceed while MLX computes on the main
+thread. Fills of one layer are submitted together; records adjacent in the file
+are merged into one read. With O_DIRECT the page cache is bypassed: a read lands in
+an aligned staging buffer and is copied into the slots (the slots' rows are not
+4 KiB aligned); a filesystem that refuses O_DIRECT falls back to buffered reads
+followed by `posix_fadvise(DONTNEED)`.
+"""
+
+import errno
+import os
+import queue
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from .pack import ALIGNMENT, Pack, PackError
+
+BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+
+
+@dataclass
+class Fill:
+    """One expert being read into one slot. `done` is set on success and on error."""
+
+    layer_index: int
+    expert: int
+    slot: int
+    record: object
+    buffers: List[np.ndarray]
+    on_done: Callable[["Fill", int, Optional[Exception]], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[Exception] = None
+
+
+class Reader:
+    def __init__(self, pack: Pack, threads: int = 2, io: str = "buffered"):
+        if io not in ("buffered", "direct"):
+            raise ValueError(f"io {io!r}: choose buffered or direct")
+        self.pack = pack
+        self.fds = [os.open(f, os.O_RDONLY) for f in pack.files]
+        self.direct_fd = None
+        self.drop_cache = False
+        if io == "direct":
+            self._open_direct()
+        self.queue: "queue.Queue" = queue.Queue()
+        self.lock = threading.Lock()
+        self.busy = 0  # reads in flight
+        self.busy_since = 0.0
+        self.busy_s = 0.0  # wall time with at least one read in flight
+        self.threads = [threading.Thread(target=self._run, daemon=True, name=f"edgemoe-reader-{i}")
+                        for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _open_direct(self):
+        if self.pack.in_place or not hasattr(os, "O_DIRECT"):
+            reason = "records in place are not aligned" if self.pack.in_place else "no O_DIRECT here"
+        else:
+            try:
+                self.direct_fd = os.open(self.pack.files[0], os.O_RDONLY | os.O_DIRECT)
+                return
+            except OSError as e:
+                reason = f"{self.pack.files[0]}: {os.strerror(e.errno)}"
+        self.drop_cache = True
+        print(f"[edgemoe] O_DIRECT unavailable ({reason}); buffered reads with "
+              f"posix_fadvise(DONTNEED)", file=sys.stderr)
+
+    @property
+    def io(self) -> str:
+        if self.direct_fd is not None:
+            return "direct"
+        return "buffered+dontneed" if self.drop_cache else "buffered"
+
+    def submit(self, fills: List[Fill]):
+        """Queue one layer's fills, merging records that lie back to back."""
+        fills = sorted(fills, key=lambda f: (f.record.segments[0][0], f.record.offset))
+        run: List[Fill] = []
+        for f in fills:
+            if run and not _adjacent(run[-1].record, f.record):
+                self.queue.put(run)
+                run = []
+            run.append(f)
+        if run:
+            self.queue.put(run)
+
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self.threads)
+
+    def close(self):
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join(timeout=5)
+        for fd in self.fds + ([self.direct_fd] if self.direct_fd is not None else []):
+            os.close(fd)
+        self.fds, self.direct_fd = [], None
+
+    def _run(self):
+        staging = None
+        while True:
+            run = self.queue.get()
+            if run is None:
+                return
+            self._started()
+            try:
+                if self.direct_fd is not None:
+                    staging = self._read_direct(run, staging)
+                else:
+                    self._read_buffered(run)
+            except Exception as e:  # every fill of the run fails with a clear error
+                for f in run:
+                    if not f.done.is_set():
+                        f.on_done(f, 0, _describe(self.pack, f, e))
+            finally:
+                self._stopped()
+
+    def _read_buffered(self, run: List[Fill]):
+        if all(len(f.record.segments) == 1 for f in run):
+            file_index, offset, _ = run[0].record.segments[0]
+            buffers = []
+            for i, f in enumerate(run):
+                buffers += f.buffers
+                if i + 1 < len(run):  # the alignment gap between two records
+                    gap = run[i + 1].record.offset - (f.record.offset + f.record.length)
+                    if gap:
+                        buffers.append(bytearray(gap))
+            total = sum(memoryview(b).nbytes for b in buffers)
+            n = os.preadv(self.fds[file_index], buffers, offset)
+            if n != total:
+                raise PackError(f"short read (expected {total} bytes, got {n}); "
+                                f"the file is truncated")
+            if self.drop_cache:
+                os.posix_fadvise(self.fds[file_index], offset, total, os.POSIX_FADV_DONTNEED)
+        else:  # in place: one read per tensor
+            for f in run:
+                for (file_index, offset, length), buf in zip(f.record.segments, f.buffers):
+                    n = os.preadv(self.fds[file_index], [buf], offset)
+                    if n != length:
+                        raise PackError(f"short read (expected {length} bytes, got {n}); "
+                                        f"the file is truncated")
+        for f in run:
+            self._finish(f)
+
+    def _read_direct(self, run: List[Fill], staging):
+        start = run[0].record.offset
+        end = run[-1].record.offset + run[-1].record.length
+        length = (end - start + BLOCK - 1) // BLOCK * BLOCK
+        if staging is None or len(staging) < length:
+            staging = _aligned_buffer(max(length, ALIGNMENT))
+        n = os.preadv(self.direct_fd, [staging[:length]], start)
+        if n < end - start:
+            raise PackError(f"short read (expected {end - start} bytes, got {n}); "
+                            f"the file is truncated")
+        for f in run:
+            at = f.record.offset - start
+            for buf in f.buffers:
+                flat = buf.reshape(-1).view(np.uint8)
+                flat[:] = staging[at:at + flat.nbytes]
+                at += flat.nbytes
+            self._finish(f)
+        return staging
+
+    def _finish(self, f: Fill):
+        crc = f.record.crc32
+        if crc is not None:
+            found = 0
+            for b in f.buffers:
+                found = zlib.crc32(b, found)
+            if found != crc:
+                f.on_done(f, 0, PackError(
+                    f"{self.pack.experts_path}: layer {f.layer_index} expert {f.expert}: "
+                    f"checksum mismatch (expected {crc:08x}, found {found:08x})"))
+                return
+        f.on_done(f, f.record.length, None)
+
+    def _started(self):
+        with self.lock:
+            if self.busy == 0:
+                self.busy_since = time.perf_counter()
+            self.busy += 1
+
+    def _stopped(self):
+        with self.lock:
+            self.busy -= 1
+            if self.busy == 0:
+                self.busy_s += time.perf_counter() - self.busy_since
+
+
+def _adjacent(a, b) -> bool:
+    if len(a.segments) != 1 or len(b.segments) != 1 or a.segments[0][0] != b.segments[0][0]:
+        return False
+    end = a.offset + a.length
+    return b.offset >= end and b.offset - end < ALIGNMENT
+
+
+def _aligned_buffer(n: int) -> np.ndarray:
+    raw = np.empty(n + BLOCK, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % BLOCK
+    return raw[skip:skip + n]
+
+
+def _describe(pack: Pack, f: Fill, e: Exception) -> PackError:
+    where = f"{pack.files[f.record.segments[0][0]]}: layer {f.layer_index} expert {f.expert}"
+    if isinstance(e, OSError):
+        return PackError(f"{where}: read failed ({os.strerror(e.errno or errno.EIO)})")
+    return PackError(f"{where}: {e}")

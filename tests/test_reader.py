@@ -1,0 +1,131 @@
+"""The background reader under stress and under faults."""
+
+import errno
+import os
+import shutil
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+import edgemoe
+from edgemoe.pack import Pack, PackError
+from edgemoe.store import ExpertStore
+
+
+def streaming_modules(model):
+    modules = dict(model.named_modules())
+    return {path: modules[path] for path in model.expert_store.layers}
+
+
+def test_random_routing_at_a_tight_budget_never_reads_a_stale_slot(packs, checkpoints):
+    """Hundreds of steps of random routing, with random prefetches racing the compute:
+    every expert computed on holds the file's bytes, and every output equals mlx-lm's
+    own expert module over all experts."""
+    path = packs["qwen3_moe"]["hf"]
+    pack = Pack.open(path)
+    model, _ = edgemoe.load(path, expert_budget=ExpertStore.minimum_budget(pack) * 3 // 2)
+    store = model.expert_store
+    assert store.slots_per_layer == 3
+    reference, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    ref_modules = dict(reference.named_modules())
+    data = pack.experts_path.read_bytes()
+    rng = np.random.default_rng(0)
+    layers = list(store.layers.values())
+    for step in range(150):
+        for path, module in streaming_modules(model).items():
+            slots = store.layers[path]
+            ids = rng.choice(16, size=2, replace=False)
+            x = mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32))
+            layers[rng.integers(len(layers))].prefetch(rng.choice(16, size=2, replace=False))
+            out = module(x, mx.array(ids[None, None].astype(np.uint32)))
+            expected = ref_modules[path](x, mx.array(ids[None, None].astype(np.uint32)))
+            assert mx.array_equal(out, expected).item(), (step, path)
+            for e in ids:
+                record, slot = slots.layer.records[e], slots.slot_of[e]
+                held = b"".join(np.array(slots.arrays[t.name][slot]).tobytes()
+                                for t in slots.layer.tensors)
+                assert held == data[record.offset:record.offset + record.length]
+    stats = store.snapshot()
+    assert stats.evictions > 500 and stats.prefetches > 100 and stats.late_fills >= 0
+
+
+@pytest.fixture
+def own_pack(packs, tmp_path):
+    dst = tmp_path / "pack"
+    shutil.copytree(packs["olmoe"]["hf"], dst)
+    return dst
+
+
+def generate_until_error(model, tokenizer, seconds=20):
+    """Generate until an error; return (the error, seconds from its last good token)."""
+    last = time.perf_counter()
+    deadline = last + seconds
+    while time.perf_counter() < deadline:
+        try:
+            for _ in edgemoe.stream_generate(model, tokenizer, "tell me more", max_tokens=8):
+                last = time.perf_counter()
+        except PackError as e:
+            return e, time.perf_counter() - last
+    pytest.fail("no error surfaced")
+
+
+def test_read_error_mid_run_is_a_clear_error_and_the_store_recovers(own_pack, monkeypatch):
+    model, tokenizer = edgemoe.load(own_pack, expert_budget=0.25, routing="advisory")
+    edgemoe.generate(model, tokenizer, "hello", max_tokens=4)
+    real_preadv = os.preadv
+
+    def failing_preadv(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing_preadv)
+    error, delay = generate_until_error(model, tokenizer)
+    assert "read failed (Input/output error)" in str(error) and "layer" in str(error)
+    assert delay < 1.0
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    edgemoe.generate(model, tokenizer, "hello again", max_tokens=4)  # the same store works
+    fresh, tokenizer = edgemoe.load(own_pack, expert_budget=0.25)
+    edgemoe.generate(fresh, tokenizer, "hello", max_tokens=4)
+
+
+def test_file_truncated_under_the_reader(own_pack):
+    experts = own_pack / "experts.bin"
+    saved = experts.read_bytes()
+    model, tokenizer = edgemoe.load(own_pack, expert_budget=ExpertStore.minimum_budget(
+        Pack.open(own_pack)))
+    edgemoe.generate(model, tokenizer, "hello", max_tokens=4)
+    os.truncate(experts, len(saved) // 3)
+    error, delay = generate_until_error(model, tokenizer)
+    assert "truncated" in str(error) and delay < 1.0
+    experts.write_bytes(saved)
+    fresh, tokenizer = edgemoe.load(own_pack, expert_budget=0.25)
+    edgemoe.generate(fresh, tokenizer, "hello", max_tokens=4)
+
+
+def test_advisory_telemetry(packs):
+    model, tokenizer = edgemoe.load(packs["deepseek_v3"]["hf"], expert_budget=0.5,
+                                    routing="advisory")
+    responses = list(edgemoe.stream_generate(model, tokenizer, "hello world", max_tokens=16))
+    stats = model.expert_store.snapshot()
+    assert stats.prefetches > 0 and stats.needed > 0
+    assert 0 < stats.precision <= 1 and 0 < stats.recall <= 1
+    assert stats.read_busy_s > 0 and stats.read_gbps > 0
+    assert responses[-1].decode_experts is not None
+
+
+def test_direct_io_reads_bypass_the_page_cache(own_pack):
+    from edgemoe.telemetry import page_cache_bytes
+
+    experts = own_pack / "experts.bin"
+    fd = os.open(experts, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages of the fresh copy cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert page_cache_bytes(experts) == 0
+    model, tokenizer = edgemoe.load(own_pack, expert_budget=0.25, io="direct")
+    assert model.expert_store.reader.io == "direct"
+    edgemoe.generate(model, tokenizer, "hello", max_tokens=8)
+    assert model.expert_store.snapshot().bytes_read > 0
+    assert page_cache_bytes(experts) == 0
