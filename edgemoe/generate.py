@@ -11,6 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .cache import DEFAULT_POLICY, POLICIES
 from .generation import generate
+from .loader import ROUTING_MODES
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -33,6 +34,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-budget", default="1.0",
                    help="Memory for routed experts: a fraction (0.25), a percentage "
                         "(25%%) or a size (2GB)")
+    p.add_argument("--routing", default="native", choices=ROUTING_MODES,
+                   help="native: the router decides, experts load on demand; advisory: "
+                        "the next layer's experts are prefetched, same output")
+    p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
+                   help="direct: O_DIRECT reads that bypass the page cache")
     p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="Which resident expert to evict when a layer's slots are full")
     p.add_argument("--trace", default=None,
@@ -49,8 +55,8 @@ def main(argv=None):
         mx.random.seed(args.seed)
     try:
         model, tokenizer = load(args.model, expert_budget=args.expert_budget,
-                                adapter_path=args.adapter_path,
-                                cache_policy=args.cache_policy)
+                                adapter_path=args.adapter_path, routing=args.routing,
+                                cache_policy=args.cache_policy, io=args.io)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.generate: error: {e}")
 

@@ -29,17 +29,17 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                     draft_model=None, **kwargs) -> Generator[GenerationResponse, None, None]:
     """`mlx_lm.stream_generate`, with expert statistics on every response."""
     store = getattr(model, "expert_store", None)
-    stats = store.stats if store else ExpertStats()
-    start = stats.copy()
+    snapshot = store.snapshot if store else ExpertStats
+    start = snapshot()
     after_prompt = None
     for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens,
                                     draft_model, **kwargs):
         if after_prompt is None:
-            after_prompt = stats.copy()
+            after_prompt = snapshot()
         yield GenerationResponse(
             **vars(r),
             prompt_experts=after_prompt - start,
-            decode_experts=stats - after_prompt,
+            decode_experts=snapshot() - after_prompt,
             peak_rss=peak_rss_bytes() / 1e9,
         )
 
@@ -69,4 +69,8 @@ def print_stats(r: GenerationResponse):
         print(f"Experts: read {(p.bytes_read + e.bytes_read) / 1e6:.2f} MB "
               f"(prompt {p.bytes_read / 1e6:.2f} MB, decode {e.bytes_read / 1e6:.2f} MB), "
               f"decode hit rate {e.hit_rate:.1%}, "
-              f"blocked {r.blocked_ms_per_token:.2f} ms/token")
+              f"blocked {r.blocked_ms_per_token:.2f} ms/token, "
+              f"read {e.read_gbps:.2f} GB/s while reading")
+        if e.predicted:
+            print(f"Prefetch: precision {e.precision:.1%}, recall {e.recall:.1%}, "
+                  f"{e.prefetches} fills ahead, {e.late_fills} arrived late")

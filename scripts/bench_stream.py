@@ -7,12 +7,17 @@ by the model's files, expert bytes read per token and ms blocked per token; writ
 JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
+                                   [--cold] [--fio]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
+--cold drops the model's files from the page cache before every run and reads experts
+with O_DIRECT; --fio also measures the experts file with fio (random reads of one
+record each, O_DIRECT) for a reference read rate.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,9 +25,18 @@ import time
 from pathlib import Path
 
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
+ADVISORY_BUDGETS = [0.25, 0.10]
 
 
-def worker(kind: str, path: str, prompt_len: int, decode: int) -> dict:
+def drop_page_cache(folder: Path):
+    for f in folder.glob("*"):
+        if f.suffix in (".bin", ".safetensors"):
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def worker(kind: str, path: str, prompt_len: int, decode: int, io: str) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -38,14 +52,15 @@ def worker(kind: str, path: str, prompt_len: int, decode: int) -> dict:
     else:
         import edgemoe
 
-        model, _ = edgemoe.load(path, expert_budget=float(kind))
+        budget, routing = kind.split(":")
+        model, _ = edgemoe.load(path, expert_budget=float(budget), routing=routing, io=io)
     store = getattr(model, "expert_store", None)
     prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
     steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(0.0))
     tic = time.perf_counter()
     next(steps)
     prompt_s = time.perf_counter() - tic
-    before = store.stats.copy() if store else None
+    before = store.snapshot() if store else None
     tic = time.perf_counter()
     n = sum(1 for _ in steps)
     decode_s = time.perf_counter() - tic
@@ -59,19 +74,27 @@ def worker(kind: str, path: str, prompt_len: int, decode: int) -> dict:
                                 if f.suffix in (".bin", ".safetensors")),
     }
     if store:
-        d = store.stats - before
+        d = store.snapshot() - before
         result |= {
             "slots_per_layer": store.slots_per_layer,
             "expert_bytes_read_per_token": d.bytes_read / n,
             "blocked_ms_per_token": 1000 * d.blocked_s / n,
             "hit_rate": d.hit_rate,
+            "read_gbps": d.read_gbps,
+            "prefetch_precision": d.precision,
+            "prefetch_recall": d.recall,
+            "late_fills_per_token": d.late_fills / n,
+            "io": store.reader.io,
         }
     return result
 
 
 def run_config(kind, path, args) -> dict:
+    if args.cold:
+        drop_page_cache(Path(path))
     cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path),
-           "--prompt-len", str(args.prompt_len), "--decode", str(args.decode)]
+           "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
+           "--io", "direct" if args.cold else "buffered"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -89,12 +112,38 @@ def default_model(out: Path):
     return mlx, pack
 
 
+def fio_read_rate(pack: Path) -> dict:
+    """fio's random-read rate of the experts file with one record per read."""
+    from edgemoe.pack import Pack
+
+    p = Pack.open(pack)
+    bs = max(4096, (p.layers[0].expert_bytes + 4095) // 4096 * 4096)
+    rates = {}
+    for depth in (1, 8):
+        out = subprocess.run(
+            ["fio", "--name=experts", f"--filename={p.experts_path}", "--readonly",
+             "--rw=randread", f"--bs={bs}", "--direct=1", "--ioengine=psync",
+             f"--numjobs={depth}", "--group_reporting", "--time_based", "--runtime=5",
+             "--output-format=json"], check=True, capture_output=True, text=True).stdout
+        job = json.loads(out)["jobs"][0]["read"]
+        rates[f"qd{depth}_gbps"] = job["bw_bytes"] / 1e9
+    return {"record_bytes": bs, **rates}
+
+
 def summarize(runs: dict) -> list:
     base = statistics.median(r["decode_tps"] for r in runs["mlx-lm"])
     rows = []
     for kind, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "config"}
-        med["config"] = "mlx-lm resident" if kind == "mlx-lm" else f"edgemoe {float(kind):.0%}"
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]
+               if isinstance(rs[0][k], (int, float))}
+        if kind == "mlx-lm":
+            med["config"] = "mlx-lm resident"
+        else:
+            budget, routing = kind.split(":")
+            med["config"] = f"{routing} {float(budget):.0%}"
+        for key in ("io",):
+            if key in rs[0]:
+                med[key] = rs[0][key]
         med["decode_ratio"] = med["decode_tps"] / base
         rows.append(med)
     return rows
@@ -103,13 +152,15 @@ def summarize(runs: dict) -> list:
 def print_table(rows):
     print(f"{'config':18} {'decode tok/s':>12} {'ratio':>6} {'prompt tok/s':>12} "
           f"{'peak MLX MB':>11} {'peak RSS MB':>11} {'pg cache MB':>11} "
-          f"{'KB read/tok':>11} {'blocked ms/tok':>14} {'hit rate':>8}")
+          f"{'KB read/tok':>11} {'blocked ms/tok':>14} {'hit rate':>8} {'read GB/s':>9} "
+          f"{'recall':>6}")
     for r in rows:
         print(f"{r['config']:18} {r['decode_tps']:12.1f} {r['decode_ratio']:6.2f} "
               f"{r['prompt_tps']:12.1f} {r['peak_mlx_bytes'] / 1e6:11.1f} "
               f"{r['peak_rss_bytes'] / 1e6:11.1f} {r['page_cache_bytes'] / 1e6:11.1f} "
               f"{r.get('expert_bytes_read_per_token', 0) / 1e3:11.1f} "
-              f"{r.get('blocked_ms_per_token', 0):14.2f} {r.get('hit_rate', 1):8.1%}")
+              f"{r.get('blocked_ms_per_token', 0):14.2f} {r.get('hit_rate', 1):8.1%} "
+              f"{r.get('read_gbps', 0):9.2f} {r.get('prefetch_recall', 0):6.1%}")
 
 
 def plot(rows, png: Path):
@@ -140,11 +191,15 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--cold", action="store_true",
+                   help="Drop the page cache before each run; O_DIRECT expert reads")
+    p.add_argument("--fio", action="store_true", help="Also measure the experts file with fio")
+    p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode)))
+        print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io)))
         return
 
     out = Path(args.out)
@@ -153,7 +208,8 @@ def main():
         mlx, pack = Path(args.mlx_model), Path(args.pack)
     else:
         mlx, pack = default_model(out)
-    configs = [("mlx-lm", mlx)] + [(str(b), pack) for b in BUDGETS]
+    configs = ([("mlx-lm", mlx)] + [(f"{b}:native", pack) for b in BUDGETS]
+               + [(f"{b}:advisory", pack) for b in ADVISORY_BUDGETS])
     runs = {kind: [] for kind, _ in configs}
     for r in range(args.rounds):
         for kind, path in configs:  # alternate: every round runs every configuration
@@ -164,7 +220,12 @@ def main():
     print_table(rows)
     result = {"mlx_model": str(mlx), "pack": str(pack), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
-              "summary": rows, "runs": runs}
+              "cold": args.cold, "summary": rows, "runs": runs}
+    if args.fio:
+        result["fio"] = fio_read_rate(pack)
+        print(f"fio, random {result['fio']['record_bytes'] / 1e3:.0f} KB reads of "
+              f"experts.bin, O_DIRECT: QD1 {result['fio']['qd1_gbps']:.2f} GB/s, "
+              f"QD8 {result['fio']['qd8_gbps']:.2f} GB/s")
     (out / "bench_stream.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "bench_stream.png")
     print(f"wrote {out / 'bench_stream.json'} and {out / 'bench_stream.png'}")
