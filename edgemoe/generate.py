@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 from .cache import DEFAULT_POLICY, POLICIES
 from .generation import generate
 from .loader import ROUTING_MODES
+from .telemetry import page_cache_bytes
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -75,6 +76,10 @@ def main(argv=None):
                     max_tokens=args.max_tokens, sampler=sampler)
     if trace is not None:
         trace.save(args.trace)
+    if args.verbose:
+        cached = sum(page_cache_bytes(f) for f in model.expert_store.pack.files)
+        print(f"Page cache held by the expert files: {cached / 1e9:.3f} GB "
+              f"({model.expert_store.reader.io} reads)")
     if not args.verbose:
         print(text)
 

@@ -129,3 +129,20 @@ def test_direct_io_reads_bypass_the_page_cache(own_pack):
     edgemoe.generate(model, tokenizer, "hello", max_tokens=8)
     assert model.expert_store.snapshot().bytes_read > 0
     assert page_cache_bytes(experts) == 0
+
+
+def test_adjacent_records_are_merged_into_one_read(packs):
+    from edgemoe.reader import Fill, Reader
+
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    reader = Reader(pack, threads=1)
+    reader.close()  # inspect the queue without threads taking from it
+    layer = pack.layers[0]
+    fills = [Fill(0, e, 0, layer.records[e], [], lambda *a: None) for e in (7, 3, 4, 5, 9)]
+    reader.submit(fills)
+    runs = []
+    while not reader.queue.empty():
+        run = reader.queue.get()
+        if run is not None:
+            runs.append([f.expert for f in run])
+    assert runs == [[3, 4, 5], [7], [9]]
