@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .pack import MANIFEST
+from .trace import routing_stats as trace_routing_stats
 
 
 @dataclass
@@ -71,8 +72,13 @@ def log_probs(model, window: np.ndarray) -> mx.array:
 
 
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
-             max_tokens: Optional[int] = None) -> dict:
+             max_tokens: Optional[int] = None, routing_stats: bool = False) -> dict:
     models = [c.load() for c in configs]
+    first_store = getattr(models[0][0], "expert_store", None)
+    if routing_stats:
+        if first_store is None:
+            raise ValueError("routing statistics need an edgemoe pack as the first model")
+        recorder = first_store.start_trace()
     tokenizer = models[0][1]
     tokens = tokenizer.encode(text)
     if max_tokens:
@@ -100,6 +106,10 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
     if len(models) == 2:
         result["top1_agreement"] = agree / count
         result["mean_kl"] = kl / count
+    if routing_stats:
+        trace = {"layers": np.array(recorder.layers), "routed": np.concatenate(recorder.routed)}
+        experts = first_store.pack.layers[0].num_experts
+        result["routing"] = trace_routing_stats(trace, experts)
     return result
 
 
@@ -110,6 +120,8 @@ def main(argv=None):
                    help="PATH[,budget=X][,adapter=DIR]; give two to compare them")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
+    p.add_argument("--routing-stats", action="store_true",
+                   help="Per-layer expert usage and routing entropy of the first model")
     p.add_argument("--json", default=None, help="Also write the result here")
     args = p.parse_args(argv)
     if len(args.model) > 2:
@@ -117,7 +129,7 @@ def main(argv=None):
     try:
         configs = [ModelConfig.parse(s) for s in args.model]
         text = Path(args.text).read_text()
-        result = evaluate(configs, text, args.context, args.max_tokens)
+        result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.eval: error: {e}")
     for c in result["configs"]:
@@ -125,6 +137,10 @@ def main(argv=None):
     if "mean_kl" in result:
         print(f"top-1 agreement {result['top1_agreement']:.2%}, "
               f"mean KL {result['mean_kl']:.5f} nats/token over {result['tokens']} tokens")
+    for r in result.get("routing", []):
+        print(f"layer {r['layer']}: routing entropy {r['entropy_bits']:.2f} of "
+              f"{r['max_entropy_bits']:.2f} bits; experts used "
+              f"{sum(c > 0 for c in r['counts'])}/{len(r['counts'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

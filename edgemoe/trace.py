@@ -69,3 +69,16 @@ def load_trace(path) -> Dict[str, np.ndarray]:
         raise FileNotFoundError(f"{path}: no such trace")
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
+
+
+def routing_stats(trace: Dict[str, np.ndarray], num_experts: int) -> List[dict]:
+    """Per MoE layer: how often each expert was chosen, and the entropy of that usage
+    (in bits; log2(num_experts) when all experts are used equally)."""
+    stats = []
+    for i, layer in enumerate(trace["layers"].tolist()):
+        counts = np.bincount(trace["routed"][:, i].reshape(-1), minlength=num_experts)
+        p = counts / counts.sum()
+        entropy = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
+        stats.append({"layer": layer, "counts": counts.tolist(), "entropy_bits": entropy,
+                      "max_entropy_bits": float(np.log2(num_experts))})
+    return stats

@@ -54,3 +54,13 @@ def test_cli(packs, tmp_path):
                           "--model", str(packs["olmoe"]["hf"]), "--context", "32"],
                          check=True, capture_output=True, text=True).stdout
     assert "perplexity" in out
+
+
+def test_routing_statistics(packs):
+    result = evaluate([ModelConfig(str(packs["olmoe"]["hf"]))], TEXT, context=32,
+                      routing_stats=True)
+    layers = result["routing"]
+    assert [r["layer"] for r in layers] == [0, 1, 2, 3]
+    for r in layers:
+        assert sum(r["counts"]) == result["tokens"] * 4  # every token, top-4
+        assert 0 < r["entropy_bits"] <= r["max_entropy_bits"] == 4.0
