@@ -198,6 +198,11 @@ def save_hf(model, tok, hf_dir):
     cfg["rope_scaling"] = None
     cfg["torch_dtype"] = "float32"
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    # also keep the chat template inside tokenizer_config.json for tools that only read that file
+    tc_path = hf_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    tc_path.write_text(json.dumps(tc, indent=2) + "\n")
 
 
 def check_mlx_load(hf_dir):
@@ -284,10 +289,12 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget from script start")
     ap.add_argument("--bench", action="store_true", help="only measure PyTorch vs MLX train tokens/s")
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help="torch threads; 1 is faster when other work shares the 2 cores")
     args = ap.parse_args()
     t_start = time.time()
     deadline = t_start + args.minutes * 60
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     out = args.out
     hf_dir, ckpt_dir = out / "hf", out / "ckpt"
