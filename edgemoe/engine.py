@@ -1,0 +1,447 @@
+"""The batching engine: one thread runs the model for every request in flight.
+
+Each request is prefilled alone (batch of one, its own KV cache, in chunks), then joins
+the decode batch: one step feeds every active request's last token through the model
+together, each request's KV cache a row of an mlx-lm `BatchKVCache`. Routing stays per
+token; the streaming expert module loads the union of the batch's experts once per
+layer. Requests join and leave between steps, so a new request waits at most one step
+(plus one prefill chunk of another request) before its own prefill starts.
+
+On the CPU each row of a batched step is bit-identical to the same request decoded
+alone (measured over staggered joins and leaves and small budgets; `tests/test_server.py`
+checks it): the per-row kernels (quantized matmuls, `gather_qmm`, norms, attention over a
+left-padded cache with masked pads) do not mix rows. The prompt's last token is decoded in
+the batch, as mlx-lm's `generate_step` decodes it apart from the prefill, so a request's
+greedy tokens equal `edgemoe.generate`'s.
+
+MLX streams belong to the thread that made them (shared/GUIDE.md), so the model is loaded
+and run on the engine thread only; the HTTP layer talks to it through `submit` and
+`cancel`, and receives events through each job's `emit` callback.
+"""
+
+import gc
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+log = logging.getLogger("edgemoe.server")
+
+
+@dataclass(eq=False)  # jobs are compared by identity
+class Job:
+    """One request as the engine sees it: tokens in, events out."""
+
+    id: str
+    prompt: List[int]
+    max_tokens: int
+    emit: Callable[[dict], None]  # called on the engine thread; must not block
+    sampling: Optional[dict] = None  # make_request_sampler's arguments; None: greedy
+    stop: List[str] = field(default_factory=list)
+    want_logprobs: bool = False
+    received: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set by the HTTP side; the engine drops the job between steps
+    # engine-side state (MLX arrays are made on the engine thread only)
+    sampler: Optional[Callable] = None
+    cache: Optional[list] = None
+    prefilled: int = 0
+    next_input: int = -1
+    tokens: List[int] = field(default_factory=list)
+    detokenizer: object = None
+    text: str = ""
+    sent: int = 0  # characters of `text` already emitted
+    first_token_at: Optional[float] = None
+
+
+@dataclass
+class Finished:
+    latency_s: float
+    ttft_s: float
+    prompt_tokens: int
+    generated: int
+
+
+class Metrics:
+    """Counters the engine updates and the HTTP side reads (under a lock)."""
+
+    def __init__(self, store):
+        self.lock = threading.Lock()
+        self.store = store
+        self.started = time.time()
+        self.submitted = self.completed = self.cancelled = self.failed = 0
+        self.prompt_tokens = self.generated_tokens = 0
+        self.steps = self.step_rows = self.max_batch_seen = 0
+        self.busy_s = 0.0  # engine time spent prefilling or decoding
+        self.decode = {"hits": 0, "loads": 0, "bytes_read": 0}  # decode steps only
+        self.recent = deque(maxlen=1000)  # Finished, newest last
+        self._last_stats = store.stats.copy()
+        self.expert_bytes_mean = (store.pack.expert_bytes
+                                  / sum(l.num_experts for l in store.pack.layers))
+
+    def store_stats(self):
+        """A consistent copy of the store's counters (the last one once it is closed)."""
+        if self.store is not None:
+            snap = getattr(self.store, "snapshot", None)
+            self._last_stats = snap() if snap else self.store.stats.copy()
+        return self._last_stats
+
+    def snapshot(self, active: int, waiting: int) -> dict:
+        s = self.store_stats()
+        with self.lock:
+            lat = sorted(f.latency_s for f in self.recent)
+            ttft = sorted(f.ttft_s for f in self.recent)
+            gen, busy = self.generated_tokens, self.busy_s
+            hits, loads = getattr(s, "hits", 0), getattr(s, "loads", 0)
+            read = getattr(s, "bytes_read", 0)
+            return {
+                "uptime_s": round(time.time() - self.started, 3),
+                "requests": {"submitted": self.submitted, "completed": self.completed,
+                             "cancelled": self.cancelled, "failed": self.failed,
+                             "active": active, "waiting": waiting},
+                "tokens": {"prompt": self.prompt_tokens, "generated": gen,
+                           "busy_s": round(busy, 4),
+                           "tok_per_s": round(gen / busy, 3) if busy else 0.0},
+                "batch": {"steps": self.steps, "rows": self.step_rows,
+                          "mean_size": round(self.step_rows / self.steps, 3)
+                          if self.steps else 0.0,
+                          "max_size_seen": self.max_batch_seen},
+                "latency_s": {"count": len(lat), "p50": _pct(lat, 50), "p95": _pct(lat, 95),
+                              "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95)},
+                # hits and loads count distinct experts per layer per forward call (the
+                # union over the batch), so (hits + loads) x expert size is the expert
+                # bytes computed on, and hits x expert size the bytes reused from slots.
+                "experts": {"loads": loads, "hits": hits,
+                            "hit_rate": round(hits / (hits + loads), 4) if hits + loads
+                            else 1.0,
+                            "bytes_read": read,
+                            "bytes_reused": int(hits * self.expert_bytes_mean),
+                            "bytes_used": int((hits + loads) * self.expert_bytes_mean),
+                            "evictions": getattr(s, "evictions", 0),
+                            "blocked_s": round(getattr(s, "blocked_s", 0.0), 4),
+                            "bytes_read_per_token": round(read / gen, 1) if gen else 0.0,
+                            "decode": {
+                                **self.decode,
+                                "bytes_used": int((self.decode["hits"] + self.decode["loads"])
+                                                  * self.expert_bytes_mean),
+                                "bytes_used_per_token": round(
+                                    (self.decode["hits"] + self.decode["loads"])
+                                    * self.expert_bytes_mean / gen, 1) if gen else 0.0},
+                            "slots_per_layer": getattr(self.store, "slots_per_layer", None),
+                            "budget_bytes": getattr(self.store, "budget_bytes", None)},
+            }
+
+
+def _pct(sorted_values, p):
+    if not sorted_values:
+        return None
+    i = min(len(sorted_values) - 1, int(round(p / 100 * (len(sorted_values) - 1))))
+    return round(sorted_values[i], 4)
+
+
+class Engine:
+    """Owns the model; runs prefill chunks and batched decode steps on one thread."""
+
+    def __init__(self, load: Callable[[], tuple], max_batch: int = 8,
+                 prefill_step_size: int = 2048, max_waiting: int = 256):
+        self._load = load  # returns (model, tokenizer, config); called on the engine thread
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
+        self.max_waiting = max_waiting
+        self.inbox: "queue.Queue[Job]" = queue.Queue()
+        self.pending: deque = deque()  # admitted, waiting for or in prefill (FIFO)
+        self.active: List[Job] = []    # rows of the decode batch, in cache order
+        self.batch_cache = None
+        self.model = self.tokenizer = self.config = self.metrics = None
+        self.ready = threading.Event()
+        self.load_error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
+
+    # ---- HTTP side -------------------------------------------------------------
+    def start(self, timeout: Optional[float] = None):
+        self.thread.start()
+        self.ready.wait(timeout)
+        if self.load_error is not None:
+            raise self.load_error
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.ready.is_set() and self.load_error is None
+
+    def waiting(self) -> int:
+        return self.inbox.qsize() + len(self.pending)
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when too many are waiting already."""
+        if self.waiting() >= self.max_waiting:
+            return False
+        with self.metrics.lock:
+            self.metrics.submitted += 1
+        self.inbox.put(job)
+        return True
+
+    @staticmethod
+    def cancel(job: Job):
+        job.cancelled = True
+
+    def snapshot(self) -> dict:
+        return self.metrics.snapshot(len(self.active), self.waiting())
+
+    # ---- engine thread ---------------------------------------------------------
+    def _run(self):
+        try:
+            self.model, self.tokenizer, self.config = self._load()
+            self.metrics = Metrics(self.model.expert_store)
+            self.eos = set(self.tokenizer.eos_token_ids)
+        except BaseException as e:  # reported by start()
+            self.load_error = e
+            gc.collect()
+            mx.clear_streams()
+            self.ready.set()
+            return
+        self.ready.set()
+        while not self._stop.is_set():
+            self._admit(block=not self.active and not self.pending)
+            self._drop_cancelled()
+            tic = time.perf_counter()
+            if self.pending and len(self.active) < self.max_batch:
+                job = self.pending[0]
+                try:
+                    self._prefill_chunk(job)
+                except Exception as e:
+                    log.exception("request %s: prefill failed", job.id)
+                    self._fail([job], f"prompt processing failed: {type(e).__name__}: {e}")
+            if self.active:
+                try:
+                    self._step()
+                except Exception as e:  # a failed step poisons the batch: fail its rows
+                    log.exception("decode step failed")
+                    self._fail(list(self.active),
+                               f"generation failed: {type(e).__name__}: {e}")
+            if self.active or self.pending:
+                with self.metrics.lock:
+                    self.metrics.busy_s += time.perf_counter() - tic
+        self._release()
+
+    def _release(self):
+        """Free the model's arrays and this thread's streams on this thread: with
+        mlx 0.32.4 a process whose MLX worker thread ended without this aborts at
+        exit now and then ("terminate called without an active exception")."""
+        self._fail_all("the server is stopping")
+        store = getattr(self.model, "expert_store", None)
+        if store is not None and hasattr(store, "close"):
+            store.close()
+        self.model = self.batch_cache = None
+        self.metrics.store = None
+        gc.collect()
+        mx.synchronize()
+        mx.clear_streams()
+
+    def _admit(self, block: bool):
+        try:
+            job = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+            while True:
+                self.pending.append(job)
+                job = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self):
+        for job in [j for j in self.pending if j.cancelled]:
+            self.pending.remove(job)
+            self._count_cancelled(job)
+        keep = [i for i, j in enumerate(self.active) if not j.cancelled]
+        if len(keep) < len(self.active):
+            for i, j in enumerate(self.active):
+                if j.cancelled:
+                    self._count_cancelled(j)
+            self._keep_rows(keep)
+
+    def _count_cancelled(self, job: Job):
+        log.info("request %s cancelled after %d tokens", job.id, len(job.tokens))
+        with self.metrics.lock:
+            self.metrics.cancelled += 1
+
+    def _prefill_chunk(self, job: Job):
+        """Run one chunk of `job`'s prompt (all but its last token) alone."""
+        if job.cache is None:
+            job.cache = make_prompt_cache(self.model)
+            job.detokenizer = self.tokenizer.detokenizer
+            job.sampler = make_request_sampler(**job.sampling) if job.sampling else None
+        end = min(job.prefilled + self.prefill_step_size, len(job.prompt) - 1)
+        if end > job.prefilled:
+            self.model(mx.array(job.prompt[job.prefilled:end])[None], cache=job.cache)
+            mx.eval([c.state for c in job.cache])
+            job.prefilled = end
+        if job.prefilled >= len(job.prompt) - 1:
+            self.pending.popleft()
+            self._join_batch(job)
+
+    def _join_batch(self, job: Job):
+        rows = [c.merge([c]) for c in job.cache]  # each layer's cache as a batch of one
+        job.cache = None
+        job.next_input = job.prompt[-1]
+        if self.batch_cache is None:
+            self.batch_cache = rows
+        else:
+            for batch, row in zip(self.batch_cache, rows):
+                batch.extend(row)
+        self.active.append(job)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(job.prompt)
+
+    def _keep_rows(self, keep: List[int]):
+        self.active = [self.active[i] for i in keep]
+        if not self.active:
+            self.batch_cache = None
+        elif self.batch_cache is not None:
+            index = mx.array(keep)
+            for c in self.batch_cache:
+                c.filter(index)
+
+    def _step(self):
+        before = self.metrics.store_stats()
+        inputs = mx.array([[j.next_input] for j in self.active])
+        logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(j.sampler is None for j in self.active):
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            tokens = mx.concatenate([
+                (j.sampler(logprobs[i:i + 1]) if j.sampler else
+                 mx.argmax(logprobs[i:i + 1], axis=-1)).reshape(1)
+                for i, j in enumerate(self.active)])
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        mx.eval(tokens, chosen, [c.state for c in self.batch_cache])
+        now = time.perf_counter()
+        tokens, chosen = tokens.tolist(), chosen.tolist()
+        after = self.metrics.store_stats()
+        with self.metrics.lock:
+            for k in self.metrics.decode:
+                self.metrics.decode[k] += getattr(after, k, 0) - getattr(before, k, 0)
+            self.metrics.steps += 1
+            self.metrics.step_rows += len(self.active)
+            self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, len(self.active))
+            self.metrics.generated_tokens += len(self.active)
+        keep = []
+        for i, job in enumerate(self.active):
+            if job.first_token_at is None:
+                job.first_token_at = now
+            if not self._advance(job, tokens[i], chosen[i]):
+                keep.append(i)
+        if len(keep) < len(self.active):
+            self._keep_rows(keep)
+
+    def _advance(self, job: Job, token: int, logprob: float) -> bool:
+        """Give `job` its next token; True when the job has finished."""
+        job.tokens.append(token)
+        finish = None
+        if token in self.eos:
+            finish = "stop"
+        else:
+            job.detokenizer.add_token(token)
+            job.text += job.detokenizer.last_segment
+            job.next_input = token
+        if len(job.tokens) >= job.max_tokens:
+            finish = finish or "length"
+        if finish is not None:  # flush what the detokenizer still holds
+            job.detokenizer.finalize()
+            job.text += job.detokenizer.last_segment
+        text, hit = self._releasable(job, final=finish is not None)
+        if hit:
+            finish = "stop"
+        job.emit({"type": "token", "token": token, "logprob": logprob, "text": text})
+        if finish is not None:
+            self._finish(job, finish)
+            return True
+        return False
+
+    @staticmethod
+    def _releasable(job: Job, final: bool):
+        """Text safe to send now: up to a stop string, and never a stop string's start."""
+        found = [at for s in job.stop
+                 if (at := job.text.find(s, max(0, job.sent - len(s) + 1))) >= 0]
+        if found:
+            at = min(found)
+            text, job.sent = job.text[job.sent:at], at
+            return text, True
+        end = len(job.text)
+        if not final:
+            for s in job.stop:  # hold back a suffix that may grow into a stop string
+                for n in range(min(len(s) - 1, end - job.sent), 0, -1):
+                    if job.text.endswith(s[:n]):
+                        end = min(end, len(job.text) - n)
+                        break
+        text, job.sent = job.text[job.sent:end], end
+        return text, False
+
+    def _finish(self, job: Job, reason: str):
+        now = time.perf_counter()
+        done = Finished(now - job.received, (job.first_token_at or now) - job.received,
+                        len(job.prompt), len(job.tokens))
+        with self.metrics.lock:
+            self.metrics.completed += 1
+            self.metrics.recent.append(done)
+        job.emit({"type": "done", "finish_reason": reason,
+                  "prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens)})
+        m = self.snapshot()
+        log.info("request %s: %s, prompt %d tok, generated %d tok in %.3f s (first token "
+                 "%.3f s) | all: %.1f tok/s, batch mean %.2f, experts read %.1f MB, "
+                 "hit rate %.1f%%", job.id, reason, done.prompt_tokens, done.generated,
+                 done.latency_s, done.ttft_s, m["tokens"]["tok_per_s"],
+                 m["batch"]["mean_size"], m["experts"]["bytes_read"] / 1e6,
+                 100 * m["experts"]["hit_rate"])
+
+    def _fail_all(self, message: str):
+        self._fail(self.active + list(self.pending), message)
+
+    def _fail(self, jobs: List[Job], message: str):
+        for job in jobs:
+            if job in self.pending:
+                self.pending.remove(job)
+        if any(job in self.active for job in jobs):
+            self.active, self.batch_cache = [], None  # the batch's caches are suspect
+        with self.metrics.lock:
+            self.metrics.failed += len(jobs)
+        for job in jobs:
+            job.cache = None
+            job.emit({"type": "error", "message": message})
+
+
+def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
+                         top_k: int = 0, seed: Optional[int] = None) -> Optional[Callable]:
+    """mlx-lm's sampling chain, drawing from the request's own random key.
+
+    Each request splits its own key at every step, so what it samples does not depend
+    on which requests share its batch; with a `seed` it repeats exactly. None: greedy.
+    """
+    if temp <= 0:
+        return None
+    methods = []
+    if 0 < top_p < 1.0:
+        methods.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        methods.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0:
+        methods.append(lambda x: apply_top_k(x, top_k))
+    key = [mx.random.key(seed if seed is not None else random.getrandbits(63))]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for method in methods:
+            logprobs = method(logprobs)
+        key[0], step_key = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * (1 / temp), key=step_key)
+
+    return sample

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible server, over a real loopback socket.
+
+One server process (a small expert budget, at most 4 requests decoded together) serves
+every test here; each request has a bounded length and each client call a timeout.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+import edgemoe
+
+FAMILY, BUDGET, MAX_BATCH = "qwen3_moe", "0.25", 4  # 4 of 16 slots: batches overflow them
+TIMEOUT = httpx.Timeout(60.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(packs):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgemoe.server", "--model", str(packs[FAMILY]["hf"]),
+         "--host", "127.0.0.1", "--port", str(port), "--expert-budget", BUDGET,
+         "--max-batch", str(MAX_BATCH), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the server did not start within 60 s")
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=TIMEOUT, **kw)
+
+
+def metrics(url):
+    return httpx.get(f"{url}/metrics", timeout=TIMEOUT).json()
+
+
+def prompts(n):
+    """Token-id prompts of different lengths (1 to 40 tokens)."""
+    rng = np.random.default_rng(3)
+    lengths = [1, 5, 40, 9, 23, 2, 14, 31][:n]
+    return [rng.integers(3, 500, k).tolist() for k in lengths]
+
+
+def completion(url, prompt, max_tokens=16, **extra):
+    """A greedy completion: (token ids, logprobs, text, finish_reason)."""
+    r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                      "temperature": 0, "logprobs": True, **extra})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    return ([c["id"] for c in content], [c["logprob"] for c in content],
+            choice["text"], choice["finish_reason"])
+
+
+def stream(url, path, body):
+    """The SSE events of a streamed request, parsed; the last is '[DONE]'."""
+    events = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def test_health_models_metrics(server):
+    assert httpx.get(f"{server}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    models = httpx.get(f"{server}/v1/models", timeout=TIMEOUT).json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    m = metrics(server)
+    for key in ("requests", "tokens", "batch", "latency_s", "experts"):
+        assert key in m
+    assert m["experts"]["slots_per_layer"] < 16  # the budget really limits the pool
+
+
+def test_greedy_completion_equals_edgemoe_generate(server, packs):
+    """Alone, the server decodes exactly what mlx-lm's loop does on the same model."""
+    model, _ = edgemoe.load(packs[FAMILY]["hf"], expert_budget=float(BUDGET))
+    for prompt in prompts(3):
+        expected = [int(t) for t, _ in generate_step(
+            mx.array(prompt), model, max_tokens=12, sampler=make_sampler(0.0))]
+        ids, _, _, finish = completion(server, prompt, max_tokens=12)
+        assert ids == expected[:len(ids)]
+        assert len(ids) == 12 or finish == "stop"
+
+
+def test_concurrent_requests_equal_their_outputs_alone(server):
+    """Greedy outputs, token ids and logprobs bit for bit, do not depend on the company.
+
+    8 requests against a batch of 4: they join and leave the batch at different steps,
+    and half of them wait for a free row first.
+    """
+    ps = prompts(8)
+    alone = [completion(server, p, max_tokens=20) for p in ps]
+    before = metrics(server)
+    with ThreadPoolExecutor(len(ps)) as pool:
+        together = list(pool.map(lambda p: completion(server, p, max_tokens=20), ps))
+    after = metrics(server)
+    assert together == alone
+    assert after["batch"]["max_size_seen"] == MAX_BATCH
+    rows = after["batch"]["rows"] - before["batch"]["rows"]
+    steps = after["batch"]["steps"] - before["batch"]["steps"]
+    assert rows / steps > 1.5, "the requests must have been decoded together"
+    assert after["requests"]["active"] == 0 and after["requests"]["waiting"] == 0
+    # and nothing of them stays behind: the first prompt alone again, after the crowd
+    assert completion(server, ps[0], max_tokens=20) == alone[0]
+
+
+def test_stream_and_chat_agree_with_non_streamed(server):
+    prompt = "import json"
+    body = {"prompt": prompt, "max_tokens": 14, "temperature": 0}
+    whole = post(server, "/v1/completions", body).json()
+    assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] >= 1
+    events = stream(server, "/v1/completions", {**body, "stream_options":
+                                                {"include_usage": True}})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == \
+        whole["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+    chat = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            "max_tokens": 10, "temperature": 0}
+    whole = post(server, "/v1/chat/completions", chat).json()
+    assert whole["object"] == "chat.completion"
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    events = stream(server, "/v1/chat/completions", chat)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == \
+        (message["content"] or "")
+    assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_stop_string_ends_the_completion_before_it(server):
+    prompt = prompts(2)[1]
+    _, _, text, _ = completion(server, prompt, max_tokens=16)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop, text
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16,
+                                         "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == text[:text.index(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats_alone_and_in_company(server):
+    def sample(seed):
+        body = {"prompt": "hello", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9,
+                "seed": seed}
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    alone = [sample(seed) for seed in (5, 6, 7)]
+    assert len(set(alone)) > 1, "different seeds should sample differently"
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(sample, (5, 6, 7))) == alone
+
+
+BAD = [
+    ("/v1/completions", b'{"prompt": "hi", ', "invalid JSON"),
+    ("/v1/completions", b'["prompt"]', "must be a JSON object"),
+    ("/v1/completions", {"max_tokens": 4}, "'prompt' is required"),
+    ("/v1/chat/completions", {"prompt": "hi"}, "'messages' is required"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty array"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]},
+     "'content' must be a string"),
+    ("/v1/completions", {"prompt": 12}, "'prompt' must be a string"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "out of range"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "'max_tokens' must be at least 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "'temperature' must be a"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "'temperature' must be at least"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "'top_p' must be at most 1"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "'stream' must be a boolean"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, "'stop' must be"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, "'n' must be 1"),
+    ("/v1/completions", {"prompt": [5] * 1100}, "the model's context is 1024 tokens"),
+    ("/v1/completions", {"prompt": [5] * 1000, "max_tokens": 100}, "1100 in all"),
+]
+
+
+@pytest.mark.parametrize("path,body,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_a_clear_4xx(server, path, body, message):
+    if isinstance(body, bytes):
+        r = httpx.post(server + path, content=body, timeout=TIMEOUT,
+                       headers={"content-type": "application/json"})
+    else:
+        r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_routes_and_methods(server):
+    r = httpx.get(f"{server}/v1/nothing", timeout=TIMEOUT)
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/v1/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+def test_client_disconnecting_mid_stream_frees_its_row(server):
+    ps = prompts(2)
+    alone = completion(server, ps[1], max_tokens=12)
+    before = metrics(server)["requests"]
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=TIMEOUT,
+                      json={"prompt": ps[0], "max_tokens": 900, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got
+    # the client has hung up; the server drops the request at its next step
+    deadline = time.time() + 30
+    while True:
+        now = metrics(server)["requests"]
+        if now["cancelled"] > before["cancelled"] and now["active"] == 0:
+            break
+        assert time.time() < deadline, now
+        time.sleep(0.1)
+    assert now["completed"] == before["completed"]
+    assert completion(server, ps[1], max_tokens=12) == alone
+
+
+def test_metrics_count_tokens_and_experts(server):
+    before = metrics(server)
+    ids, _, _, _ = completion(server, prompts(3)[2], max_tokens=10)
+    after = metrics(server)
+    assert after["tokens"]["generated"] - before["tokens"]["generated"] == len(ids)
+    assert after["requests"]["completed"] == before["requests"]["completed"] + 1
+    e = after["experts"]
+    assert e["bytes_read"] > 0 and e["hits"] > 0 and e["bytes_reused"] > 0
+    assert after["tokens"]["tok_per_s"] > 0
+    assert after["latency_s"]["p50"] is not None and after["latency_s"]["p95"] >= \
+        after["latency_s"]["p50"]
+
+
+def test_client_timing_out_on_a_non_streamed_request_frees_its_row(server):
+    before = metrics(server)["requests"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", timeout=httpx.Timeout(60.0, read=0.5),
+                   json={"prompt": prompts(1)[0], "max_tokens": 1000})
+    deadline = time.time() + 30
+    while True:
+        now = metrics(server)["requests"]
+        if now["cancelled"] > before["cancelled"] and now["active"] == 0:
+            break
+        assert time.time() < deadline, now
+        time.sleep(0.1)
+    assert now["completed"] == before["completed"]
+
+
+def test_a_short_request_is_not_held_behind_a_long_one(server):
+    """New requests join the running batch between steps: they do not wait for it."""
+    ps = prompts(3)
+    finished = {}
+
+    def run(name, prompt, max_tokens):
+        events = stream(server, "/v1/completions", {"prompt": prompt,
+                                                   "max_tokens": max_tokens})
+        finished[name] = (time.perf_counter(), events[-1]["choices"][0]["finish_reason"])
+
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(run, "long", ps[0], 400)
+        deadline = time.time() + 30
+        while metrics(server)["requests"]["active"] == 0:  # the long one is decoding
+            assert time.time() < deadline
+            time.sleep(0.02)
+        pool.submit(run, "short", ps[2], 4).result()
+        assert metrics(server)["requests"]["active"] == 1, "the long one still runs"
+        long.result()
+    assert finished["short"][0] < finished["long"][0]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek_v3"])
+def test_engine_batches_every_family_exactly(family, packs):
+    """The other families, on the engine without HTTP: together equals alone."""
+    from edgemoe.engine import Engine, Job
+
+    engine = Engine(lambda: edgemoe.load(packs[family]["hf"], expert_budget=0.5,
+                                         return_config=True), max_batch=4)
+    engine.start(timeout=60)
+    try:
+        def submit(prompt):
+            out, done = [], threading.Event()
+
+            def emit(event):
+                out.append(event)
+                if event["type"] != "token":
+                    done.set()
+            assert engine.submit(Job(id="t", prompt=prompt, max_tokens=12, emit=emit))
+            return out, done
+
+        def wait(pending):
+            out, done = pending
+            assert done.wait(60)
+            assert out[-1]["type"] == "done", out[-1]
+            return [(e["token"], e["logprob"]) for e in out if e["type"] == "token"]
+
+        ps = prompts(6)
+        alone = [wait(submit(p)) for p in ps]
+        together = [wait(x) for x in [submit(p) for p in ps]]
+        assert together == alone
+        assert engine.snapshot()["batch"]["max_size_seen"] == 4
+    finally:
+        engine.stop()
+
+
+def test_stop_strings_are_held_back_until_they_cannot_match():
+    from edgemoe.engine import Engine, Job
+
+    job = Job(id="x", prompt=[1], max_tokens=9, emit=None, stop=["END", "!"])
+    sent = []
+    for piece in ["abc E", "N", "x E", "ND tail"]:
+        job.text += piece
+        text, hit = Engine._releasable(job, final=False)
+        sent.append(text)
+        if hit:
+            break
+    assert sent == ["abc ", "", "ENx ", ""] and hit
+    job = Job(id="y", prompt=[1], max_tokens=9, emit=None, stop=["END"])
+    job.text = "so E"
+    assert Engine._releasable(job, final=False) == ("so ", False)
+    assert Engine._releasable(job, final=True) == ("E", False)  # the end flushes it
