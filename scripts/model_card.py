@@ -1,0 +1,153 @@
+"""Measure the bundled reference MoE and write its model card (README.md + a PNG).
+
+    python scripts/model_card.py --run /work/ref_run --pack edgemoe/models/reference
+
+--run is the folder train_reference_moe.py wrote (hf/, heldout.txt, train_log.jsonl).
+Measures on the held-out text, with edgemoe.eval: perplexity of the unquantized model
+and of the int4 pack, their top-1 agreement and KL, and the pack's per-layer expert
+usage and routing entropy.
+"""
+
+import argparse
+import json
+import math
+import platform
+from datetime import datetime
+from pathlib import Path
+
+from edgemoe.eval import ModelConfig, evaluate
+
+CARD = """# edgemoe reference MoE
+
+A small Mixture-of-Experts language model trained from scratch by edgemoe, so that routing,
+prefetch and cache measurements run on learned routing rather than random weights. It is the
+default model of `edgemoe.load()` and `python -m edgemoe.generate`.
+
+## Architecture
+Qwen3-MoE (mlx-lm's `qwen3_moe`): {layers} decoder layers, all MoE; hidden size {hidden};
+{heads} attention heads ({kv_heads} key/value heads, head dim {head_dim}); {experts} routed experts
+per layer, top-{top_k} with renormalised weights; expert FFN width {moe_ffn}; vocabulary {vocab}
+(byte-level BPE); positions up to {context}; untied embeddings. {params:,} parameters, of which routed
+experts {expert_frac:.1%}. Stored here as an edgemoe pack, int4 (group 64, as `mlx_lm.convert -q`):
+{pack_mb:.1f} MB.
+
+## Data
+Python's own standard library sources (CPython {python}, `.py` files, tests and idlelib excluded),
+split by file: 1 file in 20 held out, never trained on. Trained with PyTorch on 2 CPU cores:
+{tokens:,} tokens seen ({epochs:.2f} passes over {train_tokens:,} training tokens) in {minutes:.0f} minutes.
+
+## Quality on the held-out files ({eval_tokens:,} tokens, windows of {window})
+| model | held-out loss (nats/token) | perplexity |
+|---|---|---|
+| unigram baseline (train token frequencies) | {unigram:.3f} | {unigram_ppl:.1f} |
+| this model, fp32 | {fp32_nll:.3f} | {fp32_ppl:.2f} |
+| this model, int4 pack | {int4_nll:.3f} | {int4_ppl:.2f} |
+
+int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
+
+## Routing (int4 pack, held-out text)
+| layer | routing entropy (bits, max {max_bits:.0f}) | experts used | busiest expert share |
+|---|---|---|---|
+{routing_rows}
+
+![expert usage per layer](expert_usage.png)
+
+## Sample (greedy, prompt `def `)
+```
+{sample}
+```
+
+## Reproduce
+```
+python scripts/train_reference_moe.py --out RUN --minutes 90
+python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference
+python scripts/model_card.py --run RUN --pack edgemoe/models/reference
+```
+"""
+
+
+def train_minutes(log) -> float:
+    """Wall time of training summed over runs (a resumed run starts a new segment)."""
+    def t(e):
+        return datetime.fromisoformat(e["time"].replace("Z", "+00:00")).timestamp()
+
+    total, begin, end = 0.0, None, None
+    for e in log:
+        if e["event"] == "start":
+            if begin is not None:
+                total += end - begin
+            begin = t(e)
+        end = t(e)
+    return (total + end - begin) / 60
+
+
+def plot_usage(routing, png: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(routing), 1, figsize=(8, 1.3 * len(routing)), sharex=True)
+    for ax, r in zip(axes, routing):
+        total = sum(r["counts"])
+        ax.bar(range(len(r["counts"])), [c / total for c in r["counts"]], color="tab:blue")
+        ax.set_ylabel(f"layer {r['layer']}", fontsize=8)
+        ax.axhline(1 / len(r["counts"]), color="gray", lw=0.5)
+    axes[-1].set_xlabel("expert (share of routed slots; gray: uniform)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", required=True, type=Path)
+    p.add_argument("--pack", required=True, type=Path)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=32768)
+    args = p.parse_args()
+
+    text = (args.run / "heldout.txt").read_text()
+    result = evaluate([ModelConfig(str(args.pack)), ModelConfig(str(args.run / "hf"))],
+                      text, args.window, args.max_tokens, routing_stats=True)
+    int4, fp32 = result["configs"]
+    log = [json.loads(line) for line in (args.run / "train_log.jsonl").read_text().splitlines()]
+    start = next(e for e in log if e["event"] == "start")
+    last_eval = [e for e in log if e["event"] == "eval"][-1]
+    tokens_seen = max(e.get("tokens_seen", 0) for e in log)
+    config = json.loads((args.pack / "config.json").read_text())
+
+    import edgemoe
+    model, tokenizer = edgemoe.load(args.pack)
+    sample = edgemoe.generate(model, tokenizer, "def ", max_tokens=80)
+    rows = "\n".join(
+        f"| {r['layer']} | {r['entropy_bits']:.2f} | {sum(c > 0 for c in r['counts'])}/"
+        f"{len(r['counts'])} | {max(r['counts']) / sum(r['counts']):.1%} |"
+        for r in result["routing"]
+    )
+    plot_usage(result["routing"], args.pack / "expert_usage.png")
+    card = CARD.format(
+        layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], experts=config["num_experts"],
+        top_k=config["num_experts_per_tok"], moe_ffn=config["moe_intermediate_size"],
+        vocab=config["vocab_size"], context=config["max_position_embeddings"],
+        params=start["params"]["total"], expert_frac=start["params"]["routed_frac"],
+        pack_mb=sum(f.stat().st_size for f in args.pack.iterdir()) / 1e6,
+        python=platform.python_version(), tokens=tokens_seen, train_tokens=start["train_tokens"],
+        epochs=tokens_seen / start["train_tokens"], minutes=train_minutes(log),
+        eval_tokens=result["tokens"], window=args.window,
+        unigram=start["unigram_baseline"], unigram_ppl=math.exp(start["unigram_baseline"]),
+        fp32_nll=fp32["nll"], fp32_ppl=fp32["perplexity"],
+        int4_nll=int4["nll"], int4_ppl=int4["perplexity"],
+        agree=result["top1_agreement"], kl=result["mean_kl"],
+        max_bits=result["routing"][0]["max_entropy_bits"], routing_rows=rows, sample=sample,
+    )
+    (args.pack / "README.md").write_text(card)
+    (args.pack / "measurements.json").write_text(json.dumps(result, indent=1))
+    print(card)
+    print(f"last held-out eval during training: step {last_eval['step']}, "
+          f"loss {last_eval['heldout_loss']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
