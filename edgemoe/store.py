@@ -222,8 +222,9 @@ class LayerSlots:
             slot = int(free[0])
         else:
             candidates = set(self._evictable(pinned))
+            # pinned: the experts this step needs, whether resident yet or not
             victim = self.policy.victim([e for e in self.expert_in.tolist()
-                                         if e not in candidates])
+                                         if e not in candidates] + list(pinned))
             assert victim is not None and victim in candidates
             slot = int(self.slot_of[victim])
             self.slot_of[victim] = -1

@@ -1,0 +1,399 @@
+"""Replay routing traces through the expert cache policies, against Belady's optimum.
+
+    python -m edgemoe.cache_sim TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
+        [--policies lru,lfu,lfuda,s3fifo,learned] [--png hit_rate.png] [--json out.json]
+    python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out adapters/cache_policy.npz
+
+The replay does what the store (edgemoe/store.py) does on demand, without the bytes
+and without prefetches. Each MoE layer has a pool of slots (the store's count for the
+budget, at least top-k). Each forward call asks each layer for its distinct experts,
+sorted, in groups that fit the pool when there are more (a long prefill); the experts
+asked for are pinned and touched, each one a hit if resident; then the misses, last
+first, are each loaded into a free slot or in place of the policy's victim, and touched
+again as their fill starts. A trace marks decoded tokens (one per forward call); a run
+of prompt tokens is replayed as mlx-lm prefills it, in calls of at most 2048 tokens.
+
+Belady's optimum evicts the resident, unpinned expert whose next use in that layer is
+farthest in the future: no policy has fewer loads on the same requests.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
+                    make_policy)
+from .store import parse_budget
+from .trace import load_trace
+
+PREFILL_CHUNK = 2048  # mlx-lm generate_step's prefill_step_size
+TARGET_CAP = 2048  # steps: next uses farther than this all count as "far"
+
+
+def forward_calls(decode: np.ndarray) -> List[slice]:
+    """The token ranges of the model's forward calls: each decoded token alone, each run
+    of prompt tokens in chunks of PREFILL_CHUNK."""
+    calls, start = [], None  # start: first token of the prompt run being chunked
+    for t, decoded in enumerate(decode.tolist()):
+        if decoded:
+            if start is not None:
+                calls.append(slice(start, t))
+                start = None
+            calls.append(slice(t, t + 1))
+        elif start is None:
+            start = t
+        elif t - start == PREFILL_CHUNK:
+            calls.append(slice(start, t))
+            start = t
+    if start is not None:
+        calls.append(slice(start, len(decode)))
+    return calls
+
+
+@dataclass
+class Requests:
+    """What one layer's pool is asked for, in order: sets of experts needed together."""
+
+    steps: List[np.ndarray]
+    decode: np.ndarray  # bool per step
+
+
+def layer_requests(routed: np.ndarray, decode: np.ndarray, layer: int,
+                   slots: int) -> Requests:
+    steps, flags = [], []
+    for call in forward_calls(decode):
+        experts = np.unique(routed[call, layer])
+        for start in range(0, len(experts), slots):  # the store's passes
+            steps.append(experts[start:start + slots])
+            flags.append(bool(decode[call.start]))
+    return Requests(steps, np.array(flags, dtype=bool))
+
+
+def next_steps(steps: List[np.ndarray]) -> Dict[tuple, float]:
+    """(step, expert) -> the index of the expert's next step, inf if none."""
+    nxt, later = {}, {}
+    for i in range(len(steps) - 1, -1, -1):
+        for e in steps[i].tolist():
+            nxt[i, e] = later.get(e, np.inf)
+            later[e] = i
+    return nxt
+
+
+class BeladyPolicy:
+    """Evict the expert whose next use is farthest in the future. Offline: it is given
+    the requests, and `replay` keeps its `step` at the one being served."""
+
+    def __init__(self, steps: List[np.ndarray]):
+        self._next = next_steps(steps)
+        self.step = 0
+        self._next_use = {}  # expert touched and not forgotten -> its next step
+
+    def touch(self, expert: int):
+        self._next_use[expert] = self._next[self.step, expert]
+
+    def forget(self, expert: int):
+        self._next_use.pop(expert, None)
+
+    def victim(self, pinned) -> Optional[int]:
+        pinned = set(pinned)
+        candidates = [e for e in self._next_use if e not in pinned]
+        return max(candidates, key=self._next_use.__getitem__, default=None)
+
+
+def replay(requests: Requests, slots: int, policy,
+           on_step: Optional[Callable[[int], None]] = None) -> np.ndarray:
+    """(hits, loads) per step: LayerSlots.ensure's bookkeeping, without the bytes.
+    `on_step(i)` is called before step i is served."""
+    offline = hasattr(policy, "step")  # told where in the requests it is
+    resident = set()
+    counts = np.zeros((len(requests.steps), 2), dtype=np.int64)
+    for i, experts in enumerate(requests.steps):
+        if offline:
+            policy.step = i
+        if on_step is not None:
+            on_step(i)
+        experts = experts.tolist()
+        missing = [e for e in experts if e not in resident]
+        for e in experts:
+            policy.touch(e)
+        for e in reversed(missing):  # the store pops its misses from the end
+            if len(resident) >= slots:
+                victim = policy.victim(experts)
+                if victim is None or victim not in resident or victim in experts:
+                    raise RuntimeError(f"{type(policy).__name__}: victim {victim} is not a "
+                                       f"resident, unpinned expert")
+                resident.discard(victim)
+                policy.forget(victim)
+            resident.add(e)
+            policy.touch(e)  # the store touches an expert again as its fill starts
+        counts[i] = len(experts) - len(missing), len(missing)
+    return counts
+
+
+def slots_for(budget, expert_bytes: np.ndarray, num_experts: int, top_k: int) -> int:
+    """The store's slot count for a budget (ExpertStore.__init__), at least top-k."""
+    total = int(expert_bytes.sum()) * num_experts
+    slots = parse_budget(budget, total) // int(expert_bytes.sum())
+    return max(top_k, min(slots, num_experts))
+
+
+@dataclass
+class Result:
+    policy: str
+    budget: str
+    slots: int
+    hits: int
+    loads: int
+    decode_hits: int
+    decode_loads: int
+    bytes_read: int
+    decode_bytes_read: int
+    decode_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.loads, 1)
+
+    @property
+    def decode_hit_rate(self) -> float:
+        return self.decode_hits / max(self.decode_hits + self.decode_loads, 1)
+
+    def add(self, other: "Result"):
+        for k in ("hits", "loads", "decode_hits", "decode_loads", "bytes_read",
+                  "decode_bytes_read", "decode_tokens"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
+             num_experts: Optional[int] = None, model: Optional[NextUseModel] = None) -> Result:
+    """Replay one trace through fresh pools, as one generation with a new store."""
+    routed, decode = trace["routed"], trace["decode"].astype(bool)
+    expert_bytes = trace["expert_bytes"].astype(np.int64)
+    num_experts = num_experts or int(routed.max()) + 1
+    slots = slots_for(budget, expert_bytes, num_experts, routed.shape[-1])
+    result = Result(policy, str(budget), slots, *[0] * 6, decode_tokens=int(decode.sum()))
+    for layer in range(routed.shape[1]):
+        requests = layer_requests(routed, decode, layer, slots)
+        if policy == "belady":
+            p = BeladyPolicy(requests.steps)
+        elif policy == "learned" and model is not None:
+            p = LearnedPolicy(model)
+        else:
+            p = make_policy(policy)
+        counts = replay(requests, slots, p)
+        hits, loads = counts.sum(0).tolist()
+        d_hits, d_loads = counts[requests.decode].sum(0).tolist()
+        result.hits += hits
+        result.loads += loads
+        result.decode_hits += d_hits
+        result.decode_loads += d_loads
+        result.bytes_read += loads * int(expert_bytes[layer])
+        result.decode_bytes_read += d_loads * int(expert_bytes[layer])
+    return result
+
+
+def run(traces: List[Dict[str, np.ndarray]], budgets: List[str], policies: List[str],
+        num_experts: Optional[int] = None, model: Optional[NextUseModel] = None) -> List[Result]:
+    """Every policy at every budget, summed over the traces."""
+    results = []
+    for budget in budgets:
+        for policy in policies:
+            total = None
+            for trace in traces:
+                r = simulate(trace, budget, policy, num_experts, model)
+                if total is None:
+                    total = r
+                else:
+                    total.add(r)
+            results.append(total)
+    return results
+
+
+# -- the learned policy: features from the stream of uses, targets from the future --
+
+class _Watched(LRUPolicy):
+    """Evicts by LRU, and shows the same touches to a LearnedPolicy for its features."""
+
+    def __init__(self):
+        super().__init__()
+        self.learned = LearnedPolicy()
+        self.step = 0  # replay keeps it current
+        self.last_step = {}  # expert -> the step of its last touch
+
+    def touch(self, expert: int):
+        super().touch(expert)
+        self.learned.touch(expert)
+        self.last_step[expert] = self.step
+
+
+def training_rows(requests: Requests, slots: int, stride: int = 1):
+    """(features, log steps to next use) of every expert seen so far, before every
+    `stride`-th step: what LearnedPolicy's model is asked at an eviction. The touches
+    come from a replay at `slots` (the store touches a miss twice), evicting by LRU."""
+    nxt, watched, xs, ys = next_steps(requests.steps), _Watched(), [], []
+
+    def record(i):
+        if i % stride or not watched.last_step:
+            return
+        seen = list(watched.last_step)
+        xs.append(watched.learned.features(seen))
+        distance = np.array([nxt[watched.last_step[e], e] for e in seen]) - i + 1
+        ys.append(np.log1p(np.minimum(distance, TARGET_CAP)))
+
+    replay(requests, slots, watched, record)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def fit(x: np.ndarray, y: np.ndarray, hidden: int = 16, steps: int = 2000,
+        lr: float = 1e-2, seed: int = 0) -> NextUseModel:
+    """A 2-layer tanh MLP, least squares, full-batch Adam."""
+    rng = np.random.default_rng(seed)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    xn = (x - mean) / std
+    params = [rng.normal(0, 1 / np.sqrt(x.shape[1]), (x.shape[1], hidden)), np.zeros(hidden),
+              rng.normal(0, 1 / np.sqrt(hidden), hidden), np.array(y.mean())]
+    moments = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
+    for t in range(1, steps + 1):
+        w1, b1, w2, b2 = params
+        h = np.tanh(xn @ w1 + b1)
+        err = (h @ w2 + b2 - y) * (2 / len(y))
+        dh = np.outer(err, w2) * (1 - h ** 2)
+        grads = [xn.T @ dh, dh.sum(0), h.T @ err, err.sum()]
+        for p, g, (m, v) in zip(params, grads, moments):
+            m *= 0.9
+            m += 0.1 * g
+            v *= 0.999
+            v += 0.001 * g ** 2
+            p -= lr * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+    w1, b1, w2, b2 = params
+    return NextUseModel(mean, std, w1, b1, w2, np.asarray(b2))
+
+
+def train_learned(traces: List[Dict[str, np.ndarray]], max_rows: int = 20_000,
+                  **fit_args) -> NextUseModel:
+    xs, ys = [], []
+    for trace in traces:
+        routed, decode = trace["routed"], trace["decode"].astype(bool)
+        num_experts = int(routed.max()) + 1
+        for layer in range(routed.shape[1]):
+            for slots in (num_experts // 8, num_experts // 4, num_experts // 2):
+                slots = max(slots, routed.shape[-1])
+                x, y = training_rows(layer_requests(routed, decode, layer, slots), slots)
+                xs.append(x)
+                ys.append(y)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    if len(x) > max_rows:
+        keep = np.random.default_rng(0).choice(len(x), max_rows, replace=False)
+        x, y = x[keep], y[keep]
+    return fit(x, y, **fit_args)
+
+
+# -- command line --
+
+def plot(results: List[Result], path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = [r for r in results if r.policy == policy]
+        ax.plot([r.slots for r in rows], [r.decode_hit_rate for r in rows], marker="o",
+                label=policy, linestyle="--" if policy == "belady" else "-")
+    ax.set_xlabel("expert slots per layer (the budget)")
+    ax.set_ylabel("decode hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(results: List[Result]):
+    belady = {r.budget: r for r in results if r.policy == "belady"}
+    print(f"{'budget':>7} {'slots':>5} {'policy':>8} {'hit rate':>9} {'decode hit':>10} "
+          f"{'MB read/decode token':>21} {'vs Belady':>10}")
+    for r in results:
+        best = belady.get(r.budget)
+        gap = f"{100 * (r.decode_hit_rate - best.decode_hit_rate):+.1f} pt" if best else ""
+        per_token = r.decode_bytes_read / max(r.decode_tokens, 1) / 1e6
+        print(f"{r.budget:>7} {r.slots:>5} {r.policy:>8} {r.hit_rate:>9.1%} "
+              f"{r.decode_hit_rate:>10.1%} {per_token:>21.3f} {gap:>10}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-learned"]:
+        return main_train(argv[1:])
+    p = argparse.ArgumentParser(description="Replay routing traces through expert cache "
+                                            "policies and Belady's optimum.")
+    p.add_argument("traces", nargs="+", help=".npz traces from `edgemoe.generate --trace`")
+    p.add_argument("--budget", default="0.1,0.25,0.5",
+                   help="Comma-separated expert budgets: fractions, percentages or sizes")
+    p.add_argument("--policies", default=None,
+                   help=f"Comma-separated, of {', '.join(POLICIES)}, belady "
+                        f"(default: all; learned only if its weights exist)")
+    p.add_argument("--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="Experts per layer (default: the largest id in the traces + 1)")
+    p.add_argument("--png", default=None, help="Plot decode hit rate against budget here")
+    p.add_argument("--json", default=None, help="Write the results here")
+    args = p.parse_args(argv)
+    try:
+        traces = [load_trace(t) for t in args.traces]
+        if args.policies:
+            policies = args.policies.split(",")
+        else:
+            policies = [n for n in POLICIES if n != "learned" or Path(args.learned).exists()]
+            policies.append("belady")
+        unknown = set(policies) - set(POLICIES) - {"belady"}
+        if unknown:
+            raise ValueError(f"cache policy {', '.join(sorted(unknown))}: choose from "
+                             f"{', '.join(POLICIES)}, belady")
+        model = NextUseModel.load(args.learned) if "learned" in policies else None
+        num_experts = args.num_experts or max(int(t["routed"].max()) + 1 for t in traces)
+        results = run(traces, args.budget.split(","), policies, num_experts, model)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"edgemoe.cache_sim: error: {e}")
+    n = sum(len(t["routed"]) for t in traces)
+    d = sum(int(t["decode"].sum()) for t in traces)
+    print(f"{len(traces)} traces, {n} tokens ({d} decoded), {num_experts} experts per layer, "
+          f"top-{traces[0]['routed'].shape[-1]}")
+    print_table(results)
+    if args.png:
+        plot(results, args.png)
+        print(f"wrote {args.png}")
+    if args.json:
+        rows = [dict(asdict(r), hit_rate=r.hit_rate, decode_hit_rate=r.decode_hit_rate)
+                for r in results]
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}")
+
+
+def main_train(argv):
+    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim train-learned",
+                                description="Fit the learned cache policy to Belady's "
+                                            "next-use distances on routing traces.")
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--out", default=str(DEFAULT_LEARNED))
+    p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2000)
+    args = p.parse_args(argv)
+    try:
+        traces = [load_trace(t) for t in args.traces]
+    except FileNotFoundError as e:
+        sys.exit(f"edgemoe.cache_sim: error: {e}")
+    model = train_learned(traces, hidden=args.hidden, steps=args.steps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    print(f"wrote {args.out} (trained on {len(traces)} traces)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Will a pack run here, in how much memory, and how fast: from its manifest and a
+short calibration of this machine's disk and compute. Reads no weights.
+
+    python -m edgemoe.doctor --model PACK [--memory 16GB] [--budget 25%] [--trace T.npz]
+
+Predicted decode time per token, at a budget with a hit rate h:
+
+    MoE layers x top-k x (one expert's compute)       gather_qmm on random arrays
+  + resident compute (resident bytes less embeddings, at the experts' weight rate)
+  + (1 - h) x top-k x expert bytes per layer / disk read rate
+
+The store reads a miss while compute waits, so the terms add; a reader that overlaps
+reads with compute could approach the larger of the two, also printed.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import List
+
+import mlx.core as mx
+import numpy as np
+
+from .pack import Pack, PackError, PackLayer
+from .store import BudgetError, ExpertStore, parse_budget
+
+HEADROOM = 0.15  # share of --memory left for the KV cache, activations and the OS
+BUDGETS = ("min", "10%", "25%", "50%", "100%")
+DISK_RECORDS = 16  # records read per calibration
+COMPUTE_REPEATS = 20
+
+
+@dataclass
+class Disk:
+    record_bytes: int
+    found_rate: float  # bytes/s, the page cache as it was
+    found_hot: int  # of DISK_RECORDS, records wholly in the page cache before reading
+    cold_rate: float  # bytes/s, after dropping other records from the page cache
+    cold_hot: int  # records the drop failed to evict (then cold_rate is optimistic)
+
+
+def in_page_cache(fd: int, offset: int, length: int, buf: memoryview) -> bool:
+    """Whether a read would be served from the page cache (RWF_NOWAIT: no disk I/O)."""
+    try:
+        return os.preadv(fd, [buf[:length]], offset, os.RWF_NOWAIT) == length
+    except (BlockingIOError, AttributeError, OSError):
+        return False
+
+
+def calibrate_disk(pack: Pack, seed: int = 0) -> Disk:
+    records = [r for l in pack.layers for r in l.records]
+    rng = random.Random(seed)
+    chosen = rng.sample(records, min(2 * DISK_RECORDS, len(records)))
+    found, cold = chosen[::2], chosen[1::2] or chosen[::2]
+    buf = memoryview(bytearray(max(r.length for r in chosen)))
+    fd = os.open(pack.experts_path, os.O_RDONLY)
+    try:
+        def timed(rs):
+            hot = sum(in_page_cache(fd, r.offset, r.length, buf) for r in rs)
+            tic = time.perf_counter()
+            for r in rs:
+                os.preadv(fd, [buf[:r.length]], r.offset)
+            return sum(r.length for r in rs) / (time.perf_counter() - tic), hot
+
+        found_rate, found_hot = timed(found)
+        for r in cold:
+            os.posix_fadvise(fd, r.offset, r.length, os.POSIX_FADV_DONTNEED)
+        cold_rate, cold_hot = timed(cold)
+    finally:
+        os.close(fd)
+    return Disk(int(statistics.mean(r.length for r in chosen)), found_rate, found_hot,
+                cold_rate, cold_hot)
+
+
+def expert_compute_seconds(layer: PackLayer, repeats: int = COMPUTE_REPEATS) -> float:
+    """One token through one expert of this layer's record shapes and quantization,
+    in float32 (on CPU, bf16 activations or scales are many times slower)."""
+    rng = np.random.default_rng(0)
+    by_projection = {}
+    for t in layer.tensors:
+        by_projection.setdefault(t.projection, {})[t.kind] = t
+    index = mx.array([0], dtype=mx.uint32)
+    outs = []
+    for name, parts in by_projection.items():
+        weight = parts["weight"]
+        q = layer.quantization.get(name)
+        if q is None:
+            w = mx.array(rng.normal(0, 0.02, weight.shape).astype(np.float32))[None]
+            x = mx.random.normal((1, 1, weight.shape[1]))
+            outs.append(mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=index))
+            continue
+        w = mx.array(rng.integers(0, 2**32, weight.shape, dtype=np.uint32))[None]
+        scales = mx.array(rng.uniform(0, 0.01, parts["scales"].shape).astype(np.float32))[None]
+        biases = parts.get("biases")
+        if biases is not None:
+            biases = mx.array(rng.uniform(-0.01, 0.01, biases.shape).astype(np.float32))[None]
+        x = mx.random.normal((1, 1, weight.shape[1] * 32 // q["bits"]))
+        outs.append(mx.gather_qmm(x, w, scales, biases, rhs_indices=index, transpose=True,
+                                  group_size=q["group_size"], bits=q["bits"],
+                                  mode=q.get("mode", "affine")))
+    times = []
+    for _ in range(repeats + 3):
+        tic = time.perf_counter()
+        mx.eval([o + 0 for o in outs])  # a fresh graph each time: nothing cached
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[3:])
+
+
+def resident_compute_bytes(pack: Pack) -> int:
+    """Resident bytes a token computes with: all but the embedding tables (a lookup),
+    and, for a checkpoint read in place, its routed experts. From safetensors headers."""
+    skip = tuple(l.module + "." for l in pack.layers)
+    total = 0
+    for f in pack.path.glob("model*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__" or "embed_tokens" in name or name.startswith(skip):
+                continue
+            start, end = info["data_offsets"]
+            total += end - start
+    return total
+
+
+def slots_for(pack: Pack, budget_bytes: int) -> int:
+    """ExpertStore's slots per layer for a budget."""
+    per_slot = sum(l.expert_bytes for l in pack.layers)
+    return min(budget_bytes // per_slot, min(l.num_experts for l in pack.layers))
+
+
+@dataclass
+class Prediction:
+    compute_s: float  # per token
+    read_s: float  # per token, at the hit rate
+
+    @property
+    def serial_tps(self) -> float:
+        return 1 / (self.compute_s + self.read_s)
+
+    @property
+    def overlapped_tps(self) -> float:
+        return 1 / max(self.compute_s, self.read_s)
+
+
+def predict(pack: Pack, expert_s: List[float], resident_s: float, disk_rate: float,
+            hit_rate: float) -> Prediction:
+    k = pack.top_k
+    compute = k * sum(expert_s) + resident_s
+    read = (1 - hit_rate) * k * sum(l.expert_bytes for l in pack.layers) / disk_rate
+    return Prediction(compute, read)
+
+
+def lru_hit_rate(trace_path: str, pack: Pack, budget_bytes: int) -> float:
+    from .cache_sim import simulate
+    from .trace import load_trace
+
+    trace = load_trace(trace_path)
+    return simulate(trace, budget_bytes, "lru", pack.layers[0].num_experts).decode_hit_rate
+
+
+def parse_memory(text: str) -> int:
+    if re.fullmatch(r"[0-9.]+", text.strip()):
+        return int(float(text) * 1e9)  # a bare number is in GB
+    return parse_budget(text, 0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Will a pack fit, and how fast will it decode?")
+    p.add_argument("--model", required=True, help="An edgemoe pack folder")
+    p.add_argument("--memory", default=None,
+                   help="Memory to run in: GB (16) or a size (16GB, 12GiB)")
+    p.add_argument("--budget", default=None, help="Also predict at this expert budget")
+    p.add_argument("--trace", default=None,
+                   help="A routing trace (.npz) of this model: LRU hit rates from it")
+    args = p.parse_args(argv)
+    try:
+        pack = Pack.open(args.model)
+        report(pack, args)
+    except (FileNotFoundError, PackError, BudgetError, ValueError) as e:
+        sys.exit(f"edgemoe.doctor: error: {e}")
+
+
+def report(pack: Pack, args):
+    layers, k = pack.layers, pack.top_k
+    resident, experts = pack.resident_bytes, pack.expert_bytes
+    minimum = ExpertStore.minimum_budget(pack)
+    per_expert = sum(l.expert_bytes for l in layers) / len(layers)
+    computed = resident_compute_bytes(pack)
+    print(f"pack: {pack.path} ({pack.model_type}, {len(layers)} MoE layers, "
+          f"{layers[0].num_experts} experts each, top-{k})")
+    print(f"  total            {fmt_bytes(resident + experts):>10}")
+    print(f"  resident         {fmt_bytes(resident):>10}  (model.safetensors; "
+          f"{fmt_bytes(computed)} computed per token, the rest embedding lookups)")
+    print(f"  routed experts   {fmt_bytes(experts):>10}  ({fmt_bytes(per_expert)} per expert)")
+    print(f"  minimum budget   {fmt_bytes(minimum):>10}  ({minimum / experts:.1%} of the routed "
+          f"experts: top-{k} slots in every MoE layer)")
+
+    disk = calibrate_disk(pack)
+    shapes = {}  # layers of the same record layout compute alike: time each layout once
+    expert_s = [_cached(shapes, l) for l in layers]
+    rate = per_expert * len(layers) / sum(expert_s)  # bytes of weights computed per second
+    resident_s = computed / rate
+    hot = "hot" if disk.found_hot == DISK_RECORDS else "cold" if not disk.found_hot else "partly hot"
+    print("calibration (this machine):")
+    print(f"  disk     {DISK_RECORDS} reads of {fmt_bytes(disk.record_bytes)}: "
+          f"{disk.cold_rate / 1e9:.2f} GB/s from disk (page cache dropped"
+          + (f"; {disk.cold_hot} records stayed cached: optimistic" if disk.cold_hot else "")
+          + f"), {disk.found_rate / 1e9:.2f} GB/s as found (page cache {hot}: "
+            f"{disk.found_hot}/{DISK_RECORDS} records cached)")
+    print(f"  compute  one expert {1e3 * statistics.mean(expert_s):.3f} ms "
+          f"({rate / 1e9:.2f} GB/s of weights, gather_qmm fp32); "
+          f"resident {1e3 * resident_s:.3f} ms/token")
+
+    budgets = list(BUDGETS) + ([args.budget] if args.budget else [])
+    if args.memory:
+        room = int(parse_memory(args.memory) * (1 - HEADROOM)) - resident
+        if room >= minimum:
+            budgets.append(min(room, experts))
+    print("predicted decode: expert and resident weights computed, misses read; fixed "
+          "costs per layer and token (Python, host syncs, small kernels) are not counted: "
+          "they dominate small packs")
+    if args.trace:
+        print(f"hit rates: LRU replay of {args.trace} (decode tokens)")
+    else:
+        print("hit rates: assumed slots / experts per layer, what LRU gets from a router "
+              "that picks uniformly; a trained router reuses more (pass --trace)")
+    print(f"  {'budget':>10} {'slots':>5} {'memory':>10} {'hit rate':>8} "
+          f"{'read/token':>10} {'tok/s':>7} {'(reads overlapped)':>18}")
+    for b in budgets:
+        budget_bytes = minimum if b == "min" else parse_budget(b, experts)
+        slots = slots_for(pack, budget_bytes)
+        if slots < k:
+            print(f"  {str(b):>10} below the minimum budget")
+            continue
+        slot_bytes = slots * sum(l.expert_bytes for l in layers)
+        hit = (lru_hit_rate(args.trace, pack, budget_bytes) if args.trace
+               else slots / layers[0].num_experts)
+        pred = predict(pack, expert_s, resident_s, disk.cold_rate, hit)
+        label = b if isinstance(b, str) else fmt_bytes(b)
+        read = (1 - hit) * k * sum(l.expert_bytes for l in layers)
+        print(f"  {label:>10} {slots:>5} {fmt_bytes(resident + slot_bytes):>10} {hit:>8.1%} "
+              f"{fmt_bytes(read):>10} {pred.serial_tps:>7.1f} {pred.overlapped_tps:>18.1f}")
+    if args.memory:
+        memory = parse_memory(args.memory)
+        room = int(memory * (1 - HEADROOM)) - resident
+        if room < minimum:
+            print(f"memory {fmt_bytes(memory)}: does not fit; needs at least "
+                  f"{fmt_bytes((resident + minimum) / (1 - HEADROOM))} (resident "
+                  f"{fmt_bytes(resident)} + minimum budget {fmt_bytes(minimum)}, "
+                  f"{HEADROOM:.0%} kept free)")
+        else:
+            budget = min(room, experts)
+            print(f"memory {fmt_bytes(memory)}: fits with --expert-budget {budget} "
+                  f"({budget / experts:.0%} of the routed experts, "
+                  f"{slots_for(pack, budget)} slots per layer; {HEADROOM:.0%} kept free "
+                  f"for the KV cache, activations and the OS)")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+
+
+def _cached(shapes: dict, layer: PackLayer) -> float:
+    key = json.dumps([layer.to_json()["tensors"], layer.quantization], sort_keys=True)
+    if key not in shapes:
+        shapes[key] = expert_compute_seconds(layer)
+    return shapes[key]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Expert cache policies, the trace replay, and Belady's optimum."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import edgemoe
+from edgemoe import cache
+from edgemoe.cache import POLICIES, LearnedPolicy, NextUseModel, make_policy
+from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests,
+                               replay, simulate, train_learned)
+from edgemoe.pack import Pack
+from edgemoe.store import ExpertStore
+
+
+def requests(*steps):
+    steps = [np.array(sorted(s)) for s in steps]
+    return Requests(steps, np.ones(len(steps), dtype=bool))
+
+
+def hits_loads(reqs, slots, policy):
+    return tuple(int(n) for n in replay(reqs, slots, policy).sum(0))
+
+
+def test_belady_single_expert_steps():
+    # 2 slots, requests 0 1 2 0 1 3 0 1. Belady: load 0, load 1; 2 evicts 1 (next use
+    # step 4, later than 0's step 3); 0 hits; 1 evicts 2 (never used again); 3 evicts 1
+    # (next at 7, after 0's 6); 0 hits; 1 evicts 3 or 0: 2 hits, 6 loads.
+    # LRU always evicts the one needed next: 0 hits, 8 loads.
+    reqs = requests(*[[e] for e in (0, 1, 2, 0, 1, 3, 0, 1)])
+    assert hits_loads(reqs, 2, BeladyPolicy(reqs.steps)) == (2, 6)
+    assert hits_loads(reqs, 2, make_policy("lru")) == (0, 8)
+
+
+def test_belady_with_pinned_pairs():
+    # 4 slots, top-2, three pairs in a cycle: {0,1} {2,3} {4,5} {0,1} {2,3} {4,5}.
+    # Belady: {4,5} evicts 2, 3 (next used after 0, 1); {0,1} hits both; {2,3} evicts
+    # 0, 1 (never used again); {4,5} hits both: 4 hits, 8 loads (6 are unavoidable, and
+    # {2,3} cannot be kept beside {0,1} and {4,5}). LRU always evicts the pair needed
+    # next: 0 hits, 12 loads.
+    reqs = requests([0, 1], [2, 3], [4, 5], [0, 1], [2, 3], [4, 5])
+    assert hits_loads(reqs, 4, BeladyPolicy(reqs.steps)) == (4, 8)
+    assert hits_loads(reqs, 4, make_policy("lru")) == (0, 12)
+
+
+def optimal_loads(reqs: Requests, slots: int) -> int:
+    """Fewest loads over every eviction choice (exhaustive search over resident sets)."""
+    best = {frozenset(): 0}
+    for step in reqs.steps:
+        need = set(step.tolist())
+        nxt = {}
+        for resident, loads in best.items():
+            loads += len(need - resident)
+            keep = resident | need
+            for evict in itertools.combinations(sorted(resident - need),
+                                                max(len(keep) - slots, 0)):
+                state = frozenset(keep - set(evict))
+                nxt[state] = min(nxt.get(state, 1 << 30), loads)
+        best = nxt
+    return min(best.values())
+
+
+def random_requests(rng, n_experts, k, n_steps):
+    return requests(*[rng.choice(n_experts, k, replace=False) for _ in range(n_steps)])
+
+
+def test_belady_is_optimal_on_random_traces():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n_experts, k = int(rng.integers(3, 7)), int(rng.integers(1, 3))
+        slots = int(rng.integers(k, n_experts))
+        reqs = random_requests(rng, n_experts, k, 12)
+        _, loads = hits_loads(reqs, slots, BeladyPolicy(reqs.steps))
+        assert loads == optimal_loads(reqs, slots), (trial, reqs.steps, slots)
+        for name in ("lru", "lfu", "lfuda", "s3fifo"):
+            assert hits_loads(reqs, slots, make_policy(name))[1] >= loads
+
+
+class Checked:
+    """Wraps a policy and fails if it names a pinned or non-resident victim."""
+
+    def __init__(self, policy):
+        self.policy, self.resident, self.victims = policy, set(), []
+
+    def touch(self, e):
+        self.resident.add(e)  # resident or about to be loaded (and then pinned)
+        self.policy.touch(e)
+
+    def forget(self, e):
+        self.resident.discard(e)
+        self.policy.forget(e)
+
+    def victim(self, pinned):
+        v = self.policy.victim(pinned)
+        assert v is not None and v in self.resident and v not in set(pinned), (v, pinned)
+        self.victims.append(v)
+        return v
+
+
+def small_model(seed=0):
+    rng = np.random.default_rng(seed)
+    n = len(LearnedPolicy.FEATURES)
+    return NextUseModel(np.zeros(n), np.ones(n), rng.normal(size=(n, 8)), rng.normal(size=8),
+                        rng.normal(size=8), np.array(0.0))
+
+
+def every_policy(reqs):
+    yield from ((name, make_policy(name)) for name in POLICIES if name != "learned")
+    yield "learned", LearnedPolicy(small_model())
+    yield "belady", BeladyPolicy(reqs.steps)
+
+
+def test_policies_respect_slots_and_pins_on_random_traces():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        n_experts, k = int(rng.integers(4, 20)), int(rng.integers(1, 5))
+        slots = int(rng.integers(k, n_experts + 1))
+        decode = rng.random(60) < 0.8  # runs of prompt tokens: calls split into passes
+        routed = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(60)])
+        reqs = layer_requests(routed[:, None], decode, 0, slots)
+        assert all(len(s) <= slots for s in reqs.steps)
+        for name, policy in every_policy(reqs):
+            checked = Checked(policy)
+            on_step = (lambda i, p=policy: setattr(p, "step", i)) if name == "belady" else None
+            counts = replay(reqs, slots, checked, on_step)
+            assert counts.sum() == sum(len(s) for s in reqs.steps), name
+            assert counts[:, 1].sum() - len(checked.victims) <= slots, name  # loads fill slots
+
+
+def test_replay_refuses_a_policy_that_evicts_a_pinned_expert():
+    class Pinned(cache.LRUPolicy):
+        def victim(self, pinned):
+            return list(pinned)[0]
+
+    with pytest.raises(RuntimeError, match="not a resident, unpinned expert"):
+        replay(requests([0, 1], [2, 3]), 3, Pinned())
+
+
+def test_forward_calls_follow_mlx_lm_prefill():
+    decode = np.array([False] * 5 + [True] * 3)
+    assert forward_calls(decode) == [slice(0, 5), slice(5, 6), slice(6, 7), slice(7, 8)]
+
+
+@pytest.fixture(scope="module")
+def large_pack(packs):
+    return Pack.open(packs["qwen3_moe_large"]["hf"])
+
+
+def recorded(pack, budget, policy, prompt_len=24, max_tokens=12):
+    """Generate with the real store; return its trace and counters."""
+    model, _ = edgemoe.load(pack.path, expert_budget=budget, cache_policy=policy)
+    store = model.expert_store
+    trace = store.start_trace()
+    prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
+    for _ in generate_step(prompt, model, max_tokens=max_tokens):
+        pass
+    routed = np.concatenate(trace.routed)
+    return dict(routed=routed, decode=np.concatenate(trace.decode),
+                expert_bytes=np.array(trace.expert_bytes)), store.stats
+
+
+@pytest.mark.parametrize("policy,budget", [
+    ("lru", 0.25), ("lru", "min"), ("s3fifo", 0.25), ("lfu", 0.25), ("lfuda", 0.25),
+])
+def test_replay_matches_the_stores_counters(large_pack, policy, budget):
+    if budget == "min":  # 2 slots: the prompt's distinct experts load in passes
+        budget = ExpertStore.minimum_budget(large_pack)
+    trace, stats = recorded(large_pack, budget, policy)
+    r = simulate(trace, budget, policy, num_experts=32)
+    assert (r.hits, r.loads) == (stats.hits, stats.loads)
+    assert r.bytes_read == stats.bytes_read and r.loads > 0 and r.hits > 0
+
+
+def test_learned_policy_round_trip(tmp_path):
+    rng = np.random.default_rng(2)
+    popular = rng.permutation(16)[:4]
+
+    def trace(n):  # a skewed router: four experts take half the picks
+        picks = [np.concatenate([rng.choice(popular, 1), rng.choice(16, 1)]) for _ in range(n)]
+        routed = np.array([p if p[0] != p[1] else [p[0], (p[0] + 1) % 16] for p in picks])
+        return dict(routed=routed[:, None], decode=np.ones(n, bool),
+                    expert_bytes=np.array([100]))
+
+    model = train_learned([trace(200), trace(200)], steps=200)
+    model.save(tmp_path / "policy.npz")
+    loaded = NextUseModel.load(tmp_path / "policy.npz")
+    test = trace(200)
+    reqs = layer_requests(test["routed"], test["decode"], 0, 4)
+    victims = []
+    for m in (model, loaded):
+        checked = Checked(LearnedPolicy(m))
+        replay(reqs, 4, checked)
+        victims.append(checked.victims)
+    assert victims[0] == victims[1] and len(victims[0]) > 50
+    learned = simulate(test, 0.25, "learned", 16, loaded)
+    lru = simulate(test, 0.25, "lru", 16)
+    assert learned.hits > lru.hits  # it learned that popular experts come back
+
+
+def test_learned_policy_in_the_registry(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "DEFAULT_LEARNED", tmp_path / "absent.npz")
+    with pytest.raises(FileNotFoundError, match="absent.npz: no learned cache policy.*train-learned"):
+        make_policy("learned")
+    small_model().save(tmp_path / "w.npz")
+    monkeypatch.setattr(cache, "DEFAULT_LEARNED", tmp_path / "w.npz")
+    assert isinstance(make_policy("learned"), LearnedPolicy)

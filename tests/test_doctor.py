@@ -1,0 +1,62 @@
+"""edgemoe.doctor: a pack's sizes and fit from its manifest, and a predicted decode rate."""
+
+import re
+
+import numpy as np
+import pytest
+
+from edgemoe import doctor
+from edgemoe.pack import Pack
+from edgemoe.store import ExpertStore
+
+
+@pytest.fixture(scope="module")
+def pack(packs):
+    return Pack.open(packs["qwen3_moe_large"]["hf"])
+
+
+def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
+    routed = np.random.default_rng(0).integers(0, 32, (40, 4, 2)).astype(np.int32)
+    routed[:, :, 1] = (routed[:, :, 0] + 1) % 32  # distinct top-2
+    trace = tmp_path / "t.npz"
+    np.savez(trace, routed=routed, decode=np.arange(40) >= 8, layers=np.arange(4),
+             expert_bytes=np.array([l.expert_bytes for l in pack.layers]))
+    memory = (pack.resident_bytes + pack.expert_bytes) / 1e9  # GB: room for ~85%
+    doctor.main(["--model", str(pack.path), "--memory", str(memory), "--trace", str(trace)])
+    out = capsys.readouterr().out
+    minimum = ExpertStore.minimum_budget(pack)
+    lines = {l.strip().split("  ")[0]: l for l in out.splitlines()}
+    assert doctor.fmt_bytes(minimum) in lines["minimum budget"]
+    assert doctor.fmt_bytes(pack.resident_bytes) in lines["resident"]
+    assert doctor.fmt_bytes(pack.expert_bytes) in lines["routed experts"]
+    assert doctor.fmt_bytes(pack.resident_bytes + pack.expert_bytes) in lines["total"]
+    assert re.search(r"disk .* [0-9.]+ GB/s from disk .* records cached\)", out), out
+    assert re.search(r"one expert [0-9.]+ ms .* resident [0-9.]+ ms/token", out), out
+    assert f"LRU replay of {trace}" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-8:]}
+    assert rows["25%"][1] == "8" and rows["100%"][1] == "32"  # slots per layer
+    assert float(rows["25%"][-2]) < float(rows["100%"][-2])  # more misses, slower
+    budget = int(re.search(r"fits with --expert-budget (\d+)", out).group(1))
+    assert minimum <= budget < pack.expert_bytes
+    assert pack.resident_bytes + budget <= memory * 1e9 * (1 - doctor.HEADROOM)
+
+
+def test_doctor_says_when_it_does_not_fit(pack, capsys):
+    doctor.main(["--model", str(pack.path), "--memory", "1MB"])
+    out = capsys.readouterr().out
+    assert "does not fit; needs at least" in out
+    assert "assumed slots / experts" in out  # no trace: the assumption is stated
+
+
+def test_prediction_adds_compute_and_reads(pack):
+    k, per_token = pack.top_k, sum(l.expert_bytes for l in pack.layers)
+    p = doctor.predict(pack, [1e-3] * 4, 2e-3, disk_rate=per_token * k / 4e-3, hit_rate=0.5)
+    assert p.compute_s == pytest.approx(k * 4e-3 + 2e-3)
+    assert p.read_s == pytest.approx(2e-3)
+    assert p.serial_tps == pytest.approx(1 / (p.compute_s + 2e-3))
+    assert doctor.predict(pack, [1e-3] * 4, 2e-3, 1e9, 1.0).read_s == 0
+
+
+def test_doctor_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="edgemoe.doctor: error: .*not an edgemoe pack"):
+        doctor.main(["--model", str(tmp_path)])
