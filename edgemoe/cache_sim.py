@@ -169,12 +169,19 @@ class Result:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
+def trace_experts(trace: Dict[str, np.ndarray]) -> int:
+    """Experts per layer: recorded in the trace, or (older traces) the largest id + 1."""
+    if "num_experts" in trace:
+        return int(trace["num_experts"].min())
+    return int(trace["routed"].max()) + 1
+
+
 def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
              num_experts: Optional[int] = None, model: Optional[NextUseModel] = None) -> Result:
     """Replay one trace through fresh pools, as one generation with a new store."""
     routed, decode = trace["routed"], trace["decode"].astype(bool)
     expert_bytes = trace["expert_bytes"].astype(np.int64)
-    num_experts = num_experts or int(routed.max()) + 1
+    num_experts = num_experts or trace_experts(trace)
     slots = slots_for(budget, expert_bytes, num_experts, routed.shape[-1])
     result = Result(policy, str(budget), slots, *[0] * 6, decode_tokens=int(decode.sum()))
     for layer in range(routed.shape[1]):
@@ -279,7 +286,7 @@ def train_learned(traces: List[Dict[str, np.ndarray]], max_rows: int = 20_000,
     xs, ys = [], []
     for trace in traces:
         routed, decode = trace["routed"], trace["decode"].astype(bool)
-        num_experts = int(routed.max()) + 1
+        num_experts = trace_experts(trace)
         for layer in range(routed.shape[1]):
             for slots in (num_experts // 8, num_experts // 4, num_experts // 2):
                 slots = max(slots, routed.shape[-1])

@@ -322,7 +322,8 @@ class ExpertStore:
     def start_trace(self) -> TraceRecorder:
         """Record the routing of every forward call from now on."""
         self.trace = TraceRecorder([l.index for l in self.pack.layers],
-                                   [l.expert_bytes for l in self.pack.layers])
+                                   [l.expert_bytes for l in self.pack.layers],
+                                   [l.num_experts for l in self.pack.layers])
         return self.trace
 
     def close(self):

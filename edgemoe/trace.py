@@ -7,6 +7,7 @@ A trace is a compressed numpy archive (.npz):
     decode     bool  (n_tokens,)               False for prompt tokens, True for decoded
     predicted  int32 (n_tokens, n_layers, k')  predicted ids, when a predictor ran
     expert_bytes  int64 (n_layers,)            bytes of one expert record per layer
+    num_experts   int32 (n_layers,)            routed experts per layer
 
 Tokens are in the order the model saw them; a batch of several sequences is
 recorded sequence by sequence for each forward call.
@@ -21,9 +22,10 @@ import numpy as np
 class TraceRecorder:
     """Collects the routing of every forward call; `save()` writes the .npz."""
 
-    def __init__(self, layers: List[int], expert_bytes: List[int]):
+    def __init__(self, layers: List[int], expert_bytes: List[int], num_experts: List[int]):
         self.layers = list(layers)
         self.expert_bytes = list(expert_bytes)
+        self.num_experts = list(num_experts)
         self._pending: Dict[int, np.ndarray] = {}
         self._predicted: Dict[int, np.ndarray] = {}
         self.routed: List[np.ndarray] = []
@@ -56,6 +58,7 @@ class TraceRecorder:
             routed=np.concatenate(self.routed).astype(np.int32),
             decode=np.concatenate(self.decode),
             expert_bytes=np.array(self.expert_bytes, dtype=np.int64),
+            num_experts=np.array(self.num_experts, dtype=np.int32),
         )
         if self.predicted:
             arrays["predicted"] = np.concatenate(self.predicted).astype(np.int32)
