@@ -364,7 +364,7 @@ def main(argv=None):
             raise ValueError(f"cache policy {', '.join(sorted(unknown))}: choose from "
                              f"{', '.join(POLICIES)}, belady")
         model = NextUseModel.load(args.learned) if "learned" in policies else None
-        num_experts = args.num_experts or max(int(t["routed"].max()) + 1 for t in traces)
+        num_experts = args.num_experts or max(trace_experts(t) for t in traces)
         results = run(traces, args.budget.split(","), policies, num_experts, model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.cache_sim: error: {e}")

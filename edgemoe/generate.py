@@ -20,7 +20,9 @@ DEFAULT_MAX_TOKENS = 100
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text, streaming MoE experts from disk.")
-    p.add_argument("--model", type=str, required=True, help="An edgemoe pack folder")
+    p.add_argument("--model", type=str, default=None,
+                   help="An edgemoe pack or mlx-lm quantized checkpoint "
+                        "(default: the reference MoE bundled with edgemoe)")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                    help="Message to be processed by the model ('-' reads from stdin)")
     p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS)

@@ -15,6 +15,7 @@ from .predictor import NextRouterPredictor
 from .store import ExpertStore
 
 ROUTING_MODES = ("native", "advisory")
+DEFAULT_MODEL = Path(__file__).parent / "models" / "reference"  # bundled with the package
 
 
 def open_source(path: Path) -> Pack:
@@ -23,7 +24,7 @@ def open_source(path: Path) -> Pack:
 
 
 def load(
-    path_or_hf_repo: str,
+    path_or_hf_repo: Optional[str] = None,
     expert_budget=1.0,
     tokenizer_config: Optional[Dict[str, Any]] = None,
     model_config: Optional[Dict[str, Any]] = None,
@@ -37,7 +38,7 @@ def load(
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
     `path_or_hf_repo` is an edgemoe pack, or an mlx-lm quantized checkpoint, read in
-    place. `expert_budget` is a fraction of all routed-expert bytes (0.25), a byte
+    place; by default the small reference MoE bundled with edgemoe. `expert_budget` is a fraction of all routed-expert bytes (0.25), a byte
     count, or a string such as "25%" or "2GB". `routing` is "native" (the model's own
     router, loads on demand) or "advisory" (a predictor prefetches the next layer's
     experts; the router still decides, so outputs are the same). `io` is "buffered"
@@ -49,7 +50,7 @@ def load(
     """
     if routing not in ROUTING_MODES:
         raise ValueError(f"routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
-    path = Path(path_or_hf_repo)
+    path = Path(path_or_hf_repo) if path_or_hf_repo is not None else DEFAULT_MODEL
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model folder")
     config_path = path / "config.json"
