@@ -134,7 +134,8 @@ class LayerSlots:
         self.state = np.full(num_slots, FREE, dtype=np.int8)
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.policy = make_policy(policy)
-        self.pending_prediction: Optional[set] = None
+        self.pending_prediction: Optional[set] = None  # for this layer's next call
+        self.next_prediction: Optional[set] = None  # for the call after
 
     def ensure(self, experts: np.ndarray) -> np.ndarray:
         wanted = experts.tolist()
@@ -173,17 +174,25 @@ class LayerSlots:
         with self.lock:
             self.state[self.state == IN_USE] = READY
 
-    def prefetch(self, experts: np.ndarray):
-        """Start reading `experts` (a prediction) if slots can be had without waiting."""
+    def prefetch(self, experts: np.ndarray, lead: int = 0):
+        """Start reading `experts` (a prediction) if slots can be had without waiting.
+
+        `lead` is how many of this layer's calls pass before the predicted one: 0 for a
+        prediction about the current token, 1 for one about the next token.
+        """
         new = []
+        predicted = set(experts.tolist())
         with self.lock:
-            self.pending_prediction = set(experts.tolist())
+            if lead == 0:
+                self.pending_prediction = predicted
+            else:
+                self.next_prediction = predicted
             for e in experts.tolist():
                 if self.slot_of[e] >= 0:
                     continue
-                if not self._has_room(pinned=self.pending_prediction):
+                if not self._has_room(pinned=predicted):
                     break
-                new.append(self._start_fill(e, pinned=self.pending_prediction))
+                new.append(self._start_fill(e, pinned=predicted))
             self.stats.prefetches += len(new)
         if new:
             self.store.reader.submit(new)
@@ -193,7 +202,7 @@ class LayerSlots:
             self.stats.predicted += len(self.pending_prediction)
             self.stats.predicted_used += len(self.pending_prediction.intersection(wanted))
             self.stats.needed += len(wanted)
-            self.pending_prediction = None
+        self.pending_prediction, self.next_prediction = self.next_prediction, None
 
     def _wait(self, fills, raise_errors=True):
         tic = time.perf_counter()
@@ -316,8 +325,9 @@ class ExpertStore:
         """Let the predictor see a layer's input and routing; prefetch what it predicts."""
         if self.predictor is None:
             return
+        lead = 0 if getattr(self.predictor, "same_token", True) else 1
         for target, ids in self.predictor.predict(layer_index, hidden, routed).items():
-            self.by_index[target].prefetch(np.unique(ids))
+            self.by_index[target].prefetch(np.unique(ids), lead)
 
     def start_trace(self) -> TraceRecorder:
         """Record the routing of every forward call from now on."""
