@@ -40,6 +40,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default="native", choices=ROUTING_MODES,
                    help="native: the router decides, experts load on demand; advisory: "
                         "the next layer's experts are prefetched, same output")
+    p.add_argument("--prerouter", default=None,
+                   help="Trained prerouter heads to predict with (advisory routing)")
     p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
                    help="direct: O_DIRECT reads that bypass the page cache")
     p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
@@ -59,7 +61,8 @@ def main(argv=None):
     try:
         model, tokenizer = load(args.model, expert_budget=args.expert_budget,
                                 adapter_path=args.adapter_path, routing=args.routing,
-                                cache_policy=args.cache_policy, io=args.io)
+                                cache_policy=args.cache_policy, io=args.io,
+                                prerouter_path=args.prerouter)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.generate: error: {e}")
 

@@ -29,6 +29,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                     draft_model=None, **kwargs) -> Generator[GenerationResponse, None, None]:
     """`mlx_lm.stream_generate`, with expert statistics on every response."""
     store = getattr(model, "expert_store", None)
+    if store:
+        store.reset()  # a new request: no previous token
     snapshot = store.snapshot if store else ExpertStats
     start = snapshot()
     after_prompt = None

@@ -12,6 +12,7 @@ from .families import check_supported
 from .inplace import open_mlx_lm
 from .pack import MANIFEST, Pack
 from .predictor import NextRouterPredictor
+from .prerouter import PrerouterPredictor, load_prerouter, moe_blocks
 from .store import ExpertStore
 
 ROUTING_MODES = ("native", "advisory")
@@ -34,6 +35,7 @@ def load(
     routing: str = "native",
     cache_policy: str = DEFAULT_POLICY,
     io: str = "buffered",
+    prerouter_path: Optional[str] = None,
 ):
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
@@ -42,7 +44,9 @@ def load(
     count, or a string such as "25%" or "2GB". `routing` is "native" (the model's own
     router, loads on demand) or "advisory" (a predictor prefetches the next layer's
     experts; the router still decides, so outputs are the same). `io` is "buffered"
-    or "direct" (O_DIRECT, bypassing the page cache).
+    or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names trained
+    prerouter heads (edgemoe.train_prerouter) to predict with in advisory mode instead
+    of the next layer's router.
 
     The model is mlx-lm's own class for the family with each MoE block's expert
     module streaming from disk; it works with mlx-lm's generate_step, samplers and
@@ -73,7 +77,11 @@ def load(
     model, config = load_model(path, lazy, model_config=model_config,
                                get_model_classes=streaming_classes)
     model.expert_store = store
-    if routing == "advisory":
+    if prerouter_path is not None and routing != "advisory":
+        raise ValueError("prerouter heads serve advisory routing for now; pass routing='advisory'")
+    if routing == "advisory" and prerouter_path is not None:
+        store.predictor = PrerouterPredictor(load_prerouter(prerouter_path), moe_blocks(model))
+    elif routing == "advisory":
         store.predictor = NextRouterPredictor(blocks)
     if adapter_path is not None:
         model = load_adapters(model, adapter_path)

@@ -329,6 +329,11 @@ class ExpertStore:
         for target, ids in self.predictor.predict(layer_index, hidden, routed).items():
             self.by_index[target].prefetch(np.unique(ids), lead)
 
+    def reset(self):
+        """Forget per-request state (a predictor's memory of the previous token)."""
+        if hasattr(self.predictor, "reset"):
+            self.predictor.reset()
+
     def start_trace(self) -> TraceRecorder:
         """Record the routing of every forward call from now on."""
         self.trace = TraceRecorder([l.index for l in self.pack.layers],

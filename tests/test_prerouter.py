@@ -1,0 +1,253 @@
+"""Prerouter heads: the family's routing math, save/load, deterministic training, and
+advisory prefetch with the trained heads staying bit-identical to native routing."""
+
+import dataclasses
+import pydoc
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load as mlx_lm_load
+
+import edgemoe
+from edgemoe import train_prerouter
+from edgemoe.prerouter import (PredictedGate, Prerouter, PrerouterConfig, PrerouterPredictor,
+                               gate_logits, load_prerouter, moe_blocks, routing_from_logits,
+                               restrict_logits, save_prerouter, top_k)
+
+from conftest import FAMILIES
+
+
+def new_prerouter(model, model_type, seed=0, **options):
+    mx.random.seed(seed)
+    blocks = moe_blocks(model)
+    config = PrerouterConfig.for_model(model_type, model.args.hidden_size, blocks,
+                                       head_hidden=32, **options)
+    return Prerouter(config), blocks
+
+
+def inputs(model, blocks, layer, length=7, seed=1):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((1, length, model.args.hidden_size)).astype(np.float32))
+    return x, routing_from_logits(blocks[layer], gate_logits(blocks[layer], x))[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_shapes(packs, family):
+    model, _ = edgemoe.load(packs[family]["hf"])
+    prerouter, blocks = new_prerouter(model, family)
+    layers = sorted(blocks)
+    assert prerouter.config.targets == layers[1:]
+    assert prerouter.config.native_layers == layers[:1]
+    assert all(prerouter.config.sources[b] == a for a, b in zip(layers, layers[1:]))
+    for target, source in prerouter.config.sources.items():
+        x, now = inputs(model, blocks, source)
+        logits = prerouter.logits(target, x, now, now)
+        assert logits.shape == (1, 7, prerouter.config.num_experts)
+        inds, weights = prerouter.route(target, blocks[target], x, now)
+        assert inds.shape == weights.shape == (1, 7, top_k(blocks[target]))
+        assert 0 <= mx.min(inds).item() and mx.max(inds).item() < prerouter.config.num_experts
+
+
+class RevealWeights(nn.Module):
+    """An expert module whose output row j is the unit vector e_j: the block's weighted
+    sum of expert outputs then holds the routing weights in its first k entries."""
+
+    def __call__(self, x, indices):
+        self.indices = indices
+        unit = (mx.arange(x.shape[-1])[None] == mx.arange(indices.shape[-1])[:, None])
+        return mx.broadcast_to(unit.astype(x.dtype), (*indices.shape, x.shape[-1]))
+
+
+def native_routing(block, x):
+    """The indices and weights the block itself routes `x` with, read off its output."""
+    reveal, expert_module = RevealWeights(), block.switch_mlp
+    config = getattr(block, "config", None)
+    block.switch_mlp = reveal
+    if config is not None:  # DeepSeek: leave the shared expert out of the sum
+        block.config = dataclasses.replace(config, n_shared_experts=None)
+    try:
+        y = block(x)
+    finally:
+        block.switch_mlp = expert_module
+        if config is not None:
+            block.config = config
+    k = reveal.indices.shape[-1]
+    return reveal.indices, y.reshape(*reveal.indices.shape[:-1], -1)[..., :k]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_from_native_logits_is_native(checkpoints, family):
+    model, _ = mlx_lm_load(str(checkpoints[family][1]))
+    blocks = moe_blocks(model)
+    for layer, block in blocks.items():
+        x, _ = inputs(model, blocks, layer, length=9, seed=layer)
+        x = x * 4  # spread the router logits so that no two tie
+        native_inds, native_weights = native_routing(block, x)
+        inds, weights = routing_from_logits(block, gate_logits(block, x))
+        assert mx.array_equal(inds.reshape(native_inds.shape), native_inds), (family, layer)
+        assert mx.array_equal(weights.reshape(native_weights.shape), native_weights)
+        # and it really is the family's math: other logits route elsewhere
+        other, _ = routing_from_logits(block, -gate_logits(block, x))
+        assert not mx.array_equal(other.reshape(native_inds.shape), native_inds)
+
+
+def test_save_load_round_trip(packs, tmp_path):
+    model, _ = edgemoe.load(packs["deepseek_v3"]["hf"])
+    prerouter, blocks = new_prerouter(model, "deepseek_v3", native_layers=[3])
+    save_prerouter(prerouter, tmp_path / "prerouter")
+    loaded = load_prerouter(tmp_path / "prerouter")
+    assert loaded.config == prerouter.config
+    assert loaded.config.predicted_layers == [2]
+    for target, source in prerouter.config.sources.items():
+        x, now = inputs(model, blocks, source)
+        assert mx.array_equal(loaded.logits(target, x, now, now[:, ::-1]),
+                              prerouter.logits(target, x, now, now[:, ::-1]))
+    with pytest.raises(FileNotFoundError, match="prerouter_config.json"):
+        load_prerouter(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("\n".join(pydoc.getdoc(o) for o in (dict, str, list, set, pytest)))
+    return path
+
+
+def train_args(checkpoints, text_file, out, **changes):
+    args = dict(model=str(checkpoints["qwen3_moe"][1]), data=str(text_file), out=str(out),
+                eval_data=None, hidden=32, epochs=2, seed=0, same_token=False,
+                native_layers="", context=32, batch_size=16, lr=1e-3, max_steps=12,
+                max_train_tokens=1200, max_eval_tokens=0)
+    args.update(changes)
+    return train_prerouter.argparse.Namespace(**args)
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    report = train_prerouter.run(train_args(checkpoints, text_file, out))
+    return out, report
+
+
+def weights(folder):
+    return mx.load(str(folder / "prerouter.safetensors"))
+
+
+def test_training_is_deterministic_and_resumable(checkpoints, text_file, trained, tmp_path):
+    out, report = trained
+    assert report["variant"] == "next_token" and len(report["train_loss"]) == 2
+    assert report["train_loss"][1] < report["train_loss"][0]
+    for layer in report["layers"]:
+        for key in ("head", "baseline_next_token", "baseline_same_token"):
+            assert 0.0 <= layer[key]["exact"] <= layer[key]["recall"] <= 1.0
+    first = weights(out / "prerouter")
+
+    again = tmp_path / "again"  # from scratch in two runs: one epoch, then resumed
+    train_prerouter.run(train_args(checkpoints, text_file, again, epochs=1))
+    train_prerouter.run(train_args(checkpoints, text_file, again))
+    second = weights(again / "prerouter")
+    assert first.keys() == second.keys()
+    assert all(mx.array_equal(first[k], second[k]) for k in first)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "features").symlink_to(out / "features")
+    train_prerouter.run(train_args(checkpoints, text_file, other, seed=1))
+    third = weights(other / "prerouter")
+    assert not all(mx.array_equal(first[k], third[k]) for k in first)
+
+
+def test_predictor_carries_the_previous_token(packs):
+    """Token by token or all at once, the heads see the same t-1 routing."""
+    model, _ = edgemoe.load(packs["olmoe"]["hf"])
+    prerouter, blocks = new_prerouter(model, "olmoe", same_token=True)
+    predictor = PrerouterPredictor(prerouter, blocks)
+    source, target = 1, 2
+    x, now = inputs(model, blocks, source, length=6)
+    whole = predictor.predict(source, x, np.array(now))[target]
+    predictor.reset()
+    steps = [predictor.predict(source, x[:, i:i + 1], np.array(now[:, i:i + 1]))[target]
+             for i in range(6)]
+    assert np.array_equal(np.concatenate(steps, axis=1), whole)
+    predictor.reset()  # a new request starts with no previous token
+    first = predictor.predict(source, x[:, :1], np.array(now[:, :1]))[target]
+    assert np.array_equal(first, whole[:, :1])
+    shifted = predictor.predict(source, x[:, :1], np.array(now[:, :1]))[target]
+    expected, _ = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
+    assert np.array_equal(shifted, np.array(expected))
+
+
+def decode_logits(model, tokens, steps=16):
+    cache = make_prompt_cache(model)
+    out = model(tokens[None], cache=cache)
+    logits = [out[0]]
+    for _ in range(steps):
+        out = model(mx.argmax(out[:, -1], -1)[None], cache=cache)
+        logits.append(out[0])
+    return mx.concatenate(logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_advisory_with_prerouter_is_exact(packs, trained, family):
+    tokens = mx.array(np.random.default_rng(3).integers(3, 500, 24))
+    native, _ = edgemoe.load(packs[family]["hf"], expert_budget=0.5, routing="native")
+    expected = decode_logits(native, tokens)
+    model, _ = edgemoe.load(packs[family]["hf"], expert_budget=0.5, routing="advisory")
+    blocks = moe_blocks(model)
+    if family == "qwen3_moe":  # the heads trained on this model, through load()
+        model, _ = edgemoe.load(packs[family]["hf"], expert_budget=0.5, routing="advisory",
+                                prerouter_path=trained[0] / "prerouter")
+        predictor = model.expert_store.predictor
+        blocks = moe_blocks(model)
+    else:
+        prerouter, _ = new_prerouter(model, family)
+        predictor = PrerouterPredictor(prerouter, blocks)
+        model.expert_store.predictor = predictor
+    got = decode_logits(model, tokens)
+    assert mx.array_equal(got, expected)
+    stats = model.expert_store.snapshot()
+    assert stats.predicted > 0 and stats.prefetches > 0  # the heads did steer reads
+    assert set(predictor.previous) == set(blocks)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_predicted_gate_routes_by_the_given_logits(checkpoints, family):
+    """With the native logits as the prediction, a block gives its native output bit
+    for bit; with other logits, other output; with none pending, native again."""
+    model, _ = mlx_lm_load(str(checkpoints[family][1]))
+    blocks = moe_blocks(model)
+    layer = sorted(blocks)[-1]
+    block = blocks[layer]
+    x, _ = inputs(model, blocks, layer, length=5)
+    native = block(x)
+    logits = gate_logits(block, x)
+    block.gate = PredictedGate(block.gate)
+    try:
+        assert routing_from_logits(block, logits)[0].shape[-1] == top_k(block)
+        block.gate.set_prediction(logits)
+        assert mx.array_equal(block(x), native)
+        assert block.gate.predicted is None and "predicted" not in block.gate
+        block.gate.set_prediction(-logits)
+        assert not mx.array_equal(block(x), native)
+        assert mx.array_equal(block(x), native)
+    finally:
+        block.gate = block.gate.native
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_restricted_routing_stays_in_the_allowed_set(checkpoints, family):
+    model, _ = mlx_lm_load(str(checkpoints[family][1]))
+    blocks = moe_blocks(model)
+    layer = sorted(blocks)[-1]
+    block = blocks[layer]
+    x, native = inputs(model, blocks, layer, length=5)
+    logits = gate_logits(block, x)
+    same = routing_from_logits(block, restrict_logits(logits, native))
+    assert mx.array_equal(mx.sort(same[0], -1), mx.sort(native, -1))
+    others = mx.array(np.setdiff1d(np.arange(logits.shape[-1]), np.array(native[0, 0])))
+    inds, weights = routing_from_logits(block, restrict_logits(logits[:, :1], others[None, None]))
+    assert not np.isin(np.array(inds), np.array(native[0, 0])).any()
+    assert mx.all(mx.isfinite(weights)).item()
