@@ -4,6 +4,7 @@
     python -m edgemoe.eval --text heldout.txt --model HF_DIR --model PACK,budget=0.25
 
 A configuration is a path and options: `budget=` (expert budget of a pack),
+`routing=` (native, advisory, prerouted, prerouted-set), `prerouter=` (heads folder),
 `adapter=` (adapter folder). An edgemoe pack (it has manifest.json) loads with
 edgemoe.load; any other folder (a Hugging Face or mlx-lm checkpoint) with mlx_lm.load,
 fully resident. With two configurations it reports, token by token over the same
@@ -26,6 +27,9 @@ from .pack import MANIFEST
 from .trace import routing_stats as trace_routing_stats
 
 
+OPTIONS = ("budget", "routing", "prerouter", "adapter")
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -37,8 +41,9 @@ class ModelConfig:
         options = {}
         for opt in opts:
             key, sep, value = opt.partition("=")
-            if not sep or key not in ("budget", "adapter"):
-                raise ValueError(f"model option {opt!r}: expected budget=... or adapter=...")
+            if not sep or key not in OPTIONS:
+                raise ValueError(f"model option {opt!r}: expected one of "
+                                 f"{', '.join(k + '=' for k in OPTIONS)}")
             options[key] = value
         return cls(path, options)
 
@@ -47,9 +52,12 @@ class ModelConfig:
             from .loader import load
 
             return load(self.path, expert_budget=self.options.get("budget", "1.0"),
-                        adapter_path=self.options.get("adapter"))
-        if "budget" in self.options:
-            raise ValueError(f"{self.path}: budget= applies to edgemoe packs only")
+                        adapter_path=self.options.get("adapter"),
+                        routing=self.options.get("routing", "native"),
+                        prerouter_path=self.options.get("prerouter"))
+        if set(self.options) - {"adapter"}:
+            raise ValueError(f"{self.path}: budget=, routing= and prerouter= apply to "
+                             f"edgemoe packs only")
         from mlx_lm import load
 
         return load(self.path, adapter_path=self.options.get("adapter"))
@@ -67,6 +75,9 @@ def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
 
 
 def log_probs(model, window: np.ndarray) -> mx.array:
+    store = getattr(model, "expert_store", None)
+    if store is not None:
+        store.reset()  # each window is a new sequence
     logits = model(mx.array(window[None, :-1]))[0].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -117,7 +128,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", required=True, help="A UTF-8 text file")
     p.add_argument("--model", action="append", required=True,
-                   help="PATH[,budget=X][,adapter=DIR]; give two to compare them")
+                   help="PATH[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
+                        "give two to compare them")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
     p.add_argument("--routing-stats", action="store_true",

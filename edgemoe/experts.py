@@ -47,7 +47,9 @@ class StreamingExperts(nn.Module):
         rows, outs = [], []
         for start in range(0, len(experts), self.slots.num_slots):
             group = experts[start:start + self.slots.num_slots]
-            slot_of = self.slots.ensure(group)
+            slot_of = self.slots.ensure(group, new_call=start == 0)
+            if start == 0:
+                self.slots.store.advise(self.slots.layer.index, x, ids)
             row = np.flatnonzero(np.isin(flat_ids, group))
             slots = slot_of[flat_ids[row]].astype(np.uint32)[:, None]
             y = self.slots.pool(tokens[mx.array(row // k)], mx.array(slots))

@@ -39,9 +39,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(25%%) or a size (2GB)")
     p.add_argument("--routing", default="native", choices=ROUTING_MODES,
                    help="native: the router decides, experts load on demand; advisory: "
-                        "the next layer's experts are prefetched, same output")
+                        "the next layer's experts are prefetched, same output; prerouted: "
+                        "the prerouter's prediction is the routing (needs --prerouter); "
+                        "prerouted-set: the predicted experts, native weights")
     p.add_argument("--prerouter", default=None,
-                   help="Trained prerouter heads to predict with (advisory routing)")
+                   help="Trained prerouter heads (edgemoe.train_prerouter --out DIR: DIR/prerouter)")
     p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
                    help="direct: O_DIRECT reads that bypass the page cache")
     p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),

@@ -75,4 +75,5 @@ def print_stats(r: GenerationResponse):
               f"read {e.read_gbps:.2f} GB/s while reading")
         if e.predicted:
             print(f"Prefetch: precision {e.precision:.1%}, recall {e.recall:.1%}, "
-                  f"{e.prefetches} fills ahead, {e.late_fills} arrived late")
+                  f"{e.prefetches} fills ahead, {e.late_fills} arrived late, "
+                  f"{e.on_demand} loaded on demand")

@@ -12,10 +12,10 @@ from .families import check_supported
 from .inplace import open_mlx_lm
 from .pack import MANIFEST, Pack
 from .predictor import NextRouterPredictor
-from .prerouter import PrerouterPredictor, load_prerouter, moe_blocks
+from .prerouter import PreroutedPredictor, PrerouterPredictor, load_prerouter, moe_blocks
 from .store import ExpertStore
 
-ROUTING_MODES = ("native", "advisory")
+ROUTING_MODES = ("native", "advisory", "prerouted", "prerouted-set")
 DEFAULT_MODEL = Path(__file__).parent / "models" / "reference"  # bundled with the package
 
 
@@ -40,10 +40,11 @@ def load(
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
     `path_or_hf_repo` is an edgemoe pack, or an mlx-lm quantized checkpoint, read in
-    place; by default the small reference MoE bundled with edgemoe. `expert_budget` is a fraction of all routed-expert bytes (0.25), a byte
-    count, or a string such as "25%" or "2GB". `routing` is "native" (the model's own
-    router, loads on demand) or "advisory" (a predictor prefetches the next layer's
-    experts; the router still decides, so outputs are the same). `io` is "buffered"
+XX `routing` is "native" (the model's own
+    router, loads on demand), "advisory" (a predictor prefetches the next layer's
+    experts; the router still decides, so outputs are the same), "prerouted" (the
+    prerouter heads' prediction is the routing, read a whole token ahead) or
+    "prerouted-set" (the predicted experts, weighed by the native router). `io` is "buffered"
     or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names trained
     prerouter heads (edgemoe.train_prerouter) to predict with in advisory mode instead
     of the next layer's router.
@@ -77,9 +78,13 @@ def load(
     model, config = load_model(path, lazy, model_config=model_config,
                                get_model_classes=streaming_classes)
     model.expert_store = store
-    if prerouter_path is not None and routing != "advisory":
-        raise ValueError("prerouter heads serve advisory routing for now; pass routing='advisory'")
-    if routing == "advisory" and prerouter_path is not None:
+    if routing.startswith("prerouted"):
+        if prerouter_path is None:
+            raise ValueError(f"routing {routing!r} needs prerouter heads: pass prerouter_path "
+                             f"(python -m edgemoe.train_prerouter makes them)")
+        store.predictor = PreroutedPredictor(load_prerouter(prerouter_path), moe_blocks(model),
+                                             confine=routing == "prerouted-set")
+    elif routing == "advisory" and prerouter_path is not None:
         store.predictor = PrerouterPredictor(load_prerouter(prerouter_path), moe_blocks(model))
     elif routing == "advisory":
         store.predictor = NextRouterPredictor(blocks)

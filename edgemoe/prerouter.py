@@ -105,13 +105,15 @@ def uses_sigmoid(block: nn.Module) -> bool:
 
 
 class PredictedGate(nn.Module):
-    """Stands in for a MoE block's gate so that the block routes by predicted logits.
+    """Stands in for a MoE block's gate so that the block routes by a prediction.
 
-    Call `set_prediction(logits)` (router logits for the block's input tokens, (..., E))
-    before the block runs: the gate returns what the native gate returns for those
-    logits (the logits themselves, or DeepSeek's (indices, weights)); the block's code does
-    the rest of its routing math, so predicted routing differs from native only by the
-    logits. A prediction is used once; with none pending the native router decides.
+    `set_prediction(logits)`: router logits for the block's input tokens, (..., E); the
+    gate returns what the native gate returns for those logits (the logits themselves,
+    or DeepSeek's (indices, weights)), and the block's own code does the rest of its
+    routing math. `set_prediction(allowed=ids)`: the native router, confined to the
+    predicted experts (..., m). Rows of NaN logits or of ids -1 (no prediction: the
+    first token of a sequence) route natively. A prediction is used once; with none
+    pending the native router decides.
     """
 
     def __init__(self, native: nn.Module):
@@ -119,15 +121,25 @@ class PredictedGate(nn.Module):
         self.native = native
         self.set_prediction(None)
 
-    def set_prediction(self, logits: Optional[mx.array]):
-        object.__setattr__(self, "predicted", logits)  # a plain attribute, not a parameter
+    def set_prediction(self, logits: Optional[mx.array] = None,
+                       allowed: Optional[mx.array] = None):
+        # plain attributes, not parameters
+        object.__setattr__(self, "predicted", logits)
+        object.__setattr__(self, "allowed", allowed)
 
     def __call__(self, x: mx.array):
-        logits = self.predicted
+        predicted, allowed = self.predicted, self.allowed
         self.set_prediction(None)
-        if logits is None:
+        if predicted is None and allowed is None:
             return self.native(x)
-        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])  # OLMoE flattens tokens
+        native = x @ self.native.weight.T if isinstance(self.native, MoEGate) else self.native(x)
+        if allowed is not None:
+            allowed = allowed.reshape(*x.shape[:-1], allowed.shape[-1])
+            confined = restrict_logits(native, allowed)
+            logits = mx.where(allowed[..., :1] < 0, native, confined)
+        else:
+            predicted = predicted.reshape(*x.shape[:-1], predicted.shape[-1])  # OLMoE flattens
+            logits = mx.where(mx.isnan(predicted), native, predicted.astype(native.dtype))
         if isinstance(self.native, MoEGate):
             return _group_select(self.native, logits)
         return logits
@@ -308,3 +320,65 @@ class PrerouterPredictor:
             inds, _ = self.prerouter.route(target, self.blocks[target], xs, nows, prevs)
             predictions[target] = np.array(inds)
         return predictions
+
+
+class PreroutedPredictor(PrerouterPredictor):
+    """Predicted routing: the heads' prediction *is* the routing of the predicted layers.
+
+    Run at MoE layer l on token t, a next-token head gives layer l+1's logits for token
+    t+1. Within one call (a prompt of L tokens) position p routes by the prediction made
+    at position p-1; the call's last prediction is kept for the next call's first token
+    and its experts are returned, so the store reads them a whole token ahead. The first
+    token of a sequence, and the configured native layers, route natively.
+    `confine=True` is `prerouted-set`: the predicted set, weighed by the native router.
+    """
+
+    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False):
+        if prerouter.config.same_token:
+            raise ValueError("prerouted routing needs next-token heads (trained without "
+                             "--same-token)")
+        super().__init__(prerouter, blocks)
+        self.confine = confine
+        self.predicted_layers = set(prerouter.config.predicted_layers)
+        for target in self.predicted_layers:
+            if not isinstance(blocks[target].gate, PredictedGate):
+                blocks[target].gate = PredictedGate(blocks[target].gate)
+        self.carry: Dict[int, mx.array] = {}  # target -> (B, 1, E) logits for the next call
+
+    def reset(self):
+        super().reset()
+        self.carry.clear()
+
+    def predict(self, layer, hidden, routed):
+        targets = self.targets_of.get(layer, [])
+        if hidden.ndim == 2:  # a block that flattens its tokens (OLMoE): one sequence
+            hidden = hidden[None]
+        x = hidden.reshape(hidden.shape[0], -1, hidden.shape[-1])
+        k = routed.shape[-1]
+        now = mx.array(routed.reshape(x.shape[0], x.shape[1], k).astype(np.int32))
+        last = self.previous.get(layer)
+        if last is None or last.shape != (x.shape[0], k):
+            last = mx.full((x.shape[0], k), -1, dtype=mx.int32)
+        prev = mx.concatenate([last[:, None], now[:, :-1]], axis=1)
+        self.previous[layer] = now[:, -1]
+        ahead = {}
+        for target in targets:
+            logits = self.prerouter.logits(target, x, now, prev)  # (B, L, E): position p+1
+            if target not in self.predicted_layers:
+                ahead[target] = np.array(routing_from_logits(self.blocks[target],
+                                                             logits[:, -1])[0])
+                continue
+            first = self.carry.get(target)
+            if first is None or first.shape[0] != x.shape[0]:
+                first = mx.full((x.shape[0], 1, logits.shape[-1]), mx.nan)
+            shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
+            self.carry[target] = logits[:, -1:]
+            block = self.blocks[target]
+            if self.confine:
+                inds = routing_from_logits(block, mx.nan_to_num(shifted, nan=0.0))[0]
+                inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
+                block.gate.set_prediction(allowed=inds)
+            else:
+                block.gate.set_prediction(shifted)
+            ahead[target] = np.array(routing_from_logits(block, logits[:, -1])[0])
+        return ahead

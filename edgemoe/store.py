@@ -65,6 +65,7 @@ class ExpertStats:
     predicted_used: int = 0  # ... of which the router chose
     needed: int = 0  # experts needed at layers that had a prediction
     read_busy_s: float = 0.0  # wall time with a read in flight
+    on_demand: int = 0  # fills started only when compute asked (nothing predicted them)
 
     @property
     def hit_rate(self) -> float:
@@ -136,13 +137,16 @@ class LayerSlots:
         self.policy = make_policy(policy)
         self.pending_prediction: Optional[set] = None  # for this layer's next call
         self.next_prediction: Optional[set] = None  # for the call after
+        self.on_demand = 0
 
-    def ensure(self, experts: np.ndarray) -> np.ndarray:
+    def ensure(self, experts: np.ndarray, new_call: bool = True) -> np.ndarray:
+        """`new_call=False` for the later passes of one call (more experts than slots)."""
         wanted = experts.tolist()
         assert len(wanted) <= self.num_slots
         waits, missing = [], []
         with self.lock:
-            self._score_prediction(wanted)
+            if new_call:
+                self._score_prediction(wanted)
             for e in wanted:
                 slot = self.slot_of[e]
                 if slot >= 0 and self.state[slot] in (READY, IN_USE):
@@ -153,6 +157,8 @@ class LayerSlots:
                 else:
                     missing.append(e)
                 self.policy.touch(e)
+            self.stats.on_demand += len(missing)
+            self.on_demand += len(missing)
         while missing:
             new, in_flight = [], []
             with self.lock:
@@ -173,26 +179,37 @@ class LayerSlots:
     def release(self):
         with self.lock:
             self.state[self.state == IN_USE] = READY
+            # experts predicted for the next call that found no room, or that this
+            # call's own loads evicted: read them now, a call ahead still
+            missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
+        if missing:
+            self._fill_ahead(np.array(sorted(missing)))
 
     def prefetch(self, experts: np.ndarray, lead: int = 0):
-        """Start reading `experts` (a prediction) if slots can be had without waiting.
+        """Start reading `experts` (a prediction) where slots can be had without waiting.
 
         `lead` is how many of this layer's calls pass before the predicted one: 0 for a
-        prediction about the current token, 1 for one about the next token.
+        prediction about the current token, 1 for one about the next token. What finds
+        no room now is read as soon as this layer's current call releases its slots.
         """
-        new = []
-        predicted = set(experts.tolist())
         with self.lock:
             if lead == 0:
-                self.pending_prediction = predicted
+                self.pending_prediction = set(experts.tolist())
             else:
-                self.next_prediction = predicted
+                self.next_prediction = set(experts.tolist())
+        self._fill_ahead(experts)
+
+    def _fill_ahead(self, experts: np.ndarray):
+        new = []
+        with self.lock:
+            # the experts predicted for this layer's next call stay too
+            pinned = set(experts.tolist()) | (self.pending_prediction or set())
             for e in experts.tolist():
                 if self.slot_of[e] >= 0:
                     continue
-                if not self._has_room(pinned=predicted):
-                    break
-                new.append(self._start_fill(e, pinned=predicted))
+                if not self._has_room(pinned=pinned):
+                    break  # release() reads the rest once this layer's call is done
+                new.append(self._start_fill(e, pinned=pinned))
             self.stats.prefetches += len(new)
         if new:
             self.store.reader.submit(new)

@@ -251,3 +251,71 @@ def test_restricted_routing_stays_in_the_allowed_set(checkpoints, family):
     inds, weights = routing_from_logits(block, restrict_logits(logits[:, :1], others[None, None]))
     assert not np.isin(np.array(inds), np.array(native[0, 0])).any()
     assert mx.all(mx.isfinite(weights)).item()
+
+
+def decode_steps(model, prompt, steps=16):
+    """Prefill, then greedy decode; per-layer on-demand loads counted for decode only."""
+    cache = make_prompt_cache(model)
+    out = model(prompt[None], cache=cache)
+    store = model.expert_store
+    before = {s.layer.index: s.on_demand for s in store.layers.values()}
+    logits = []
+    for _ in range(steps):
+        out = model(mx.argmax(out[:, -1], -1)[None], cache=cache)
+        logits.append(out[0, -1])
+    after = {s.layer.index: s.on_demand for s in store.layers.values()}
+    return mx.stack(logits), {l: after[l] - before[l] for l in after}
+
+
+@pytest.mark.parametrize("budget", [0.25, "minimum"])
+@pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
+def test_prerouted_decode_never_loads_on_demand(packs, trained, mode, budget):
+    from edgemoe.pack import Pack
+    from edgemoe.store import ExpertStore
+
+    path = packs["qwen3_moe"]["hf"]
+    if budget == "minimum":
+        budget = ExpertStore.minimum_budget(Pack.open(path))
+    heads = trained[0] / "prerouter"
+    model, _ = edgemoe.load(path, expert_budget=budget, routing=mode, prerouter_path=heads)
+    prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))
+    logits, on_demand = decode_steps(model, prompt)
+    predicted = set(load_prerouter(heads).config.predicted_layers)
+    assert predicted == {1, 2, 3}  # the first MoE layer stays native
+    assert all(on_demand[l] == 0 for l in predicted), on_demand
+    stats = model.expert_store.snapshot()
+    assert stats.prefetches > 0 and stats.predicted > 0
+    native, _ = edgemoe.load(path, expert_budget=budget)
+    native_logits, native_on_demand = decode_steps(native, prompt)
+    assert sum(native_on_demand.values()) > 0  # at this budget native routing does load
+    assert not mx.array_equal(logits, native_logits)  # the routing really changed
+    assert mx.isfinite(logits).all()
+
+
+def test_prerouted_set_routes_only_to_predicted_experts(checkpoints):
+    """The native router confined to an allowed set picks only from it; rows with no
+    prediction (-1) route natively."""
+    model, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    block = moe_blocks(model)[2]
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 3, 64)).astype(np.float32))
+    native_inds = mx.argpartition(block.gate(x), kth=-2, axis=-1)[..., -2:]
+    gate = PredictedGate(block.gate)
+    allowed = mx.array([[[4, 9, 11], [0, 1, 2], [-1, -1, -1]]])
+    gate.set_prediction(allowed=allowed)
+    inds = mx.argpartition(gate(x), kth=-2, axis=-1)[..., -2:]
+    assert set(np.array(inds[0, 0]).tolist()) <= {4, 9, 11}
+    assert set(np.array(inds[0, 1]).tolist()) <= {0, 1, 2}
+    assert set(np.array(inds[0, 2]).tolist()) == set(np.array(native_inds[0, 2]).tolist())
+    gate.set_prediction(mx.full((1, 3, 16), mx.nan))  # no prediction anywhere: native
+    assert mx.array_equal(gate(x), block.gate(x))
+
+
+def test_prerouted_needs_next_token_heads(packs, checkpoints, text_file, tmp_path):
+    with pytest.raises(ValueError, match="needs prerouter heads"):
+        edgemoe.load(packs["qwen3_moe"]["hf"], routing="prerouted")
+    out = tmp_path / "same"
+    train_prerouter.run(train_args(checkpoints, text_file, out, same_token=True, max_steps=2,
+                                   epochs=1))
+    with pytest.raises(ValueError, match="next-token heads"):
+        edgemoe.load(packs["qwen3_moe"]["hf"], routing="prerouted",
+                     prerouter_path=out / "prerouter")
