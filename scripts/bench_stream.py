@@ -7,10 +7,11 @@ by the model's files, expert bytes read per token and ms blocked per token; writ
 JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
-                                   [--cold] [--fio]
+                                   [--cold] [--fio] [--prerouter HEADS_DIR]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
---cold drops the model's files from the page cache before every run and reads experts
+--prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
+modes. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate.
 """
@@ -36,7 +37,8 @@ def drop_page_cache(folder: Path):
             os.close(fd)
 
 
-def worker(kind: str, path: str, prompt_len: int, decode: int, io: str) -> dict:
+def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
+           prerouter=None) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -53,7 +55,12 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str) -> dict:
         import edgemoe
 
         budget, routing = kind.split(":")
-        model, _ = edgemoe.load(path, expert_budget=float(budget), routing=routing, io=io)
+        heads = None
+        if routing == "advisory-heads" or routing.startswith("prerouted"):
+            heads = prerouter
+            routing = routing.replace("-heads", "")
+        model, _ = edgemoe.load(path, expert_budget=float(budget), routing=routing, io=io,
+                                prerouter_path=heads)
     store = getattr(model, "expert_store", None)
     prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
     steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(0.0))
@@ -84,6 +91,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str) -> dict:
             "prefetch_precision": d.precision,
             "prefetch_recall": d.recall,
             "late_fills_per_token": d.late_fills / n,
+            "on_demand_per_token": d.on_demand / n,
             "io": store.reader.io,
         }
     return result
@@ -95,6 +103,8 @@ def run_config(kind, path, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path),
            "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--io", "direct" if args.cold else "buffered"]
+    if args.prerouter:
+        cmd += ["--prerouter", args.prerouter]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -194,12 +204,15 @@ def main():
     p.add_argument("--cold", action="store_true",
                    help="Drop the page cache before each run; O_DIRECT expert reads")
     p.add_argument("--fio", action="store_true", help="Also measure the experts file with fio")
+    p.add_argument("--prerouter", default=None,
+                   help="Trained prerouter heads: adds advisory-heads and prerouted rows")
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io)))
+        print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
+                                args.prerouter)))
         return
 
     out = Path(args.out)
@@ -210,6 +223,10 @@ def main():
         mlx, pack = default_model(out)
     configs = ([("mlx-lm", mlx)] + [(f"{b}:native", pack) for b in BUDGETS]
                + [(f"{b}:advisory", pack) for b in ADVISORY_BUDGETS])
+    if args.prerouter:
+        configs += [(f"{b}:{mode}", pack) for mode in ("advisory-heads", "prerouted",
+                                                          "prerouted-set")
+                    for b in ADVISORY_BUDGETS]
     runs = {kind: [] for kind, _ in configs}
     for r in range(args.rounds):
         for kind, path in configs:  # alternate: every round runs every configuration
