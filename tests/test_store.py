@@ -45,7 +45,7 @@ def test_slots_are_filled_in_place_with_the_records_bytes(packs):
 
 def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, ExpertStore.minimum_budget(pack) * 2)  # 4 slots a layer
+    store = ExpertStore(pack, ExpertStore.minimum_budget(pack) * 2, "lru")  # 4 slots a layer
     slots = store.layers[pack.layers[0].module]
     assert slots.num_slots == 4
     for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1, least recently used
