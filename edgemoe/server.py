@@ -387,13 +387,19 @@ def make_app(server: Server) -> Starlette:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="OpenAI-compatible server streaming MoE "
                                             "experts from disk.")
-    p.add_argument("--model", required=True, help="An edgemoe pack folder")
+    p.add_argument("--model", default=None,
+                   help="An edgemoe pack or mlx-lm quantized checkpoint "
+                        "(default: the bundled reference MoE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--expert-budget", default="1.0",
                    help="Memory for routed experts: a fraction (0.25), a percentage "
                         "(25%%) or a size (2GB)")
     p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    # per-sequence predictor state (prerouter heads) is not kept per batch row yet
+    p.add_argument("--routing", default="native", choices=("native", "advisory"),
+                   help="advisory: prefetch the next layer's experts (same output)")
+    p.add_argument("--io", default="buffered", choices=("buffered", "direct"))
     p.add_argument("--adapter-path", default=None)
     p.add_argument("--max-batch", type=int, default=8,
                    help="Most requests decoded together; more wait their turn (FIFO)")
@@ -414,14 +420,15 @@ def build(args) -> Tuple[Engine, Server]:
     def load_model():
         return load(args.model, expert_budget=args.expert_budget,
                     adapter_path=args.adapter_path, cache_policy=args.cache_policy,
-                    return_config=True)
+                    routing=args.routing, io=args.io, return_config=True)
 
     engine = Engine(load_model, max_batch=args.max_batch,
                     prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting)
     engine.start()
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
-    server = Server(engine, model_id=str(args.model), context_length=context,
+    server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
+                    context_length=context,
                     vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens)
     return engine, server
 

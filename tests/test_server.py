@@ -37,7 +37,8 @@ def server(packs):
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgemoe.server", "--model", str(packs[FAMILY]["hf"]),
          "--host", "127.0.0.1", "--port", str(port), "--expert-budget", BUDGET,
-         "--max-batch", str(MAX_BATCH), "--log-level", "WARNING"],
+         "--max-batch", str(MAX_BATCH), "--log-level", "WARNING",
+         "--routing", "advisory"],  # prefetching must not change any output
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
