@@ -22,11 +22,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import List
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
+from .loader import DEFAULT_MODEL
 from .pack import Pack, PackError, PackLayer
 from .store import BudgetError, ExpertStore, parse_budget
 
@@ -112,6 +113,59 @@ def expert_compute_seconds(layer: PackLayer, repeats: int = COMPUTE_REPEATS) -> 
     return statistics.median(times[3:])
 
 
+def layer_overhead_seconds(pack: Pack, repeats: int = COMPUTE_REPEATS) -> float:
+    """The host round trip edgemoe makes at each MoE layer of a decode step, on the
+    pack's router shape: routing synced to the host, the slot table looked up and sent
+    back, the layer's output evaluated (two syncs), with negligible compute."""
+    experts = pack.layers[0].num_experts
+    dim = pack.layers[0].tensors[0].shape[-1]  # an input width; only the shape matters
+    x = mx.random.normal((1, 1, dim))
+    gate = mx.random.normal((experts, dim))
+    table = np.arange(experts)
+    times = []
+    for _ in range(repeats + 3):
+        tic = time.perf_counter()
+        ids = np.array(mx.argpartition(x @ gate.T, kth=-pack.top_k, axis=-1)[..., -pack.top_k:])
+        slots = mx.array(table[np.unique(ids)].astype(np.uint32))
+        mx.eval(x[..., :1] * slots.shape[0])
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[3:])
+
+
+def decoder_layer_seconds(pack: Pack, steps: int = COMPUTE_REPEATS):
+    """(seconds per decoder layer, seconds per token outside the layers) of one decode
+    step, timed on mlx-lm's own model class for this config with one and with two
+    layers of random weights, quantized as the pack is: Python, graph building and
+    small kernels included. No weight of the pack is read."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads((pack.path / "config.json").read_text())
+    quant = config.get("quantization")
+    times = []
+    for layers in (1, 2):
+        cfg = dict(config, num_hidden_layers=layers, first_k_dense_replace=0,
+                   mlp_only_layers=[])
+        model_class, args_class = _get_classes(cfg)
+        model = model_class(args_class.from_dict(cfg))
+        if quant:
+            nn.quantize(model, quant["group_size"], quant["bits"],
+                        class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                        and m.weight.shape[-1] % quant["group_size"] == 0)
+        mx.eval(model.parameters())
+        cache = make_prompt_cache(model)
+        token = mx.array([[1]])
+        step = []
+        for _ in range(steps + 3):
+            tic = time.perf_counter()
+            mx.eval(model(token, cache=cache))
+            step.append(time.perf_counter() - tic)
+        times.append(statistics.median(step[3:]))
+        del model, cache
+    per_layer = max(times[1] - times[0], 0.0)
+    return per_layer, max(times[0] - per_layer, 0.0)
+
+
 def resident_compute_bytes(pack: Pack) -> int:
     """Resident bytes a token computes with: all but the embedding tables (a lookup),
     and, for a checkpoint read in place, its routed experts. From safetensors headers."""
@@ -148,10 +202,12 @@ class Prediction:
         return 1 / max(self.compute_s, self.read_s)
 
 
-def predict(pack: Pack, expert_s: List[float], resident_s: float, disk_rate: float,
-            hit_rate: float) -> Prediction:
+def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
+            overhead_s: float = 0.0) -> Prediction:
+    """`step_s`: a fully resident decode step; edgemoe adds a host round trip per MoE
+    layer and the reads of its misses."""
     k = pack.top_k
-    compute = k * sum(expert_s) + resident_s
+    compute = step_s + overhead_s * len(pack.layers)
     read = (1 - hit_rate) * k * sum(l.expert_bytes for l in pack.layers) / disk_rate
     return Prediction(compute, read)
 
@@ -172,7 +228,8 @@ def parse_memory(text: str) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Will a pack fit, and how fast will it decode?")
-    p.add_argument("--model", required=True, help="An edgemoe pack folder")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="An edgemoe pack folder (default: the bundled reference MoE)")
     p.add_argument("--memory", default=None,
                    help="Memory to run in: GB (16) or a size (16GB, 12GiB)")
     p.add_argument("--budget", default=None, help="Also predict at this expert budget")
@@ -206,6 +263,10 @@ def report(pack: Pack, args):
     expert_s = [_cached(shapes, l) for l in layers]
     rate = per_expert * len(layers) / sum(expert_s)  # bytes of weights computed per second
     resident_s = computed / rate
+    overhead_s = layer_overhead_seconds(pack)
+    config = json.loads((pack.path / "config.json").read_text())
+    layer_s, outside_s = decoder_layer_seconds(pack)
+    step_s = layer_s * config["num_hidden_layers"] + outside_s
     hot = "hot" if disk.found_hot == DISK_RECORDS else "cold" if not disk.found_hot else "partly hot"
     print("calibration (this machine):")
     print(f"  disk     {DISK_RECORDS} reads of {fmt_bytes(disk.record_bytes)}: "
@@ -216,15 +277,19 @@ def report(pack: Pack, args):
     print(f"  compute  one expert {1e3 * statistics.mean(expert_s):.3f} ms "
           f"({rate / 1e9:.2f} GB/s of weights, gather_qmm fp32); "
           f"resident {1e3 * resident_s:.3f} ms/token")
+    print(f"  host     {1e3 * overhead_s:.3f} ms per MoE layer (routing synced to the host, "
+          f"slot table sent back, output evaluated)")
+    print(f"  step     {1e3 * layer_s:.3f} ms per decoder layer, {1e3 * outside_s:.3f} ms per "
+          f"token outside them (mlx-lm's model class, random weights): "
+          f"{1e3 * step_s:.2f} ms per resident decode step")
 
     budgets = list(BUDGETS) + ([args.budget] if args.budget else [])
     if args.memory:
         room = int(parse_memory(args.memory) * (1 - HEADROOM)) - resident
         if room >= minimum:
             budgets.append(min(room, experts))
-    print("predicted decode: expert and resident weights computed, misses read; fixed "
-          "costs per layer and token (Python, host syncs, small kernels) are not counted: "
-          "they dominate small packs")
+    print("predicted decode: a resident step, plus the host round trip per MoE layer, "
+          "plus the misses read (serially, or overlapped with compute)")
     if args.trace:
         print(f"hit rates: LRU replay of {args.trace} (decode tokens)")
     else:
@@ -241,7 +306,7 @@ def report(pack: Pack, args):
         slot_bytes = slots * sum(l.expert_bytes for l in layers)
         hit = (lru_hit_rate(args.trace, pack, budget_bytes) if args.trace
                else slots / layers[0].num_experts)
-        pred = predict(pack, expert_s, resident_s, disk.cold_rate, hit)
+        pred = predict(pack, step_s, disk.cold_rate, hit, overhead_s)
         label = b if isinstance(b, str) else fmt_bytes(b)
         read = (1 - hit) * k * sum(l.expert_bytes for l in layers)
         print(f"  {label:>10} {slots:>5} {fmt_bytes(resident + slot_bytes):>10} {hit:>8.1%} "

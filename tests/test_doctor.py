@@ -50,11 +50,18 @@ def test_doctor_says_when_it_does_not_fit(pack, capsys):
 
 def test_prediction_adds_compute_and_reads(pack):
     k, per_token = pack.top_k, sum(l.expert_bytes for l in pack.layers)
-    p = doctor.predict(pack, [1e-3] * 4, 2e-3, disk_rate=per_token * k / 4e-3, hit_rate=0.5)
-    assert p.compute_s == pytest.approx(k * 4e-3 + 2e-3)
+    p = doctor.predict(pack, 5e-3, disk_rate=per_token * k / 4e-3, hit_rate=0.5,
+                       overhead_s=1e-4)
+    assert p.compute_s == pytest.approx(5e-3 + 1e-4 * len(pack.layers))
     assert p.read_s == pytest.approx(2e-3)
     assert p.serial_tps == pytest.approx(1 / (p.compute_s + 2e-3))
-    assert doctor.predict(pack, [1e-3] * 4, 2e-3, 1e9, 1.0).read_s == 0
+    assert p.overlapped_tps == pytest.approx(1 / p.compute_s)
+    assert doctor.predict(pack, 5e-3, 1e9, 1.0).read_s == 0
+
+
+def test_resident_step_calibration_times_the_real_model_class(pack):
+    per_layer, outside = doctor.decoder_layer_seconds(pack, steps=3)
+    assert per_layer > 0 and outside >= 0
 
 
 def test_doctor_errors_are_one_line(tmp_path, capsys):
