@@ -52,7 +52,7 @@ int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
 
 ![expert usage per layer](expert_usage.png)
 
-## Sample (greedy, prompt `def `)
+## Sample (temperature 0.7, top-p 0.9, seed 3, 25% expert budget)
 ```
 {sample}
 ```
@@ -64,6 +64,19 @@ python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference
 python scripts/model_card.py --run RUN --pack edgemoe/models/reference
 ```
 """
+
+
+def make_sample(pack: Path) -> str:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    import edgemoe
+
+    mx.random.seed(3)
+    model, tokenizer = edgemoe.load(pack, expert_budget=0.25)
+    prompt = "def read_lines(path):"
+    return prompt + edgemoe.generate(model, tokenizer, tokenizer.encode(prompt), max_tokens=80,
+                                     sampler=make_sampler(0.7, 0.9))
 
 
 def train_minutes(log) -> float:
@@ -117,8 +130,7 @@ def main():
     config = json.loads((args.pack / "config.json").read_text())
 
     import edgemoe
-    model, tokenizer = edgemoe.load(args.pack)
-    sample = edgemoe.generate(model, tokenizer, "def ", max_tokens=80)
+    sample = make_sample(args.pack)
     rows = "\n".join(
         f"| {r['layer']} | {r['entropy_bits']:.2f} | {sum(c > 0 for c in r['counts'])}/"
         f"{len(r['counts'])} | {max(r['counts']) / sum(r['counts']):.1%} |"

@@ -1,0 +1,30 @@
+"""The bundled reference MoE: the default of load() and of the generate CLI."""
+
+import subprocess
+import sys
+
+import edgemoe
+from edgemoe.loader import DEFAULT_MODEL
+from edgemoe.pack import Pack
+
+
+def test_bundled_pack_is_whole_and_small():
+    pack = Pack.open(DEFAULT_MODEL)
+    assert pack.model_type == "qwen3_moe" and len(pack.layers) >= 4
+    assert pack.layers[0].num_experts >= 32 and pack.top_k >= 2
+    assert pack.expert_bytes > 0.8 * (pack.expert_bytes + pack.resident_bytes)
+    assert sum(f.stat().st_size for f in DEFAULT_MODEL.iterdir()) < 30e6
+
+
+def test_load_without_a_path_gives_the_reference_model():
+    model, tokenizer = edgemoe.load(expert_budget=0.25)
+    assert model.expert_store.pack.path == DEFAULT_MODEL
+    text = edgemoe.generate(model, tokenizer, "import os\n", max_tokens=12)
+    assert len(text) > 0
+
+
+def test_generate_cli_defaults_to_the_reference_model():
+    out = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "def ",
+                          "--ignore-chat-template", "--max-tokens", "8"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "Generation: " in out
