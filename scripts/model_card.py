@@ -129,7 +129,6 @@ def main():
     tokens_seen = max(e.get("tokens_seen", 0) for e in log)
     config = json.loads((args.pack / "config.json").read_text())
 
-    import edgemoe
     sample = make_sample(args.pack)
     rows = "\n".join(
         f"| {r['layer']} | {r['entropy_bits']:.2f} | {sum(c > 0 for c in r['counts'])}/"
