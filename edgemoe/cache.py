@@ -255,7 +255,7 @@ POLICIES = {
     "s3fifo": S3FIFOPolicy,
     "learned": LearnedPolicy.from_file,  # weights from adapters/cache_policy.npz
 }
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lfu"  # best online policy in cache_sim replays of the reference model
 
 
 def make_policy(name: str):

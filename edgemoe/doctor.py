@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cache import DEFAULT_POLICY
 from .loader import DEFAULT_MODEL
 from .pack import Pack, PackError, PackLayer
 from .store import BudgetError, ExpertStore, parse_budget
@@ -212,12 +213,13 @@ def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
     return Prediction(compute, read)
 
 
-def lru_hit_rate(trace_path: str, pack: Pack, budget_bytes: int) -> float:
+def replay_hit_rate(trace_path: str, pack: Pack, budget_bytes: int) -> float:
     from .cache_sim import simulate
     from .trace import load_trace
 
     trace = load_trace(trace_path)
-    return simulate(trace, budget_bytes, "lru", pack.layers[0].num_experts).decode_hit_rate
+    return simulate(trace, budget_bytes, DEFAULT_POLICY,
+                    pack.layers[0].num_experts).decode_hit_rate
 
 
 def parse_memory(text: str) -> int:
@@ -234,7 +236,7 @@ def main(argv=None):
                    help="Memory to run in: GB (16) or a size (16GB, 12GiB)")
     p.add_argument("--budget", default=None, help="Also predict at this expert budget")
     p.add_argument("--trace", default=None,
-                   help="A routing trace (.npz) of this model: LRU hit rates from it")
+                   help="A routing trace (.npz) of this model: hit rates from replaying it")
     args = p.parse_args(argv)
     try:
         pack = Pack.open(args.model)
@@ -291,7 +293,7 @@ def report(pack: Pack, args):
     print("predicted decode: a resident step, plus the host round trip per MoE layer, "
           "plus the misses read (serially, or overlapped with compute)")
     if args.trace:
-        print(f"hit rates: LRU replay of {args.trace} (decode tokens)")
+        print(f"hit rates: {DEFAULT_POLICY} replay of {args.trace} (decode tokens)")
     else:
         print("hit rates: assumed slots / experts per layer, what LRU gets from a router "
               "that picks uniformly; a trained router reuses more (pass --trace)")
@@ -304,7 +306,7 @@ def report(pack: Pack, args):
             print(f"  {str(b):>10} below the minimum budget")
             continue
         slot_bytes = slots * sum(l.expert_bytes for l in layers)
-        hit = (lru_hit_rate(args.trace, pack, budget_bytes) if args.trace
+        hit = (replay_hit_rate(args.trace, pack, budget_bytes) if args.trace
                else slots / layers[0].num_experts)
         pred = predict(pack, step_s, disk.cold_rate, hit, overhead_s)
         label = b if isinstance(b, str) else fmt_bytes(b)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edgemoe import doctor
+from edgemoe.cache import DEFAULT_POLICY
 from edgemoe.pack import Pack
 from edgemoe.store import ExpertStore
 
@@ -32,7 +33,7 @@ def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
     assert doctor.fmt_bytes(pack.resident_bytes + pack.expert_bytes) in lines["total"]
     assert re.search(r"disk .* [0-9.]+ GB/s from disk .* records cached\)", out), out
     assert re.search(r"one expert [0-9.]+ ms .* resident [0-9.]+ ms/token", out), out
-    assert f"LRU replay of {trace}" in out
+    assert f"{DEFAULT_POLICY} replay of {trace}" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[-8:]}
     assert rows["25%"][1] == "8" and rows["100%"][1] == "32"  # slots per layer
     assert float(rows["25%"][-2]) < float(rows["100%"][-2])  # more misses, slower
