@@ -28,3 +28,18 @@ def test_generate_cli_defaults_to_the_reference_model():
                           "--ignore-chat-template", "--max-tokens", "8"],
                          capture_output=True, text=True, check=True).stdout
     assert "Generation: " in out
+
+
+def test_shipped_prerouter_heads_serve_the_reference_model():
+    from pathlib import Path
+
+    heads = Path(__file__).resolve().parents[1] / "adapters" / "reference" / "prerouter"
+    model, tokenizer = edgemoe.load(expert_budget=0.25, routing="prerouted",
+                                    prerouter_path=heads)
+    store = model.expert_store
+    counts = []
+    for _ in edgemoe.stream_generate(model, tokenizer, "def read_lines(path):", max_tokens=16):
+        counts.append({i: s.on_demand for i, s in store.by_index.items()})
+    first, last = counts[0], counts[-1]  # after the prompt, after 16 tokens
+    assert all(last[i] == first[i] for i in range(1, 6)), (first, last)  # predicted layers
+    assert store.snapshot().prefetches > 0
