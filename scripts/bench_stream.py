@@ -38,7 +38,7 @@ def drop_page_cache(folder: Path):
 
 
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
-           prerouter=None) -> dict:
+           prerouter=None, text=None, temp=0.0) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -50,7 +50,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     if kind == "mlx-lm":
         from mlx_lm import load
 
-        model, _ = load(path)
+        model, tokenizer = load(path)
     else:
         import edgemoe
 
@@ -59,11 +59,15 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         if routing == "advisory-heads" or routing.startswith("prerouted"):
             heads = prerouter
             routing = routing.replace("-heads", "")
-        model, _ = edgemoe.load(path, expert_budget=float(budget), routing=routing, io=io,
-                                prerouter_path=heads)
+        model, tokenizer = edgemoe.load(path, expert_budget=float(budget), routing=routing,
+                                        io=io, prerouter_path=heads)
     store = getattr(model, "expert_store", None)
-    prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
-    steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(0.0))
+    if text:  # real text: routing as in use, not as on random tokens
+        prompt = mx.array(tokenizer.encode(Path(text).read_text())[:prompt_len])
+    else:
+        prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
+    mx.random.seed(0)
+    steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(temp, 0.9))
     tic = time.perf_counter()
     next(steps)
     prompt_s = time.perf_counter() - tic
@@ -105,6 +109,9 @@ def run_config(kind, path, args) -> dict:
            "--io", "direct" if args.cold else "buffered"]
     if args.prerouter:
         cmd += ["--prerouter", args.prerouter]
+    if args.text:
+        cmd += ["--text", args.text]
+    cmd += ["--temp", str(args.temp)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -206,13 +213,17 @@ def main():
     p.add_argument("--fio", action="store_true", help="Also measure the experts file with fio")
     p.add_argument("--prerouter", default=None,
                    help="Trained prerouter heads: adds advisory-heads and prerouted rows")
+    p.add_argument("--text", default=None,
+                   help="Take the prompt from this text file (default: random tokens)")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
-                                args.prerouter)))
+                                args.prerouter, args.text, args.temp)))
         return
 
     out = Path(args.out)
@@ -237,7 +248,8 @@ def main():
     print_table(rows)
     result = {"mlx_model": str(mlx), "pack": str(pack), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
-              "cold": args.cold, "summary": rows, "runs": runs}
+              "cold": args.cold, "text": args.text, "temp": args.temp,
+              "summary": rows, "runs": runs}
     if args.fio:
         result["fio"] = fio_read_rate(pack)
         print(f"fio, random {result['fio']['record_bytes'] / 1e3:.0f} KB reads of "
