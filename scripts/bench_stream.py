@@ -187,7 +187,7 @@ def plot(rows, png: Path):
     import matplotlib.pyplot as plt
 
     names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     for ax, key, title, scale in (
         (axes[0], "decode_ratio", "decode tok/s (ratio to mlx-lm resident)", 1),
         (axes[1], "peak_mlx_bytes", "peak MLX memory (MB)", 1e-6),
@@ -195,7 +195,8 @@ def plot(rows, png: Path):
     ):
         ax.bar(names, [r.get(key, 0) * scale for r in rows], color="tab:blue")
         ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+        plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
 
