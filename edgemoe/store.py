@@ -38,16 +38,17 @@ class SlotPool(Protocol):
 
     `ensure` returns the expert -> slot table (-1 where absent) with every requested
     expert ready and marked in use; `release` ends that use once the computation
-    that read the slots has finished; `prefetch` starts fills without waiting.
+    that read the slots has finished; `prefetch` starts fills without waiting, for
+    this layer's next call (`lead=0`) or the one after (`lead=1`).
     """
 
     num_slots: int
 
-    def ensure(self, experts: np.ndarray) -> np.ndarray: ...
+    def ensure(self, experts: np.ndarray, new_call: bool = True) -> np.ndarray: ...
 
     def release(self) -> None: ...
 
-    def prefetch(self, experts: np.ndarray) -> None: ...
+    def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
 
 
 @dataclass

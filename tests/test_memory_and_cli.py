@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import mlx.core as mx
 
 import edgemoe
 from edgemoe.pack import Pack

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
