@@ -7,7 +7,6 @@ module for a streaming one keeps the family's routing math exact.
 
 from typing import Dict
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
@@ -41,15 +40,6 @@ def layer_index(module_path: str) -> int:
     """`model.layers.3.mlp.switch_mlp` -> 3."""
     parts = module_path.split(".")
     return int(parts[parts.index("layers") + 1])
-
-
-def route(block: nn.Module, x: mx.array) -> mx.array:
-    """The expert ids a MoE block's own router picks for `x`, by the family's math."""
-    out = block.gate(x)
-    if isinstance(out, tuple):  # DeepSeek's gate does its own group routing
-        return out[0]
-    k = getattr(block, "top_k", None) or block.num_experts_per_tok
-    return mx.argpartition(out, kth=-k, axis=-1)[..., -k:]  # softmax keeps the order
 
 
 def top_k(config: dict) -> int:

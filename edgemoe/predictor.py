@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .families import route
+from .prerouter import gate_logits, routing_from_logits
 
 
 class Predictor(Protocol):
@@ -31,4 +31,5 @@ class NextRouterPredictor:
         if layer not in self.next:
             return {}
         target, block = self.next[layer]
-        return {target: np.array(route(block, hidden))}
+        inds, _ = routing_from_logits(block, gate_logits(block, hidden))
+        return {target: np.array(inds)}
