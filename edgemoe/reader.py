@@ -27,7 +27,11 @@ BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 
 @dataclass
 class Fill:
-    """One expert being read into one slot. `done` is set on success and on error."""
+    """One expert being read into one slot. `done` is set on success and on error.
+
+    `before_read(slot)`, if given, runs on the reader thread before `buffers` are
+    written: a device backend waits there until a buffer's previous copy has finished.
+    """
 
     layer_index: int
     expert: int
@@ -37,6 +41,7 @@ class Fill:
     on_done: Callable[["Fill", int, Optional[Exception]], None]
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[Exception] = None
+    before_read: Optional[Callable[[int], None]] = None
 
 
 class Reader:
@@ -110,6 +115,9 @@ class Reader:
                 return
             self._started()
             try:
+                for f in run:
+                    if f.before_read is not None:
+                        f.before_read(f.slot)
                 if self.direct_fd is not None:
                     staging = self._read_direct(run, staging)
                 else:

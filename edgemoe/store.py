@@ -7,17 +7,20 @@ experts are read on demand and waited for. A predictor may `prefetch` a layer's
 experts ahead of time (advisory: the router still decides). The cache policy picks
 which ready slot to give up; filling and in-use slots are never evicted.
 
-This is the slot interface a backend implements (see SlotPool); the MLX backend keeps
-slots as MLX arrays in unified memory, filled in place through numpy views.
+This is the slot interface a backend implements (see SlotPool). The state machine and
+the cache policy are shared by every backend; where a slot's bytes live is a layer's
+SlotMemory: the MLX backend's slots are MLX arrays in unified memory, filled in place
+through numpy views (edgemoe.experts); the CUDA backend's are device tensors filled from
+pinned host rows by asynchronous copies (edgemoe.cuda.slots). This module needs neither
+MLX nor PyTorch.
 """
 
 import re
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import Dict, Optional, Protocol, Union
+from typing import Callable, Dict, List, Optional, Protocol, Union
 
-import mlx.core as mx
 import numpy as np
 
 from .cache import DEFAULT_POLICY, make_policy
@@ -49,6 +52,33 @@ class SlotPool(Protocol):
     def release(self) -> None: ...
 
     def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
+
+
+class SlotMemory(Protocol):
+    """The bytes of one layer's slots, and the ordering a device needs around them.
+
+    `arrays` are what compute reads: tensor name -> (num_slots, *shape). The reader
+    writes a record into `rows(slot)` (host buffers, in the layer's tensor order) after
+    calling `before_read(slot)`, then calls `after_read(slot)`; a slot turns ready only
+    after that. Compute calls `acquire(slots)` before reading slots and `release(slots)`
+    once its reads are issued; a slot is refilled only after its release.
+    """
+
+    arrays: Dict[str, object]
+
+    def rows(self, slot: int) -> List[np.ndarray]: ...
+
+    def before_read(self, slot: int) -> None: ...
+
+    def after_read(self, slot: int) -> None: ...
+
+    def acquire(self, slots: np.ndarray) -> None: ...
+
+    def release(self, slots: np.ndarray) -> None: ...
+
+
+# makes a layer's slot memory: (layer, number of slots) -> SlotMemory
+MemoryFactory = Callable[[PackLayer, int], SlotMemory]
 
 
 @dataclass
@@ -122,15 +152,13 @@ def parse_budget(budget: Union[None, int, float, str], total_bytes: int) -> int:
 
 
 class LayerSlots:
-    """The MLX backend's slot pool for one MoE layer."""
+    """The slot pool of one MoE layer: its state machine over a backend's SlotMemory."""
 
-    def __init__(self, store: "ExpertStore", layer: PackLayer, num_slots: int, policy: str):
+    def __init__(self, store: "ExpertStore", layer: PackLayer, num_slots: int, policy: str,
+                 memory: MemoryFactory):
         self.store, self.layer, self.num_slots = store, layer, num_slots
         self.stats, self.lock = store.stats, store.lock
-        self.arrays: Dict[str, mx.array] = {}
-        self._rows: Dict[str, np.ndarray] = {}  # writable views of self.arrays
-        for t in layer.tensors:
-            self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
+        self.memory = memory(layer, num_slots)
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
         self.state = np.full(num_slots, FREE, dtype=np.int8)
@@ -174,12 +202,22 @@ class LayerSlots:
                 self._wait(in_flight[:1], raise_errors=False)
         self._wait(waits)
         with self.lock:
-            self.state[self.slot_of[experts]] = IN_USE
+            used = self.slot_of[experts]
+            self.state[used] = IN_USE
+        self.memory.acquire(used)
         return self.slot_of
+
+    @property
+    def arrays(self) -> Dict[str, object]:
+        """The slot tensors compute reads: name -> (num_slots, *shape)."""
+        return self.memory.arrays
 
     def release(self):
         with self.lock:
-            self.state[self.state == IN_USE] = READY
+            used = np.flatnonzero(self.state == IN_USE)
+            # under the lock: no fill can claim these slots before their release is known
+            self.memory.release(used)
+            self.state[used] = READY
             # experts predicted for the next call that found no room, or that this
             # call's own loads evicted: read them now, a call ahead still
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
@@ -261,7 +299,7 @@ class LayerSlots:
         self.expert_in[slot] = expert
         self.state[slot] = FILLING
         fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
-                    [self._rows[t.name][slot] for t in self.layer.tensors], self._filled)
+                    self.memory.rows(slot), self._filled, before_read=self.memory.before_read)
         self.fills[expert] = fill
         self.policy.touch(expert)
         self.stats.loads += 1
@@ -269,6 +307,11 @@ class LayerSlots:
 
     def _filled(self, fill: Fill, nbytes: int, error: Optional[Exception]):
         """Called by a reader thread when a fill ends, well or not."""
+        if error is None:
+            try:
+                self.memory.after_read(fill.slot)  # e.g. start the copy to the device
+            except Exception as e:
+                error = e
         with self.lock:
             self.fills.pop(fill.expert, None)
             if error is None:
@@ -283,21 +326,12 @@ class LayerSlots:
         fill.done.set()
 
 
-def _slot_array(num_slots: int, shape, dtype: str):
-    """An MLX array of (num_slots, *shape) and a writable numpy view of its memory."""
-    storage = {"bfloat16": np.uint16}.get(dtype, dtype)
-    host = mx.array(np.zeros((num_slots, *shape), dtype=storage))
-    mx.eval(host)
-    view = np.asarray(host)  # shares the MLX buffer: preadv into it fills the array
-    array = host.view(mx.bfloat16) if dtype == "bfloat16" else host
-    return array, view
-
-
 class ExpertStore:
     """All MoE layers' slot pools for one pack, under one memory budget."""
 
     def __init__(self, pack: Pack, expert_budget=1.0, cache_policy: str = DEFAULT_POLICY,
-                 io: str = "buffered", readers: int = 2):
+                 io: str = "buffered", readers: int = 2, memory: Optional[MemoryFactory] = None):
+        """`memory` makes each layer's SlotMemory; by default MLX arrays (edgemoe.experts)."""
         self.reader = None
         self.pack = pack
         self.budget_bytes = parse_budget(expert_budget, pack.expert_bytes)
@@ -316,9 +350,11 @@ class ExpertStore:
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
         self.predictor = None  # set for advisory routing: prefetches the next layer
+        if memory is None:
+            from .experts import MLXSlotMemory as memory  # imports MLX only when used
         self.reader = Reader(pack, readers, io)
         self.layers: Dict[str, LayerSlots] = {
-            l.module: LayerSlots(self, l, self.slots_per_layer, cache_policy)
+            l.module: LayerSlots(self, l, self.slots_per_layer, cache_policy, memory)
             for l in pack.layers
         }
         self.by_index = {s.layer.index: s for s in self.layers.values()}
@@ -339,7 +375,7 @@ class ExpertStore:
         stats.read_busy_s = self.reader.busy_s
         return stats
 
-    def advise(self, layer_index: int, hidden: mx.array, routed: np.ndarray):
+    def advise(self, layer_index: int, hidden, routed: np.ndarray):
         """Let the predictor see a layer's input and routing; prefetch what it predicts."""
         if self.predictor is None:
             return
