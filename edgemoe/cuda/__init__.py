@@ -1,0 +1,39 @@
+"""The CUDA backend: expert slots in GPU memory, filled from SSD through pinned host rows.
+
+    pip install 'edgemoe[cuda]'
+    from edgemoe.cuda import load, greedy
+    model, tokenizer = load(pack_path, expert_budget=0.25, device="cuda", io="direct")
+
+Nothing in the rest of edgemoe imports this package, and this package imports neither
+MLX nor mlx-lm: it runs on a machine that has only PyTorch and transformers.
+
+The data path: the reader threads (edgemoe.reader, unchanged) `preadv` a record, with
+O_DIRECT if asked, into a slot's pinned host row; the slot memory
+(edgemoe.cuda.slots) then issues one asynchronous host-to-device copy on a dedicated
+copy stream and records an event; compute waits for that event on the GPU, never on
+the host. The slot state machine and the cache policies are edgemoe.store's and
+edgemoe.cache's, shared with the MLX backend; only the slot memory differs. Device
+operations go through a small interface (edgemoe.cuda.streams) that tests replace with
+a fake device recording every copy, event and wait, and that the CPU implements with
+synchronous copies: the whole backend runs, and is tested, on the CPU.
+
+Compute: the model is transformers' own class for the family, so attention, router
+(native, exact routing) and KV cache are transformers'; each MoE block's `experts`
+module is replaced by one that computes the gathered int4 SwiGLU over the slot arrays,
+with a Triton kernel for decode (kernels/int4_moe.py) and dequantize-then-matmul
+otherwise (edgemoe.cuda.int4, also the CPU path and the kernel's reference).
+
+Why PyTorch and not MLX's CUDA build (`mlx[cuda]`): MLX arrays are immutable and its
+Python API has no way to issue an asynchronous copy from pinned host memory into an
+existing device buffer on a chosen stream, nor to make one stream wait on an event of
+another. Refilling a slot would mean building a new array from host memory, a
+synchronous copy, and evaluating before the next layer: a host sync per fill. PyTorch
+has pinned tensors, `copy_(non_blocking=True)` on a side stream, and events with
+`Stream.wait_event`, which is exactly the ordering this design needs, and Triton for
+the int4 kernel. Native routing still costs one device-to-host read of the router's
+expert ids per layer (the host decides what to load), as in the MLX backend.
+"""
+
+from .model import greedy, load
+
+__all__ = ["load", "greedy"]

@@ -1,0 +1,78 @@
+"""The streaming expert module for Hugging Face MoE blocks: experts live in slots.
+
+It replaces a block's `experts` module and takes what transformers passes it:
+(hidden_states (T, D), top_k_index (T, k), top_k_weights (T, k)). The router is the
+model's own, so routing is native and exact. The host learns the layer's expert ids
+(one device-to-host read per layer, as in the MLX backend), asks the slot pool for
+them, and queues the gathered int4 matmuls over the slot arrays; it never waits for
+the GPU otherwise (edgemoe/cuda/slots.py orders copies and compute on the device).
+"""
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..store import LayerSlots
+from . import int4
+
+DECODE_ROWS = 64  # up to this many rows per matmul, the Triton kernel (on a GPU)
+
+
+class StreamingExperts(nn.Module):
+    """A SwiGLU expert bank (gate, up, down projections) read from a layer's slots."""
+
+    def __init__(self, slots: LayerSlots, act: Callable, kernel: Callable = None):
+        super().__init__()
+        self.slots, self.act, self.kernel = slots, act, kernel
+        self.quant = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            q = slots.layer.quantization.get(name)
+            if not q or q.get("mode", "affine") != "affine":
+                raise ValueError(f"layer {slots.layer.index} {name}: the PyTorch backend "
+                                 f"computes affine-quantized experts, found {q}")
+            self.quant[name] = (q["group_size"], q["bits"])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        ids = top_k_index.cpu().numpy()  # the host learns this layer's routing (a sync)
+        store = self.slots.store
+        if store.trace is not None:
+            store.trace.record(self.slots.layer.index, ids)
+        rows = torch.empty((ids.size, hidden_states.shape[-1]), dtype=hidden_states.dtype,
+                           device=hidden_states.device)
+        experts = np.unique(ids)
+        size = self.slots.num_slots
+        for start in range(0, len(experts), size):  # passes only when experts > slots
+            group = experts[start:start + size]
+            slot_of = self.slots.ensure(group, new_call=start == 0)
+            picked = np.flatnonzero(np.isin(ids.reshape(-1), group))
+            rows[self._index(picked)] = self._swiglu(hidden_states, ids, picked, slot_of)
+            self.slots.release()  # the reads are queued: slot refills wait for them
+        rows = rows.view(*ids.shape, -1) * top_k_weights[..., None].to(rows.dtype)
+        return rows.sum(dim=1)
+
+    def _swiglu(self, x, ids, picked, slot_of):
+        """Outputs of the (token, k) rows `picked` of the flattened routing."""
+        k = ids.shape[-1]
+        slots = self._index(slot_of[ids.reshape(-1)[picked]])
+        tokens = self._index(picked // k)
+        gate = self._qmm(x, "gate_proj", slots, tokens)
+        up = self._qmm(x, "up_proj", slots, tokens)
+        hidden = self.act(gate) * up
+        return self._qmm(hidden, "down_proj", slots, torch.arange(len(picked), device=x.device))
+
+    def _qmm(self, x, name, slots, x_rows):
+        arrays = self.slots.arrays
+        group_size, bits = self.quant[name]
+        args = (x, arrays[f"{name}.weight"], arrays[f"{name}.scales"], arrays[f"{name}.biases"],
+                slots, x_rows, group_size, bits)
+        if self.kernel is not None and len(slots) <= DECODE_ROWS and (group_size, bits) == (64, 4):
+            return self.kernel(*args)
+        return int4.gather_qmm(*args)
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        device = self.slots.arrays[next(iter(self.slots.arrays))].device
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(
+            device, non_blocking=True)

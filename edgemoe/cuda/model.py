@@ -1,0 +1,181 @@
+"""`load()`: a Hugging Face transformers model built from an edgemoe pack, its routed
+experts streaming from disk into device slots; and a greedy decode loop.
+
+The model is transformers' own class for the family (its attention, norms, rotary
+embedding, router and KV cache), built on the meta device so that no expert weight is
+ever allocated; the resident weights are read from the pack's model.safetensors
+(mlx-lm names, which for qwen3_moe are transformers' names too), with MLX-quantized
+linears and embeddings dequantized to the compute dtype; each MoE block's `experts`
+module becomes a StreamingExperts over the layer's slots.
+"""
+
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.activations import ACT2FN
+
+from ..cache import DEFAULT_POLICY
+from ..pack import RESIDENT_FILE, Pack, PackError
+from ..store import ExpertStore
+from .experts import StreamingExperts
+from .int4 import dequantize
+from .slots import DeviceSlotMemory
+from .streams import make_streams
+
+DEFAULT_MODEL = Path(__file__).parents[1] / "models" / "reference"
+SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers would act on it
+
+
+def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
+         cache_policy: str = DEFAULT_POLICY, io: str = "buffered", streams=None,
+         kernel: Optional[bool] = None, tokenizer: bool = True):
+    """The pack's model on `device` holding at most `expert_budget` of its experts.
+
+    `dtype` defaults to bfloat16 on a GPU and float32 on the CPU. `streams` orders
+    copies and compute (edgemoe.cuda.streams; tests pass a fake). `kernel` uses the
+    Triton int4 kernel for decode rows; by default on a GPU when Triton is installed.
+    Returns (model, tokenizer or None); the store is at `model.expert_store`.
+    """
+    path = Path(pack_path) if pack_path is not None else DEFAULT_MODEL
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise PackError(f"{path / 'config.json'}: model_type {config.get('model_type')!r}; "
+                        f"the CUDA backend runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    streams = streams or make_streams(device)
+    pack = Pack.open(path)
+    store = ExpertStore(pack, expert_budget, cache_policy, io,
+                        memory=lambda layer, n: DeviceSlotMemory(layer, n, device, streams))
+    model = _build(config, dtype)
+    _install(model, store, _kernel(device, kernel))
+    _load_resident(model, path / RESIDENT_FILE, config, dtype, device)
+    model.expert_store = store
+    model.eval()
+    return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
+
+
+def _build(config: dict, dtype) -> torch.nn.Module:
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in NOT_CONFIG})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                attn_implementation="sdpa")
+
+
+def _kernel(device: torch.device, wanted: Optional[bool]):
+    if wanted is False or (wanted is None and device.type != "cuda"):
+        return None
+    try:
+        from ..kernels.int4_moe import gather_qmv
+    except ImportError as e:
+        if wanted:
+            raise
+        print(f"[edgemoe] Triton kernel unavailable ({e}); dequantize-and-matmul experts")
+        return None
+    return gather_qmv
+
+
+def _install(model, store: ExpertStore, kernel):
+    act = ACT2FN[model.config.hidden_act]
+    layers = model.model.layers
+    for module, slots in store.layers.items():
+        block = layers[slots.layer.index].mlp
+        if not hasattr(block, "experts") or not hasattr(block, "gate"):
+            raise PackError(f"{store.pack.path}: layer {slots.layer.index} of the model has "
+                            f"no MoE block, but the manifest streams {module}")
+        block.experts = StreamingExperts(slots, act, kernel)
+
+
+def _load_resident(model, path: Path, config: dict, dtype, device):
+    """Assign the pack's resident weights to the meta model, then check nothing is left."""
+    state = resident_state_dict(path, config.get("quantization", {}), dtype, device)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise PackError(f"{path}: weights the model does not have: {unexpected[:5]}")
+    if config.get("tie_word_embeddings") and "lm_head.weight" in missing:
+        model.tie_weights()
+        missing.remove("lm_head.weight")
+    if missing:
+        raise PackError(f"{path}: weights missing for {missing[:5]}")
+    rotary = model.model.rotary_emb  # its buffers are computed, not stored
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(rotary.config)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.is_meta]
+    if left:
+        raise PackError(f"{path}: no weights for {left[:5]}")
+
+
+def resident_state_dict(path: Path, quantization: dict, dtype, device) -> Dict[str, torch.Tensor]:
+    """mlx-lm's resident tensors as float tensors: quantized (weight, scales, biases)
+    triples dequantized with the module's own or the model's quantization."""
+    state = {}
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        for name in sorted(names):
+            if name.endswith((".scales", ".biases")):
+                continue
+            tensor = f.get_tensor(name)
+            module = name.rsplit(".", 1)[0]
+            if f"{module}.scales" in names:
+                q = quantization.get(module) or quantization
+                tensor = dequantize(tensor.view(torch.int32), f.get_tensor(f"{module}.scales"),
+                                    f.get_tensor(f"{module}.biases"), q["group_size"], q["bits"])
+            state[name] = tensor.to(device=device, dtype=dtype)
+    return state
+
+
+@dataclass
+class Decoded:
+    """Greedy tokens, the logits of the prompt and every step, and timings."""
+
+    tokens: List[int]
+    logits: torch.Tensor  # (prompt + steps, vocab)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    step_s: List[float] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def greedy(model, prompt: List[int], max_tokens: int, keep_logits: bool = True) -> Decoded:
+    """Prefill the prompt, then decode `max_tokens` tokens greedily with a KV cache."""
+    device = next(model.parameters()).device
+    cache = {_cache_argument(model): DynamicCache()}
+    tic = time.perf_counter()
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **cache)
+    logits = [out.logits[0].float()] if keep_logits else []
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    result = Decoded([], None)
+    result.prefill_s = _sync_time(device) - tic
+    for _ in range(max_tokens):
+        step = time.perf_counter()
+        result.tokens.append(token)
+        out = model(input_ids=token, use_cache=True, **cache)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        if keep_logits:
+            logits.append(out.logits[0].float())
+        result.step_s.append(time.perf_counter() - step)
+    result.decode_s = _sync_time(device) - tic - result.prefill_s
+    result.tokens = [int(t) for t in torch.cat(result.tokens).view(-1).tolist()]
+    result.logits = torch.cat(logits) if keep_logits else None
+    return result
+
+
+def _cache_argument(model) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); take what forward takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _sync_time(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,476 @@
+"""The CUDA backend's CPU-side logic, without a GPU: the slot state machine over device
+slot memory, the ordering of copies and compute (on a fake device that records and
+checks every operation), the int4 math against MLX's, and whole decodes on the CPU
+against the MLX path.
+
+Tolerance: fp32 logits on the CPU differ from the MLX path's by at most 1.2e-5 on the
+bundled reference model (logits up to about 16), from summation order alone; the tests
+allow 1e-3 and require the same greedy tokens.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the CUDA backend needs PyTorch (edgemoe[cuda])")
+pytest.importorskip("transformers", reason="the CUDA backend needs transformers")
+
+import mlx.core as mx  # noqa: E402
+
+import edgemoe  # noqa: E402
+from edgemoe.cache import POLICIES  # noqa: E402
+from edgemoe.cuda import int4  # noqa: E402
+from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402
+from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
+from edgemoe.cuda.streams import HostStreams  # noqa: E402
+from edgemoe.pack import Pack, PackError  # noqa: E402
+from edgemoe.store import FILLING, FREE, READY, ExpertStore  # noqa: E402
+
+LOGIT_TOLERANCE = 1e-3
+
+
+class FakeEvent:
+    def __init__(self, name):
+        self.name, self.done = name, False
+
+    def __repr__(self):
+        return self.name
+
+
+class FakeDevice:
+    """A GPU as the slot memory sees it, run on the host.
+
+    The copy stream is a queue of (wait, copy, record) operations executed in order as
+    soon as the compute events they wait on are done; a copy reads its source when it
+    executes, as a DMA does. Compute events stay pending until `finish_compute` (the
+    GPU caught up), or until compute waits on an event: the compute stream is in
+    order, so everything issued before that wait has run. `log` records every call.
+    """
+
+    pinned = False
+
+    def __init__(self):
+        self.log, self.queue = [], []
+        self.cond = threading.Condition(threading.RLock())
+        self.count = 0
+        self.pending_compute = []
+
+    def _event(self, kind):
+        self.count += 1
+        return FakeEvent(f"{kind}#{self.count}")
+
+    def copy(self, dst, src):
+        with self.cond:
+            self.log.append(("copy", dst.data_ptr()))
+            self.queue.append(("copy", dst, src))
+            self._pump()
+
+    def record_copy(self):
+        with self.cond:
+            event = self._event("copy")
+            self.log.append(("record_copy", event))
+            self.queue.append(("record", event))
+            self._pump()
+            return event
+
+    def copy_wait(self, event):
+        with self.cond:
+            self.log.append(("copy_wait", event))
+            self.queue.append(("wait", event))
+            self._pump()
+
+    def record_compute(self):
+        with self.cond:
+            event = self._event("compute")
+            self.log.append(("record_compute", event))
+            self.pending_compute.append(event)
+            return event
+
+    def compute_wait(self, event):
+        with self.cond:
+            self.log.append(("compute_wait", event))
+            self.finish_compute()
+            assert event.done, f"compute would wait forever on {event}"
+
+    def host_wait(self, event):
+        with self.cond:
+            self.log.append(("host_wait", event))
+            while not event.done:
+                self.cond.wait(0.01)
+
+    def finish_compute(self):
+        with self.cond:
+            for event in self.pending_compute:
+                event.done = True
+            self.pending_compute = []
+            self._pump()
+
+    def _pump(self):
+        while self.queue:
+            op = self.queue[0]
+            if op[0] == "wait" and not op[1].done:
+                return
+            self.queue.pop(0)
+            if op[0] == "copy":
+                op[1].copy_(op[2])
+                self.log.append(("executed_copy", op[1].data_ptr()))
+            elif op[0] == "record":
+                op[1].done = True
+        self.cond.notify_all()
+
+
+def device_store(pack, budget, device=None, policy="lru"):
+    device = device or HostStreams()
+    return ExpertStore(pack, budget, policy,
+                       memory=lambda layer, n: DeviceSlotMemory(layer, n, "cpu", device))
+
+
+def record_bytes(pack, layer, expert):
+    record = layer.records[expert]
+    with open(pack.experts_path, "rb") as f:
+        f.seek(record.offset)
+        return f.read(record.length)
+
+
+def device_bytes(slots, expert):
+    return slots.memory.device_rows[slots.slot_of[expert]].numpy().tobytes()
+
+
+def host_bytes(slots, slot):
+    return slots.memory.host[slot].numpy().tobytes()
+
+
+def wait_for(condition, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def small(packs):
+    """The tiny qwen3_moe pack, 2 slots a layer (its top-k)."""
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    return pack, ExpertStore.minimum_budget(pack)
+
+
+# --- the slot state machine and cache policies over device slot memory --------------
+
+def test_slots_hold_the_records_bytes_and_tensor_views(small):
+    pack, budget = small
+    store = device_store(pack, budget * 2)
+    layer = pack.layers[1]
+    slots = store.layers[layer.module]
+    table = slots.ensure(np.array([5, 11]))
+    for expert in (5, 11):
+        assert device_bytes(slots, expert) == record_bytes(pack, layer, expert)
+        for t in layer.tensors:  # the per-tensor views compute reads
+            view = slots.arrays[t.name][table[expert]]
+            assert tuple(view.shape) == t.shape
+            raw = record_bytes(pack, layer, expert)[t.offset:t.offset + t.nbytes]
+            assert view.contiguous().numpy().tobytes() == raw
+    store.close()
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"learned"}) + ["learned"])
+def test_same_evictions_as_the_mlx_backend(small, policy):
+    """One state machine: under any cache policy, the device slot memory sees the same
+    slot tables, hits, loads and evictions as the MLX backend."""
+    pack, budget = small
+    rng = np.random.default_rng(3)
+    calls = [rng.choice(16, size=2, replace=False) for _ in range(40)]
+    results = []
+    for store in (ExpertStore(pack, budget * 3 // 2, policy), device_store(pack, budget * 3 // 2,
+                                                                           policy=policy)):
+        slots = store.layers[pack.layers[2].module]
+        tables = []
+        for experts in calls:
+            tables.append(slots.ensure(np.sort(experts)).copy())
+            slots.release()
+        s = store.stats
+        results.append((tables, s.hits, s.loads, s.evictions))
+        store.close()
+    mlx_result, device_result = results
+    assert device_result[3] > 10, "the routing must evict"
+    assert all(np.array_equal(a, b) for a, b in zip(mlx_result[0], device_result[0]))
+    assert mlx_result[1:] == device_result[1:]
+
+
+def test_lru_never_evicts_an_expert_in_use(small):
+    pack, budget = small
+    store = device_store(pack, budget * 2)  # 4 slots
+    slots = store.layers[pack.layers[0].module]
+    for step in ([0, 1], [2, 3], [0, 4]):
+        slots.ensure(np.array(step))
+        slots.release()
+    assert slots.slot_of[1] == -1 and all(slots.slot_of[[0, 2, 3, 4]] >= 0)
+    slots.ensure(np.array([5, 6, 7, 2]))
+    with pytest.raises(AssertionError):
+        slots.ensure(np.array([8, 9, 10, 11, 12]))
+    store.close()
+
+
+# --- ordering of copies and compute on the fake device ------------------------------
+
+def test_compute_waits_for_the_copy_and_a_refill_for_the_compute(small):
+    """Rule 1: compute waits on a slot's copy event. Rule 2: a slot whose last compute
+    has not finished is refilled only after it: its copy waits on the copy stream."""
+    pack, budget = small
+    device = FakeDevice()
+    store = device_store(pack, budget, device)  # 2 slots: every new pair evicts
+    layer = pack.layers[0]
+    slots = store.layers[layer.module]
+    slots.ensure(np.array([0, 1]))
+    first_copies = [e for op, e in device.log if op == "record_copy"]
+    waited = [e for op, e in device.log if op == "compute_wait"]
+    assert sorted(map(str, waited)) == sorted(map(str, first_copies))
+    slots.release()
+    compute = device.log[-1][1]
+    assert device.log[-1][0] == "record_compute" and not compute.done
+
+    slots.prefetch(np.array([2, 3]))  # evicts 0 and 1 while their compute is pending
+    wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
+    for expert in (2, 3):  # the copies are queued behind the compute: not done yet
+        assert device_bytes(slots, expert) != record_bytes(pack, layer, expert)
+    log = device.log[device.log.index(("record_compute", compute)):]
+    assert [op for op, _ in log].count("copy_wait") == 2
+    assert all(e is compute for op, e in log if op == "copy_wait")
+    assert "executed_copy" not in [op for op, _ in log]
+
+    device.finish_compute()  # the GPU catches up: the copies run
+    for expert in (2, 3):
+        assert device_bytes(slots, expert) == record_bytes(pack, layer, expert)
+    mark = len(device.log)
+    slots.ensure(np.array([2, 3]))
+    assert [op for op, _ in device.log[mark:]] == ["compute_wait", "compute_wait"]
+    slots.release()
+    mark = len(device.log)
+    slots.ensure(np.array([2, 3]))  # already waited on: the stream is in order
+    assert [op for op, _ in device.log[mark:]] == []
+    store.close()
+
+
+def test_reader_does_not_overwrite_a_host_row_before_its_copy_ran(small):
+    """Rule 3: a slot evicted while its copy is still queued keeps its host row until
+    the copy has read it; the reader waits on its own thread."""
+    pack, budget = small
+    device = FakeDevice()
+    store = device_store(pack, budget, device)
+    layer = pack.layers[3]
+    slots = store.layers[layer.module]
+    slots.ensure(np.array([0, 1]))
+    slots.release()  # compute pending
+    slots.prefetch(np.array([2, 3]))  # copies queued behind the compute
+    wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
+    held = {int(s): host_bytes(slots, s) for s in slots.slot_of[[2, 3]]}
+    slots.prefetch(np.array([4, 5]))  # evicts 2 and 3 before their copies ran
+    time.sleep(0.2)
+    assert all(host_bytes(slots, s) == data for s, data in held.items()), "row overwritten"
+    assert (slots.state == FILLING).sum() == 2
+    device.finish_compute()
+    wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
+    slots.ensure(np.array([4, 5]))
+    for expert in (4, 5):
+        assert device_bytes(slots, expert) == record_bytes(pack, layer, expert)
+    executed = [ptr for op, ptr in device.log if op == "executed_copy"]
+    assert len(executed) == 6  # 0, 1, then 2, 3 (run before their rows were reused), 4, 5
+    store.close()
+
+
+def test_a_fill_racing_its_prefetch_is_read_once_and_waited_for(small):
+    pack, budget = small
+    device = FakeDevice()
+    store = device_store(pack, budget * 2, device)
+    layer = pack.layers[2]
+    slots = store.layers[layer.module]
+    gate = threading.Event()
+    before_read = slots.memory.before_read
+    slots.memory.before_read = lambda slot: (gate.wait(5), before_read(slot))
+    slots.prefetch(np.array([7]))
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (slots.ensure(np.array([7, 8])), done.set()))
+    thread.start()
+    time.sleep(0.1)
+    assert not done.is_set(), "compute must wait for the prefetched fill"
+    gate.set()
+    thread.join(5)
+    assert done.is_set()
+    assert store.stats.late_fills == 1 and store.stats.loads == 2
+    copy_of_7 = [e for op, e in device.log if op == "record_copy"]
+    assert all(("compute_wait", e) in device.log for e in copy_of_7)
+    assert device_bytes(slots, 7) == record_bytes(pack, layer, 7)
+    store.close()
+
+
+def test_reader_errors_surface_as_pack_errors_and_free_the_slot(packs, tmp_path):
+    dst = tmp_path / "pack"
+    shutil.copytree(packs["qwen3_moe"]["hf"], dst)
+    pack = Pack.open(dst)
+    layer = pack.layers[2]
+    with open(pack.experts_path, "r+b") as f:
+        f.seek(layer.records[3].offset + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    device = FakeDevice()
+    store = device_store(Pack.open(dst), 1.0, device)
+    slots = store.layers[layer.module]
+    with pytest.raises(PackError, match=r"experts.bin: layer 2 expert 3: checksum mismatch"):
+        slots.ensure(np.array([3]))
+    assert slots.slot_of[3] == -1 and (slots.state == FREE).all()
+    assert not any(op == "copy" for op, _ in device.log), "no copy of a bad record"
+    slots.ensure(np.array([4]))
+    assert [op for op, _ in device.log].count("copy") == 1
+    store.close()
+
+
+# --- int4 math: the PyTorch reference against MLX -----------------------------------
+
+def quantized(shape, bits=4, group=64, seed=0):
+    w = mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+    words, scales, biases = mx.quantize(w, group, bits)
+    as_torch = [torch.from_numpy(np.array(a)) for a in (words, scales, biases)]
+    as_torch[0] = as_torch[0].view(torch.int32)
+    return (words, scales, biases), as_torch
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_matches_mlx(bits):
+    (words, scales, biases), t = quantized((3, 96, 256), bits)
+    expected = np.array(mx.dequantize(words, scales, biases, 64, bits))
+    got = int4.dequantize(*t, group_size=64, bits=bits).numpy()
+    assert np.abs(got - expected).max() < 1e-6
+
+
+def test_gather_qmm_matches_mlx_gather_qmm():
+    (words, scales, biases), t = quantized((5, 128, 256))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    slots = np.array([[3, 0], [4, 3], [1, 1], [2, 0]])  # (token, k)
+    expected = mx.gather_qmm(mx.array(x)[:, None, None], words, scales, biases,
+                             rhs_indices=mx.array(slots.astype(np.uint32)), transpose=True,
+                             group_size=64, bits=4)
+    expected = np.array(expected).reshape(8, 128)
+    got = int4.gather_qmm(torch.from_numpy(x), *t, torch.from_numpy(slots.reshape(-1)),
+                          torch.arange(4).repeat_interleave(2))
+    dense = torch.stack([torch.from_numpy(x[m // 2]) @ int4.dequantize(
+        *(a[s] for a in t)).T for m, s in enumerate(slots.reshape(-1))])
+    assert (got - dense).abs().max() < 1e-6 * dense.abs().max()  # BLAS blocking aside
+    assert np.abs(got.numpy() - expected).max() < 1e-4 * np.abs(expected).max()
+
+
+def test_triton_kernel_matches_the_reference():
+    """Runs the kernel on a GPU when there is one, else in Triton's interpreter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is imported
+    pytest.importorskip("triton", reason="Triton is installed with PyTorch's CUDA wheels")
+    from edgemoe.kernels.int4_moe import gather_qmv
+
+    _, t = quantized((6, 96, 256))
+    t = [a.to(device) for a in t]
+    x = torch.randn(3, 256, device=device)
+    slots = torch.tensor([5, 0, 5, 2, 1, 1], device=device)
+    rows = torch.tensor([0, 0, 1, 1, 2, 2], device=device)
+    expected = int4.gather_qmm(x, *t, slots, rows)
+    got = gather_qmv(x, *t, slots, rows)
+    assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+# --- whole decodes on the CPU against the MLX path ----------------------------------
+
+PROMPT_LEN, DECODE = 48, 16
+
+
+def mlx_greedy(model, prompt):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = model(mx.array(prompt)[None], cache=cache)
+    logits, tokens = [out[0]], []
+    for _ in range(DECODE):
+        token = mx.argmax(out[:, -1], -1)
+        tokens.append(int(token.item()))
+        out = model(token[None], cache=cache)
+        logits.append(out[0])
+    return tokens, np.array(mx.concatenate(logits))
+
+
+def prompt(vocab):
+    return np.random.default_rng(7).integers(3, vocab, PROMPT_LEN).tolist()
+
+
+@pytest.fixture(scope="module")
+def mlx_runs():
+    cache = {}
+
+    def get(path, budget):
+        if (path, budget) not in cache:
+            model, _ = edgemoe.load(path, expert_budget=budget)
+            cache[path, budget] = mlx_greedy(model, prompt(500))
+            model.expert_store.close()
+        return cache[path, budget]
+
+    return get
+
+
+@pytest.mark.parametrize("budget", ["100%", "minimum"])
+@pytest.mark.parametrize("model", ["tiny", "reference"])
+def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
+    path = str(packs["qwen3_moe"]["hf"] if model == "tiny" else DEFAULT_MODEL)
+    amount = 1.0 if budget == "100%" else ExpertStore.minimum_budget(Pack.open(path))
+    ref_tokens, ref_logits = mlx_runs(path, amount)
+    torch_model, _ = load(path, amount, device="cpu", tokenizer=False)
+    run = greedy(torch_model, prompt(500), DECODE)
+    stats = torch_model.expert_store.stats
+    torch_model.expert_store.close()
+    assert run.tokens == ref_tokens
+    assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+    if budget == "minimum":
+        assert stats.evictions > 0
+
+
+def test_tiny_model_matches_mlx_lm(packs, checkpoints):
+    from mlx_lm.utils import load as mlx_lm_load
+
+    reference, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    ref_tokens, ref_logits = mlx_greedy(reference, prompt(500))
+    torch_model, _ = load(packs["qwen3_moe"]["hf"], 0.5, device="cpu", tokenizer=False)
+    run = greedy(torch_model, prompt(500), DECODE)
+    assert run.tokens == ref_tokens
+    assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+
+
+def test_decode_through_the_fake_device_equals_synchronous_copies(packs):
+    """A whole decode under the ordering rules, every wait checked by the fake device,
+    gives the same logits as synchronous copies."""
+    path = packs["qwen3_moe"]["hf"]
+    budget = ExpertStore.minimum_budget(Pack.open(path))
+    runs = []
+    for streams in (HostStreams(), FakeDevice()):
+        model, _ = load(path, budget, device="cpu", streams=streams, tokenizer=False)
+        runs.append(greedy(model, prompt(500), 8))
+        model.expert_store.close()
+    assert runs[0].tokens == runs[1].tokens
+    assert torch.equal(runs[0].logits, runs[1].logits)
+    assert any(op == "copy_wait" for op, _ in streams.log), "refills waited on compute"
+
+
+def test_the_backend_runs_without_mlx_and_the_core_never_imports_it():
+    without_mlx = (
+        "import sys; sys.modules.update(mlx=None, mlx_lm=None)\n"
+        "from edgemoe.cuda import load, greedy\n"
+        "model, _ = load(expert_budget=0.25, device='cpu', tokenizer=False)\n"
+        "print(len(greedy(model, [5, 6, 7], 2).tokens))\n")
+    out = subprocess.run([sys.executable, "-c", without_mlx], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
+    core = ("import sys, edgemoe.loader, edgemoe.generate, edgemoe.convert, edgemoe.doctor\n"
+            "print([m for m in sys.modules if m.startswith(('edgemoe.cuda', 'edgemoe.kernels'))])")
+    out = subprocess.run([sys.executable, "-c", core], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
