@@ -82,6 +82,30 @@ def log_probs(model, window: np.ndarray) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def compare(models: list, tokens: List[int], context: int = 256, desc: str = "eval") -> dict:
+    """Summed negative log-likelihood of each model over the same windows of `tokens`;
+    with two models also top-1 agreement and summed KL(first || second)."""
+    nll = [0.0] * len(models)
+    agree, kl, count = 0, 0.0, 0
+    for window in tqdm(list(windows(tokens, context)), desc=desc, unit="window"):
+        targets = mx.array(window[1:])
+        lps = [log_probs(m, window) for m in models]
+        for i, lp in enumerate(lps):
+            nll[i] -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+        if len(lps) == 2:
+            p, q = lps
+            agree += (mx.argmax(p, -1) == mx.argmax(q, -1)).sum().item()
+            kl += (mx.exp(p) * (p - q)).sum().item()
+        count += len(targets)
+    result = {"tokens": count, "context": context,
+              "nll": [total / count for total in nll],
+              "perplexity": [math.exp(total / count) for total in nll]}
+    if len(models) == 2:
+        result["top1_agreement"] = agree / count
+        result["mean_kl"] = kl / count
+    return result
+
+
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
              max_tokens: Optional[int] = None, routing_stats: bool = False) -> dict:
     models = [c.load() for c in configs]
@@ -90,33 +114,20 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
         if first_store is None:
             raise ValueError("routing statistics need an edgemoe pack as the first model")
         recorder = first_store.start_trace()
-    tokenizer = models[0][1]
-    tokens = tokenizer.encode(text)
+    tokens = models[0][1].encode(text)
     if max_tokens:
         tokens = tokens[:max_tokens + 1]
-    nll = [0.0] * len(models)
-    agree, kl, count = 0, 0.0, 0
-    for window in tqdm(list(windows(tokens, context)), desc="eval", unit="window"):
-        targets = mx.array(window[1:])
-        lps = [log_probs(m, window) for m, _ in models]
-        for i, lp in enumerate(lps):
-            nll[i] -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
-        if len(lps) == 2:
-            p, q = lps
-            agree += (mx.argmax(p, -1) == mx.argmax(q, -1)).sum().item()
-            kl += (mx.exp(p) * (p - q)).sum().item()
-        count += len(targets)
-    result = {"tokens": count, "context": context, "configs": []}
-    for config, (model, _), total in zip(configs, models, nll):
-        entry = {"model": str(config), "nll": total / count,
-                 "perplexity": math.exp(total / count)}
+    scores = compare([m for m, _ in models], tokens, context)
+    result = {"tokens": scores["tokens"], "context": context, "configs": []}
+    for config, (model, _), nll in zip(configs, models, scores["nll"]):
+        entry = {"model": str(config), "nll": nll, "perplexity": math.exp(nll)}
         store = getattr(model, "expert_store", None)
         if store is not None:
             entry["expert_hit_rate"] = store.stats.hit_rate
         result["configs"].append(entry)
-    if len(models) == 2:
-        result["top1_agreement"] = agree / count
-        result["mean_kl"] = kl / count
+    for key in ("top1_agreement", "mean_kl"):
+        if key in scores:
+            result[key] = scores[key]
     if routing_stats:
         trace = {"layers": np.array(recorder.layers), "routed": np.concatenate(recorder.routed)}
         experts = first_store.pack.layers[0].num_experts
