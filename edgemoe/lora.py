@@ -8,15 +8,20 @@ adapter loads with `edgemoe.load(..., adapter_path=DIR)` or `--adapter-path DIR`
 mlx-lm. What edgemoe adds is the choice of targets: every resident linear layer of the
 decoder layers (attention projections, shared experts, dense MLPs) but never a router
 gate, whose LoRA would change the routing (mlx-lm's default targets include it).
+
+Merging the delta into the int4 weights and re-quantizing (mlx-lm's `fuse`) loses most of
+it: the delta is small beside a quantization step. `merge_survival` measures how much.
 """
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -53,3 +58,70 @@ def save_adapter(model: nn.Module, config: dict, path) -> Path:
     mx.save_safetensors(str(path / ADAPTER_WEIGHTS), weights)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
     return path
+
+
+def lora_layers(model: nn.Module) -> Dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_adapter(model: nn.Module) -> None:
+    """Fold every delta into its weights and re-quantize them as they were (int4)."""
+    model.update_modules(tree_unflatten([(n, m.fuse()) for n, m in lora_layers(model).items()]))
+
+
+def survival(merged_effect: mx.array, effect: mx.array) -> float:
+    """The part of `effect` that `merged_effect` still carries: its projection onto it
+    (1: all of it, 0: none)."""
+    effect = effect.astype(mx.float32)
+    return (mx.sum(merged_effect.astype(mx.float32) * effect) / mx.sum(effect * effect)).item()
+
+
+def _layer_inputs(model: nn.Module, inputs: mx.array) -> Dict[str, mx.array]:
+    """What each adapted projection receives while `model` runs on `inputs`."""
+    layers, seen = lora_layers(model), {}
+
+    class Tap(nn.Module):
+        def __init__(self, name, inner):
+            super().__init__()
+            self.inner, self.tap = inner, name
+
+        def __call__(self, x):
+            seen[self.tap] = x
+            return self.inner(x)
+
+    model.update_modules(tree_unflatten([(n, Tap(n, m)) for n, m in layers.items()]))
+    try:
+        model(inputs)
+    finally:
+        model.update_modules(tree_unflatten(list(layers.items())))
+    return seen
+
+
+def merge_survival(adapted: nn.Module, base: nn.Module, merged: nn.Module,
+                   inputs: mx.array) -> dict:
+    """How much of an adapter's effect survives merging and re-quantizing.
+
+    `adapted` serves the adapter unmerged, `base` has none, `merged` has it merged
+    (`merge_adapter`); all three share the same int4 weights. At each adapted projection,
+    on the inputs it sees in `adapted`: (merged output - base output) projected on the
+    unmerged delta. At the output: the same for next-token log-probs.
+    """
+    per_projection = {}
+    for name, x in _layer_inputs(adapted, inputs).items():
+        layer = lora_layers(adapted)[name]
+        base_out = layer.linear(x)
+        per_projection[name] = survival(layer.fuse()(x) - base_out, layer(x) - base_out)
+    names = sorted(per_projection, key=lambda n: int(n.split(".")[2]))
+    middle = [n for n in names if n.startswith(f"model.layers.{len(adapted.layers) // 2}.")]
+    headline = next((n for n in middle if n.endswith("o_proj")), (middle or names)[0])
+    log_probs = []
+    for model in (adapted, base, merged):
+        model.expert_store.reset()
+        logits = model(inputs).astype(mx.float32)
+        log_probs.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    lp_adapted, lp_base, lp_merged = log_probs
+    return {"projection": headline, "projection_survival": per_projection[headline],
+            "projection_survival_median": float(np.median(list(per_projection.values()))),
+            "per_projection": per_projection,
+            "logit_survival": survival(lp_merged - lp_base, lp_adapted - lp_base),
+            "tokens": int(inputs.size)}

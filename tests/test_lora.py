@@ -1,15 +1,20 @@
 """The recovery LoRA: an unmerged delta beside the int4 matmuls, in mlx-lm's format."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import edgemoe
-from edgemoe.lora import apply_lora, default_targets, save_adapter
+from edgemoe import train_lora
+from edgemoe.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
+from edgemoe.prerouter import (Prerouter, PrerouterConfig, load_prerouter, moe_blocks,
+                               save_prerouter)
 
 TOKENS = mx.array(np.random.default_rng(2).integers(3, 500, (1, 12)))
 
@@ -83,3 +88,87 @@ def test_an_adapter_in_mlx_lm_lora_format_loads(packs, tmp_path):
         "model": str(path), "iters": 100, "batch_size": 4, "learning_rate": 1e-5}))
     loaded, _ = edgemoe.load(path, adapter_path=out)
     assert mx.array_equal(loaded(TOKENS), model(TOKENS))
+
+
+# ---------------------------------------------------------------- distillation
+TEXT = "\n\n".join((Path(json.__file__).parent / f).read_text()
+                   for f in ("decoder.py", "encoder.py", "scanner.py"))
+
+
+def distil(tmp_path, checkpoints, packs, out, *extra):
+    """train_lora on the tiny Qwen3-MoE: the int4 pack distilled from its fp32 source."""
+    hf, _ = checkpoints["qwen3_moe"]
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    argv = ["--model", str(packs["qwen3_moe"]["hf"]), "--teacher", str(hf), "--data", str(data),
+            "--out", str(out), "--context", "64", "--batch-size", "4", "--eval-tokens", "512",
+            "--save-every", "5", *extra]
+    train_lora.main(argv)
+    return json.loads((out / "report.json").read_text())
+
+
+def test_distillation_closes_part_of_the_gap_and_merging_loses_it(checkpoints, packs, tmp_path):
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "lora", "--routing", "native",
+                    "--steps", "60", "--lr", "5e-5")
+    before, after, merged = report["before"], report["after"], report["merged"]
+    assert after["kl_to_teacher"] < 0.85 * before["kl_to_teacher"]
+    assert after["top1_agreement"] > before["top1_agreement"]
+    assert merged["quality"]["kl_to_teacher"] > after["kl_to_teacher"]
+    assert 0 < merged["logit_survival"] < 0.9 and merged["projection_survival"] < 0.9
+    # the adapter serves unmerged through load(), as the report measured it
+    model, tokenizer = edgemoe.load(packs["qwen3_moe"]["hf"], adapter_path=tmp_path / "lora")
+    assert len(lora_layers(model)) == len(report["lora"]["keys"]) * len(model.layers)
+
+
+def test_an_interrupted_run_resumes_to_the_same_adapter(checkpoints, packs, tmp_path,
+                                                        monkeypatch):
+    steps = ("--routing", "native", "--steps", "10")
+    distil(tmp_path, checkpoints, packs, tmp_path / "whole", *steps)
+    save = train_lora.TrainState.save
+
+    def interrupt_after_step_5(self, *args):
+        save(self, *args)
+        if self.step == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_lora.TrainState, "save", interrupt_after_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        distil(tmp_path, checkpoints, packs, tmp_path / "resumed", *steps)
+    monkeypatch.undo()
+    distil(tmp_path, checkpoints, packs, tmp_path / "resumed", *steps)
+    whole = mx.load(str(tmp_path / "whole" / "adapters.safetensors"))
+    resumed = mx.load(str(tmp_path / "resumed" / "adapters.safetensors"))
+    assert whole.keys() == resumed.keys()
+    assert all(mx.array_equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_prerouted_student_keeps_its_heads_frozen(checkpoints, packs, tmp_path):
+    model, _ = edgemoe.load(packs["qwen3_moe"]["hf"])
+    mx.random.seed(0)
+    blocks = moe_blocks(model)
+    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size, blocks,
+                                                head_hidden=32))
+    save_prerouter(heads, tmp_path / "heads")
+    before = dict(tree_flatten(load_prerouter(tmp_path / "heads").parameters()))
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "lora",
+                    "--prerouter", str(tmp_path / "heads"), "--steps", "4")
+    assert report["routing"] == "prerouted"
+    after = dict(tree_flatten(load_prerouter(tmp_path / "heads").parameters()))
+    assert all(mx.array_equal(before[k], after[k]) for k in before)
+    saved = mx.load(str(tmp_path / "lora" / "adapters.safetensors"))
+    assert saved and all(k.endswith(("lora_a", "lora_b")) for k in saved)
+
+
+def test_survival_is_the_projection_on_the_unmerged_effect(packs):
+    effect = mx.array([[1.0, -2.0], [0.5, 3.0]])
+    assert survival(effect, effect) == 1.0 and survival(-effect, effect) == -1.0
+    assert survival(mx.zeros_like(effect), effect) == 0.0
+    assert abs(survival(0.3 * effect + mx.array([[2.0, 1.0], [0.0, 0.0]]), effect) - 0.3) < 1e-6
+    # a delta far above the quantization step survives merging almost whole
+    x = mx.array(np.random.default_rng(5).standard_normal((1, 6, 64)).astype(np.float32))
+    model, _ = edgemoe.load(packs["qwen3_moe"]["hf"])
+    apply_lora(model, rank=4, scale=1.0)
+    layer = model.layers[0].self_attn.o_proj
+    layer.lora_b = mx.full(layer.lora_b.shape, 1.0)
+    base = layer.linear(x)
+    assert 0.95 < survival(layer.fuse()(x) - base, layer(x) - base) < 1.05
