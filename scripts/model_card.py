@@ -34,7 +34,8 @@ experts {expert_frac:.1%}. Stored here as an edgemoe pack, int4 (group 64, as `m
 ## Data
 Python's own standard library sources (CPython {python}, `.py` files, tests and idlelib excluded),
 split by file: 1 file in 20 held out, never trained on. Trained with PyTorch on 2 CPU cores:
-{tokens:,} tokens seen ({epochs:.2f} passes over {train_tokens:,} training tokens) in {minutes:.0f} minutes.
+{tokens:,} tokens seen ({epochs:.2f} passes over {train_tokens:,} training tokens) in {minutes:.0f} minutes,
+{steps} steps.
 
 ## Quality on the held-out files ({eval_tokens:,} tokens, windows of {window})
 | model | held-out loss (nats/token) | perplexity |
@@ -59,10 +60,13 @@ int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
 
 ## Reproduce
 ```
-python scripts/train_reference_moe.py --out RUN --minutes 90
-python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference
+python scripts/train_reference_moe.py --out RUN --steps {steps}
+python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference --overwrite
 python scripts/model_card.py --run RUN --pack edgemoe/models/reference
 ```
+The unquantized model (RUN/hf, {fp32_mb:.0f} MB, the teacher of the recovery LoRA) is not shipped:
+the first command rebuilds it. Its schedule runs on the step count and its data order on a
+seeded generator, so a rerun on the same software gives the same weights.
 """
 
 
@@ -146,6 +150,7 @@ def main():
         pack_mb=sum(f.stat().st_size for f in args.pack.iterdir()) / 1e6,
         python=platform.python_version(), tokens=tokens_seen, train_tokens=start["train_tokens"],
         epochs=tokens_seen / start["train_tokens"], minutes=train_minutes(log),
+        steps=max(e.get("step", 0) for e in log), fp32_mb=start["params"]["fp32_MB"],
         eval_tokens=result["tokens"], window=args.window,
         unigram=start["unigram_baseline"], unigram_ppl=math.exp(start["unigram_baseline"]),
         fp32_nll=fp32["nll"], fp32_ppl=fp32["perplexity"],

@@ -6,9 +6,10 @@ script, excluding any path with a directory component `test`, `tests`, `idlelib`
 stdlib folder and read as UTF-8 (undecodable bytes replaced).
 Held-out split: by FILE. The file with sorted index i is held out iff i % HELDOUT_EVERY == 0
 (1 file in 20); training never sees those files. The held-out files are written, in order,
-joined by a blank line, to OUT/heldout.txt; a small sample of train text goes to
-OUT/train_sample.txt. Train documents are tokenized one file at a time and concatenated with
-`<|endoftext|>` between files; held-out loss is measured on EVAL_WINDOWS fixed, evenly spaced
+joined by a blank line, to OUT/heldout.txt; the train files likewise to OUT/train.txt (the
+prerouter heads and the recovery LoRA train on it), and a small sample to OUT/train_sample.txt.
+Train documents are tokenized one file at a time and concatenated with `<|endoftext|>` between
+files; held-out loss is measured on EVAL_WINDOWS fixed, evenly spaced
 windows of the held-out token stream built the same way.
 
 Tokenizer: byte-level BPE (vocab VOCAB_SIZE) trained with `tokenizers` on the train split only,
@@ -23,11 +24,14 @@ PyTorch (transformers' grouped_mm experts) measured ~1800 train tokens/s for thi
 
 Outputs under --out DIR: hf/ (Hugging Face layout: safetensors shards of <=20MB, config.json
 patched so mlx-lm can load it, tokenizer), ckpt/last.pt (model + optimizer + step + RNG state;
-a rerun with the same --out resumes from it), train_log.jsonl, heldout.txt, train_sample.txt.
+a rerun with the same --out resumes from it), train_log.jsonl, heldout.txt, train.txt,
+train_sample.txt.
 The LR schedule (linear warmup, cosine decay to LR*MIN_LR_FRAC) runs on training wall time, so
-that it ends when the --minutes budget (counted from script start) runs out.
+that it ends when the --minutes budget (counted from script start) runs out; or, with --steps N,
+on the step count, so that a rerun on the same machine reproduces the same weights (the teacher
+of the recovery LoRA, which is too large for git, is rebuilt this way).
 
-    python scripts/train_reference_moe.py --out /work/ref_run --minutes 60
+    python scripts/train_reference_moe.py --out /work/ref_run --steps 900
 """
 
 import argparse
@@ -109,6 +113,7 @@ def load_corpus(out):
         text = (root / rel).read_bytes().decode("utf-8", errors="replace")
         (held if i % HELDOUT_EVERY == 0 else train).append(text)
     (out / "heldout.txt").write_text("\n\n".join(held), encoding="utf-8")
+    (out / "train.txt").write_text("\n\n".join(train), encoding="utf-8")  # for heads and LoRA
     (out / "train_sample.txt").write_text("\n\n".join(train)[:TRAIN_SAMPLE_CHARS], encoding="utf-8")
     print(f"corpus: {root}  {len(rels)} files -> {len(train)} train, {len(held)} held out; "
           f"{sum(map(len, train))/1e6:.2f}M / {sum(map(len, held))/1e6:.2f}M chars")
@@ -288,12 +293,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget from script start")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train exactly this many steps (schedule on steps, reproducible); overrides --minutes")
     ap.add_argument("--bench", action="store_true", help="only measure PyTorch vs MLX train tokens/s")
     ap.add_argument("--threads", type=int, default=THREADS,
                     help="torch threads; 1 is faster when other work shares the 2 cores")
     args = ap.parse_args()
     t_start = time.time()
-    deadline = t_start + args.minutes * 60
+    deadline = float("inf") if args.steps else t_start + args.minutes * 60
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     out = args.out
@@ -345,7 +352,7 @@ def main():
         mlx_checked = ck.get("mlx_checked", False)
         print(f"resumed from {ckpt_path}: step {step}, {tokens_seen:,} tokens, {train_s / 60:.1f} train min")
     logj(event="start", step=step, unigram_baseline=uni, train_tokens=int(len(train_ids)),
-         heldout_tokens=int(len(held_ids)), params=rep, minutes=args.minutes)
+         heldout_tokens=int(len(held_ids)), params=rep, minutes=args.minutes, steps=args.steps)
 
     def checkpoint():
         nonlocal best, mlx_checked
@@ -369,13 +376,19 @@ def main():
     model.train()
     loop_t0 = time.time()
     train_s0 = train_s
-    sched_total = train_s0 + max(deadline - END_RESERVE_S - loop_t0, 1.0)
+    sched_total = None if args.steps else train_s0 + max(deadline - END_RESERVE_S - loop_t0, 1.0)
     last_eval = time.time()
     win_t, win_tok = time.time(), 0
-    pbar = tqdm(desc="train", unit="step", initial=step, mininterval=30, dynamic_ncols=False)
+    pbar = tqdm(desc="train", unit="step", initial=step, total=args.steps, mininterval=30, dynamic_ncols=False)
     n = len(train_ids) - CONTEXT - 1
-    while time.time() < deadline - END_RESERVE_S:
-        lr = lr_at(step, train_s / sched_total)
+    def progress():
+        return step / args.steps if args.steps else train_s / sched_total
+
+    def more():
+        return step < args.steps if args.steps else time.time() < deadline - END_RESERVE_S
+
+    while more():
+        lr = lr_at(step, progress())
         for g in opt.param_groups:
             g["lr"] = lr
         idx = rng.integers(0, n, size=BATCH)
