@@ -7,11 +7,12 @@ by the model's files, expert bytes read per token and ms blocked per token; writ
 JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
-                                   [--cold] [--fio] [--prerouter HEADS_DIR]
+                                   [--cold] [--fio] [--prerouter HEADS_DIR] [--adapter LORA_DIR]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
 --prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
-modes. --cold drops the model's files from the page cache before every run and reads experts
+modes. --adapter adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
+25% with --prerouter) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate.
 """
@@ -38,7 +39,7 @@ def drop_page_cache(folder: Path):
 
 
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
-           prerouter=None, text=None, temp=0.0) -> dict:
+           prerouter=None, text=None, temp=0.0, adapter=None) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -54,13 +55,14 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     else:
         import edgemoe
 
-        budget, routing = kind.split(":")
+        budget, routing, *lora = kind.split(":")
         heads = None
         if routing == "advisory-heads" or routing.startswith("prerouted"):
             heads = prerouter
             routing = routing.replace("-heads", "")
         model, tokenizer = edgemoe.load(path, expert_budget=float(budget), routing=routing,
-                                        io=io, prerouter_path=heads)
+                                        io=io, prerouter_path=heads,
+                                        adapter_path=adapter if lora else None)
     store = getattr(model, "expert_store", None)
     if text:  # real text: routing as in use, not as on random tokens
         prompt = mx.array(tokenizer.encode(Path(text).read_text())[:prompt_len])
@@ -111,9 +113,16 @@ def run_config(kind, path, args) -> dict:
         cmd += ["--prerouter", args.prerouter]
     if args.text:
         cmd += ["--text", args.text]
+    if args.adapter:
+        cmd += ["--adapter", args.adapter]
     cmd += ["--temp", str(args.temp)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def lora_pairs(args) -> list:
+    """The configurations also run with the adapter."""
+    return ["1.0:native"] + (["0.25:prerouted"] if args.prerouter else [])
 
 
 def default_model(out: Path):
@@ -156,8 +165,8 @@ def summarize(runs: dict) -> list:
         if kind == "mlx-lm":
             med["config"] = "mlx-lm resident"
         else:
-            budget, routing = kind.split(":")
-            med["config"] = f"{routing} {float(budget):.0%}"
+            budget, routing, *lora = kind.split(":")
+            med["config"] = f"{routing} {float(budget):.0%}" + (" +LoRA" if lora else "")
         for key in ("io",):
             if key in rs[0]:
                 med[key] = rs[0][key]
@@ -218,13 +227,15 @@ def main():
                    help="Take the prompt from this text file (default: random tokens)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
+    p.add_argument("--adapter", default=None,
+                   help="A LoRA adapter: adds rows serving it unmerged, and its decode cost")
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
-                                args.prerouter, args.text, args.temp)))
+                                args.prerouter, args.text, args.temp, args.adapter)))
         return
 
     out = Path(args.out)
@@ -239,6 +250,8 @@ def main():
         configs += [(f"{b}:{mode}", pack) for mode in ("advisory-heads", "prerouted",
                                                           "prerouted-set")
                     for b in ADVISORY_BUDGETS]
+    if args.adapter:
+        configs += [(f"{kind}:lora", pack) for kind in lora_pairs(args)]
     runs = {kind: [] for kind, _ in configs}
     for r in range(args.rounds):
         for kind, path in configs:  # alternate: every round runs every configuration
@@ -251,6 +264,14 @@ def main():
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
               "cold": args.cold, "text": args.text, "temp": args.temp,
               "summary": rows, "runs": runs}
+    if args.adapter:
+        result["lora_decode_cost"] = {
+            kind: statistics.median(a["decode_tps"] / b["decode_tps"] for a, b in
+                                    zip(runs[f"{kind}:lora"], runs[kind]))
+            for kind in lora_pairs(args)}
+        for kind, ratio in result["lora_decode_cost"].items():
+            print(f"unmerged LoRA at {kind}: decode tok/s ratio with/without {ratio:.3f} "
+                  f"(median over rounds)")
     if args.fio:
         result["fio"] = fio_read_rate(pack)
         print(f"fio, random {result['fio']['record_bytes'] / 1e3:.0f} KB reads of "
