@@ -447,6 +447,17 @@ def test_tiny_model_matches_mlx_lm(packs, checkpoints):
     assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
 
 
+def test_forcing_the_greedy_tokens_changes_nothing(packs):
+    """scripts/gpu_check.py compares logits with another run's tokens forced."""
+    model, _ = load(packs["qwen3_moe"]["hf"], 1.0, device="cpu", tokenizer=False)
+    free = greedy(model, prompt(500), 6)
+    forced = greedy(model, prompt(500), 6, forced=free.tokens)
+    other = greedy(model, prompt(500), 6, forced=[7] * 6)
+    model.expert_store.close()
+    assert forced.tokens == free.tokens and torch.equal(forced.logits, free.logits)
+    assert not torch.equal(other.logits, free.logits)
+
+
 def test_decode_through_the_fake_device_equals_synchronous_copies(packs):
     """A whole decode under the ordering rules, every wait checked by the fake device,
     gives the same logits as synchronous copies."""

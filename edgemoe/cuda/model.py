@@ -145,8 +145,12 @@ class Decoded:
 
 
 @torch.inference_mode()
-def greedy(model, prompt: List[int], max_tokens: int, keep_logits: bool = True) -> Decoded:
-    """Prefill the prompt, then decode `max_tokens` tokens greedily with a KV cache."""
+def greedy(model, prompt: List[int], max_tokens: int, keep_logits: bool = True,
+           forced: Optional[List[int]] = None) -> Decoded:
+    """Prefill the prompt, then decode `max_tokens` tokens greedily with a KV cache.
+
+    With `forced`, step i feeds forced[i] instead of the greedy token, so that the
+    logits stay comparable with another run's position by position."""
     device = next(model.parameters()).device
     cache = {_cache_argument(model): DynamicCache()}
     tic = time.perf_counter()
@@ -155,9 +159,11 @@ def greedy(model, prompt: List[int], max_tokens: int, keep_logits: bool = True) 
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     result = Decoded([], None)
     result.prefill_s = _sync_time(device) - tic
-    for _ in range(max_tokens):
+    for i in range(max_tokens):
         step = time.perf_counter()
         result.tokens.append(token)
+        if forced is not None:
+            token = torch.tensor([[forced[i]]], device=device)
         out = model(input_ids=token, use_cache=True, **cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         if keep_logits:

@@ -1,0 +1,263 @@
+"""The CUDA backend on a GPU: exactness against the CPU MLX path, the Triton kernel
+against its reference, and a short decode benchmark; a summary, and JSON with --json.
+
+    scripts/gpu_check.sh             # installs what is missing, then runs this
+    python scripts/gpu_check.py --device cpu   # the same checks on the CPU (a dry run)
+
+Exactness: the bundled reference model, native routing, a 64-token prompt then 32
+tokens decoded with the MLX path's greedy tokens forced, so that every position's logits
+compare even where an argmax would flip. Benchmark: decode at a 25% expert budget and
+fully resident (every expert loaded before timing), buffered and O_DIRECT, on the
+reference model and on a synthetic pack with Qwen3-30B-A3B's expert shapes (random
+weights, so routing is near uniform: a worst case for the cache); each step feeds a
+random token, so that routing varies as it does over text.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgemoe.cuda.int4 import gather_qmm
+from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load
+from edgemoe.pack import (ALIGNMENT, RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
+                          write_manifest)
+
+PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
+# stated tolerances: max |logit difference| against the CPU MLX path (logits reach ~16)
+# and the share of positions whose argmax agrees with MLX's greedy token
+TOLERANCE = {"float32": (1e-2, 1.0), "bfloat16": (1.0, 0.9)}
+KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to max |output|
+
+
+def mlx_reference(budget):
+    """Greedy tokens and logits of the MLX path on the CPU (edgemoe.load)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import edgemoe
+
+    model, _ = edgemoe.load(None, expert_budget=budget)
+    prompt = np.random.default_rng(7).integers(3, 4000, PROMPT).tolist()
+    cache = make_prompt_cache(model)
+    out = model(mx.array(prompt)[None], cache=cache)
+    logits, tokens = [out[0]], []
+    for _ in range(DECODE):
+        token = mx.argmax(out[:, -1], -1)
+        tokens.append(int(token.item()))
+        out = model(token[None], cache=cache)
+        logits.append(out[0])
+    model.expert_store.close()
+    return prompt, tokens, np.array(mx.concatenate(logits))
+
+
+def check_exactness(device, dtypes):
+    rows = []
+    for budget in (1.0, 0.25):
+        prompt, tokens, ref = mlx_reference(budget)
+        for dtype in dtypes:
+            model, _ = load(None, budget, device=device, dtype=getattr(torch, dtype),
+                            tokenizer=False)
+            run = greedy(model, prompt, DECODE, forced=tokens)
+            model.expert_store.close()
+            diff = np.abs(run.logits.cpu().numpy() - ref)
+            agree = float(np.mean(np.array(run.tokens) == np.array(tokens)))
+            limit, min_agree = TOLERANCE[dtype]
+            rows.append({"budget": budget, "dtype": dtype, "max_abs_diff": float(diff.max()),
+                         "mean_abs_diff": float(diff.mean()), "argmax_agreement": agree,
+                         "ok": bool(diff.max() < limit and agree >= min_agree),
+                         "tolerance": {"max_abs_diff": limit, "argmax_agreement": min_agree}})
+    return rows
+
+
+def check_kernel(device):
+    """The Triton kernel against the PyTorch reference at Qwen3-30B-A3B's shapes."""
+    try:
+        from edgemoe.kernels.int4_moe import gather_qmv
+    except ImportError as e:
+        return [{"skipped": f"no Triton ({e})"}]
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for n, k in ((768, 2048), (2048, 768)):
+        words = torch.randint(-2**31, 2**31 - 1, (16, n, k // 8), generator=g,
+                              device=device, dtype=torch.int64).to(torch.int32)
+        scales = torch.rand(16, n, k // 64, generator=g, device=device) * 0.01
+        biases = -8 * scales
+        slots = torch.randint(0, 16, (8,), generator=g, device=device)
+        x_rows = torch.zeros(8, dtype=torch.int64, device=device)
+        for dtype in ("float32", "bfloat16"):
+            x = torch.randn(1, k, generator=g, device=device).to(getattr(torch, dtype))
+            s, b = scales.to(x.dtype), biases.to(x.dtype)
+            expected = gather_qmm(x.float(), words, s, b, slots, x_rows)
+            got = gather_qmv(x, words, s, b, slots, x_rows).float()
+            rel = float((got - expected).abs().max() / expected.abs().max())
+            rows.append({"shape": [n, k], "dtype": dtype, "max_rel_diff": rel,
+                         "ok": rel < KERNEL_TOLERANCE[dtype],
+                         "us_per_call": _time_us(lambda: gather_qmv(x, words, s, b, slots, x_rows))})
+    return rows
+
+
+def _time_us(fn, reps=50):
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    tic = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return round((time.perf_counter() - tic) / reps * 1e6, 1)
+
+
+def synthetic_pack(out: Path, layers=4, experts=128, hidden=2048, moe=768, top_k=8):
+    """A qwen3_moe pack with random int4 experts of the given shapes; random resident
+    weights, unquantized. Records repeat a few random payloads (their bytes are read
+    all the same)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(model_type="qwen3_moe", hidden_size=hidden, moe_intermediate_size=moe,
+                  intermediate_size=4 * moe, num_hidden_layers=layers, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=128, num_experts=experts,
+                  num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], vocab_size=4096, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6, max_position_embeddings=4096)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).state_dict()
+    g = torch.Generator().manual_seed(0)
+    # unit embeddings: the residual stream stays token-specific, and so does routing
+    scale = {"model.embed_tokens.weight": 1.0}
+    resident = {name: (torch.ones(t.shape) if "norm" in name
+                       else torch.randn(t.shape, generator=g) * scale.get(name, 0.02))
+                for name, t in shapes.items() if ".experts." not in name}
+    save_file(resident, str(out / RESIDENT_FILE))
+    rng = np.random.default_rng(0)
+    payloads = [_random_expert(rng, hidden, moe) for _ in range(4)]
+    layout = record_layout({k: v[None] for k, v in payloads[0].items()},
+                           {k: str(v.dtype) for k, v in payloads[0].items()})
+    writer = ExpertsWriter(out / "experts.bin")
+    pack_layers = []
+    for layer in range(layers):
+        records = [writer.write([payloads[e % 4][t.name] for t in layout]) for e in range(experts)]
+        quant = {p: {"group_size": 64, "bits": 4, "mode": "affine"}
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        pack_layers.append(PackLayer(f"model.layers.{layer}.mlp.switch_mlp", layer, layout,
+                                     quant, records))
+    write_manifest(out, "qwen3_moe", top_k, pack_layers, writer.close())
+    return out
+
+
+def _random_expert(rng, hidden, moe):
+    shapes = {"gate_proj": (moe, hidden), "up_proj": (moe, hidden), "down_proj": (hidden, moe)}
+    tensors = {}
+    for proj, (n, k) in shapes.items():
+        tensors[f"{proj}.weight"] = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+        scales = (rng.random((n, k // 64), dtype=np.float32) * 0.004).astype(np.float32)
+        tensors[f"{proj}.scales"] = scales
+        tensors[f"{proj}.biases"] = (-7.5 * scales).astype(np.float32)
+    return tensors
+
+
+def bench(path, device, budget, io, tokens=BENCH_TOKENS):
+    model, _ = load(path, budget, device=device, io=io, tokenizer=False)
+    store = model.expert_store
+    if budget == 1.0:
+        _load_everything(store)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 4000, 8).tolist()
+    forced = rng.integers(3, 4000, tokens).tolist()  # routing varies from token to token
+    greedy(model, prompt, 4, keep_logits=False, forced=forced)  # warm up (kernels compile)
+    before = store.snapshot()
+    run = greedy(model, prompt, tokens, keep_logits=False, forced=forced)
+    stats = store.snapshot() - before
+    io_used = store.reader.io
+    store.close()
+    return {"pack": Path(path).name, "budget": budget, "io": io_used,
+            "tok_per_s": round(tokens / run.decode_s, 2),
+            "ms_blocked_per_token": round(stats.blocked_s / tokens * 1e3, 3),
+            "mb_read_per_token": round(stats.bytes_read / tokens / 1e6, 3),
+            "read_gbps": round(stats.read_gbps, 3), "hit_rate": round(stats.hit_rate, 3)}
+
+
+def _load_everything(store):
+    for slots in store.layers.values():
+        experts = np.arange(slots.layer.num_experts)
+        for start in range(0, len(experts), slots.num_slots):
+            slots.ensure(experts[start:start + slots.num_slots])
+            slots.release()
+
+
+def run_benchmarks(device, synthetic):
+    rows = []
+    for path in [DEFAULT_MODEL, synthetic]:
+        for io in ("buffered", "direct"):
+            for budget in (1.0, 0.25):
+                rows.append(bench(path, device, budget, io))
+                print(f"  {rows[-1]}", flush=True)
+    return rows
+
+
+def summary(result) -> str:
+    lines = [f"edgemoe gpu_check on {result['device_name']} (torch {result['torch']})",
+             "exactness vs the CPU MLX path (reference model, native routing, forced tokens):"]
+    for r in result["exactness"]:
+        lines.append(f"  budget {r['budget']:>4} {r['dtype']:>8}: max |diff| "
+                     f"{r['max_abs_diff']:.2e} (< {r['tolerance']['max_abs_diff']}), argmax "
+                     f"agreement {r['argmax_agreement']:.0%} -> {'ok' if r['ok'] else 'FAIL'}")
+    lines.append("Triton kernel vs PyTorch reference:")
+    for r in result["kernel"]:
+        lines.append(f"  {r}")
+    lines.append("decode benchmark, forced random tokens (tok/s, ms blocked per token, "
+                 "MB read per token):")
+    for r in result["bench"]:
+        lines.append(f"  {r['pack']:>12} {r['io']:>17} budget {r['budget']:>4}: "
+                     f"{r['tok_per_s']:8.1f} tok/s {r['ms_blocked_per_token']:8.3f} ms blocked "
+                     f"{r['mb_read_per_token']:8.2f} MB/token {r['read_gbps']:6.2f} GB/s "
+                     f"hit rate {r['hit_rate']:.2f}")
+    lines.append("RESULT: " + ("ok" if result["ok"] else "FAIL"))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--small", action="store_true",
+                        help="a small synthetic pack (the default on the CPU)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible to PyTorch; run with --device cpu for a dry run")
+    tic = time.perf_counter()
+    result = {"device": str(device), "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    print("exactness ...", flush=True)
+    result["exactness"] = check_exactness(device, ["float32", "bfloat16"])
+    print("kernel ...", flush=True)
+    result["kernel"] = check_kernel(device) if cuda else [{"skipped": "no GPU"}]
+    print("benchmark ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix="edgemoe-synthetic-", dir=".") as tmp:
+        small = args.small or not cuda
+        shape = dict(layers=2, experts=32, hidden=512, moe=256) if small else {}
+        synthetic = synthetic_pack(Path(tmp) / ("synthetic-small" if small else "synthetic-30b"),
+                                   **shape)
+        result["bench"] = run_benchmarks(device, synthetic)
+    result["ok"] = all(r.get("ok", True) for r in result["exactness"] + result["kernel"])
+    result["wall_s"] = round(time.perf_counter() - tic, 1)
+    print(summary(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
