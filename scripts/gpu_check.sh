@@ -42,8 +42,12 @@ if ! "$PY" -c "import mlx_lm, sentencepiece" 2>/dev/null; then
   ls "$WHEELS"/*.whl >/dev/null || { echo "gpu_check.sh: no MLX here and no $WHEELS/; run --fetch-wheels first" >&2; exit 1; }
   "$PY" -m pip install -q --no-deps --no-index --target "$TARGET" "$WHEELS"/*.whl
 fi
-# edgemoe itself, without dependencies (setuptools comes with torch)
-"$PY" -m pip install -q --no-deps --no-index --no-build-isolation --target "$TARGET" .
+# edgemoe itself, without dependencies (setuptools comes with torch); offline, a failed
+# build falls back to the wheel's layout copied by hand: edgemoe/ with kernels/ inside
+if ! "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --target "$TARGET" .; then
+  echo "gpu_check.sh: pip could not build edgemoe here; copying the package instead" >&2
+  cp -r edgemoe "$TARGET/" && cp -r kernels "$TARGET/edgemoe/kernels"
+fi
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, transformers, edgemoe.cuda, mlx.core, mlx_lm; \
 print('+ torch', torch.__version__, 'cuda', torch.cuda.is_available(), \

@@ -23,15 +23,19 @@ module is replaced by one that computes the gathered int4 SwiGLU over the slot a
 with a Triton kernel for decode (kernels/int4_moe.py) and dequantize-then-matmul
 otherwise (edgemoe.cuda.int4, also the CPU path and the kernel's reference).
 
-Why PyTorch and not MLX's CUDA build (`mlx[cuda]`): MLX arrays are immutable and its
-Python API has no way to issue an asynchronous copy from pinned host memory into an
-existing device buffer on a chosen stream, nor to make one stream wait on an event of
-another. Refilling a slot would mean building a new array from host memory, a
-synchronous copy, and evaluating before the next layer: a host sync per fill. PyTorch
-has pinned tensors, `copy_(non_blocking=True)` on a side stream, and events with
-`Stream.wait_event`, which is exactly the ordering this design needs, and Triton for
-the int4 kernel. Native routing still costs one device-to-host read of the router's
-expert ids per layer (the host decides what to load), as in the MLX backend.
+Why PyTorch and not MLX's CUDA build (`mlx[cuda]`): MLX arrays are immutable, and MLX's
+Python API (0.32.4: streams, `synchronize`, `async_eval`) has no events, no way to make
+one stream wait on another, and no copy from pinned host memory into an existing device
+buffer. A slot refill would be a new array copied from host memory, scattered into the
+pool by a functional update whose buffer reuse and ordering MLX decides; keeping a
+queued computation from reading a slot being refilled then takes an evaluation, a host
+sync, per layer that refills (as the MLX backend's `mx.eval` before `release` does).
+PyTorch has pinned tensors, `copy_(non_blocking=True)` on a side stream, events and
+`Stream.wait_event`: exactly the ordering this design needs, with no host sync; and
+Triton for the int4 kernel. (Not measured against mlx[cuda]: no GPU was at hand when
+this was written; scripts/gpu_check.sh measures this backend.) Native routing still
+costs one device-to-host read of the router's expert ids per layer (the host decides
+what to load), as in the MLX backend.
 """
 
 from .model import greedy, load
