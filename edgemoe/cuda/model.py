@@ -4,7 +4,7 @@ experts streaming from disk into device slots; and a greedy decode loop.
 The model is transformers' own class for the family (its attention, norms, rotary
 embedding, router and KV cache), built on the meta device so that no expert weight is
 ever allocated; the resident weights are read from the pack's model.safetensors
-(mlx-lm names, which for qwen3_moe are transformers' names too), with MLX-quantized
+(mlx-lm names, transformers' names too but for Mixtral's router), with MLX-quantized
 linears and embeddings dequantized to the compute dtype; each MoE block's `experts`
 module becomes a StreamingExperts over the layer's slots.
 """
@@ -30,7 +30,9 @@ from .slots import DeviceSlotMemory
 from .streams import make_streams
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "models" / "reference"
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+# mlx-lm's resident names -> transformers' (the routed experts are streamed, not renamed)
+RENAMES = {"mixtral": ((".block_sparse_moe.gate.", ".mlp.gate."),)}
 NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers would act on it
 
 
@@ -83,6 +85,9 @@ def _kernel(device: torch.device, wanted: Optional[bool]):
     return gather_qmv
 
 
+EXPERTS_CALL = ["hidden_states", "top_k_index", "top_k_weights"]  # transformers 5's MoE call
+
+
 def _install(model, store: ExpertStore, kernel):
     act = ACT2FN[model.config.hidden_act]
     layers = model.model.layers
@@ -91,12 +96,19 @@ def _install(model, store: ExpertStore, kernel):
         if not hasattr(block, "experts") or not hasattr(block, "gate"):
             raise PackError(f"{store.pack.path}: layer {slots.layer.index} of the model has "
                             f"no MoE block, but the manifest streams {module}")
+        found = list(inspect.signature(block.experts.forward).parameters)
+        if found[:3] != EXPERTS_CALL:
+            raise RuntimeError(f"{type(block.experts).__name__}.forward takes {found}; "
+                               f"edgemoe.cuda replaces an experts module called with "
+                               f"{EXPERTS_CALL} (transformers 5)")
         block.experts = StreamingExperts(slots, act, kernel)
 
 
 def _load_resident(model, path: Path, config: dict, dtype, device):
     """Assign the pack's resident weights to the meta model, then check nothing is left."""
     state = resident_state_dict(path, config.get("quantization", {}), dtype, device)
+    for old, new in RENAMES.get(config["model_type"], ()):
+        state = {name.replace(old, new): tensor for name, tensor in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise PackError(f"{path}: weights the model does not have: {unexpected[:5]}")
