@@ -33,8 +33,9 @@ def default_targets(model: nn.Module) -> List[str]:
     keys = set()
     for layer in model.layers:
         for path, module in layer.named_modules():
-            last = path.rsplit(".", 1)[-1]
-            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and last != "gate":
+            # a router is `gate`, or `gate.native` inside a prerouted mode's PredictedGate
+            is_router = "gate" in path.split(".")
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not is_router:
                 keys.add(path)
     return sorted(keys)
 

@@ -50,6 +50,19 @@ def test_targets_leave_the_routers_alone(packs):
     assert any("shared_experts" in k for k in keys)  # DeepSeek's shared experts
 
 
+def test_targets_leave_a_prerouted_router_alone(packs, tmp_path):
+    """In prerouted modes the router sits inside a PredictedGate (`gate.native`)."""
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path)
+    mx.random.seed(0)
+    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size,
+                                                moe_blocks(model), head_hidden=32))
+    save_prerouter(heads, tmp_path / "heads")
+    model, _ = edgemoe.load(path, routing="prerouted", prerouter_path=tmp_path / "heads")
+    keys = default_targets(model)
+    assert keys and not any("gate" in k.split(".") for k in keys)
+
+
 def test_zero_initialised_adapter_leaves_logits_bit_identical(packs):
     model, _ = edgemoe.load(packs["olmoe"]["hf"])
     before = model(TOKENS)
