@@ -30,7 +30,7 @@ for step in $STEPS; do
       cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/" ;;
     lora)  # distilled from the unquantized model into the prerouted int4 pack
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$RUN/hf" --data "$RUN/train.txt" \
-          --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora"
+          --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" --steps 120
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$LORA/" ;;
