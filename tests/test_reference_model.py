@@ -43,3 +43,21 @@ def test_shipped_prerouter_heads_serve_the_reference_model():
     first, last = counts[0], counts[-1]  # after the prompt, after 16 tokens
     assert all(last[i] == first[i] for i in range(1, 6)), (first, last)  # predicted layers
     assert store.snapshot().prefetches > 0
+
+
+def test_shipped_lora_serves_the_prerouted_reference_model_unmerged():
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from edgemoe.lora import lora_layers
+
+    adapters = Path(__file__).resolve().parents[1] / "adapters" / "reference"
+    tokens = mx.array([[3, 17, 250, 4000, 12, 99]])
+    outputs = []
+    for adapter in (None, adapters / "lora"):
+        model, _ = edgemoe.load(routing="prerouted", prerouter_path=adapters / "prerouter",
+                                adapter_path=adapter)
+        outputs.append(model(tokens))
+    assert len(lora_layers(model)) == 4 * len(model.layers)  # attention, unmerged
+    assert not mx.allclose(outputs[0], outputs[1])
