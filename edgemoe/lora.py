@@ -107,9 +107,9 @@ def merge_survival(adapted: nn.Module, base: nn.Module, merged: nn.Module,
     on the inputs it sees in `adapted`: (merged output - base output) projected on the
     unmerged delta. At the output: the same for next-token log-probs.
     """
-    per_projection = {}
+    per_projection, layers = {}, lora_layers(adapted)
     for name, x in _layer_inputs(adapted, inputs).items():
-        layer = lora_layers(adapted)[name]
+        layer = layers[name]
         base_out = layer.linear(x)
         per_projection[name] = survival(layer.fuse()(x) - base_out, layer(x) - base_out)
     names = sorted(per_projection, key=lambda n: int(n.split(".")[2]))

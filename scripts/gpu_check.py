@@ -43,23 +43,29 @@ KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to max |outpu
 
 def mlx_reference(budget):
     """Greedy tokens and logits of the MLX path on the CPU (edgemoe.load)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     import edgemoe
 
     model, _ = edgemoe.load(None, expert_budget=budget)
     prompt = np.random.default_rng(7).integers(3, 4000, PROMPT).tolist()
+    tokens, logits = mlx_greedy(model, prompt, DECODE)
+    model.expert_store.close()
+    return prompt, tokens, logits
+
+
+def mlx_greedy(model, prompt, decode):
+    """Greedy decode with an MLX model: the tokens, and the logits of every position."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
     cache = make_prompt_cache(model)
     out = model(mx.array(prompt)[None], cache=cache)
     logits, tokens = [out[0]], []
-    for _ in range(DECODE):
+    for _ in range(decode):
         token = mx.argmax(out[:, -1], -1)
         tokens.append(int(token.item()))
         out = model(token[None], cache=cache)
         logits.append(out[0])
-    model.expert_store.close()
-    return prompt, tokens, np.array(mx.concatenate(logits))
+    return tokens, np.array(mx.concatenate(logits))
 
 
 def check_exactness(device, dtypes):

@@ -33,3 +33,17 @@ def packs(checkpoints, tmp_path_factory):
             "mlx": convert(mlx, out / f"{family}-from-mlx"),
         }
     return result
+
+
+def corrupt_record(pack_path, layer: int, expert: int):
+    """Flip one byte inside a record of the pack's experts file; return that layer."""
+    from edgemoe.pack import Pack
+
+    pack = Pack.open(pack_path)
+    pack_layer = pack.layers[layer]
+    with open(pack.experts_path, "r+b") as f:
+        f.seek(pack_layer.records[expert].offset + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return pack_layer

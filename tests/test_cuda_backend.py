@@ -34,6 +34,9 @@ from edgemoe.cuda.streams import HostStreams  # noqa: E402
 from edgemoe.pack import Pack, PackError  # noqa: E402
 from edgemoe.store import FILLING, FREE, READY, ExpertStore  # noqa: E402
 
+import gpu_check  # noqa: E402  (scripts/, on the path through conftest)
+from conftest import corrupt_record  # noqa: E402
+
 LOGIT_TOLERANCE = 1e-3
 
 
@@ -313,13 +316,7 @@ def test_a_fill_racing_its_prefetch_is_read_once_and_waited_for(small):
 def test_reader_errors_surface_as_pack_errors_and_free_the_slot(packs, tmp_path):
     dst = tmp_path / "pack"
     shutil.copytree(packs["qwen3_moe"]["hf"], dst)
-    pack = Pack.open(dst)
-    layer = pack.layers[2]
-    with open(pack.experts_path, "r+b") as f:
-        f.seek(layer.records[3].offset + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    layer = corrupt_record(dst, layer=2, expert=3)
     device = FakeDevice()
     store = device_store(Pack.open(dst), 1.0, device)
     slots = store.layers[layer.module]
@@ -391,17 +388,7 @@ PROMPT_LEN, DECODE = 48, 16
 
 
 def mlx_greedy(model, prompt):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    out = model(mx.array(prompt)[None], cache=cache)
-    logits, tokens = [out[0]], []
-    for _ in range(DECODE):
-        token = mx.argmax(out[:, -1], -1)
-        tokens.append(int(token.item()))
-        out = model(token[None], cache=cache)
-        logits.append(out[0])
-    return tokens, np.array(mx.concatenate(logits))
+    return gpu_check.mlx_greedy(model, prompt, DECODE)
 
 
 def prompt(vocab):

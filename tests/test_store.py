@@ -12,6 +12,8 @@ from edgemoe.families import UnsupportedModelError
 from edgemoe.pack import Pack, PackError
 from edgemoe.store import BudgetError, ExpertStore, parse_budget
 
+from conftest import corrupt_record
+
 
 def test_parse_budget():
     total = 1000
@@ -81,13 +83,7 @@ def pack_copy(packs, tmp_path):
 
 
 def test_corrupt_record_names_layer_and_expert(pack_copy):
-    pack = Pack.open(pack_copy)
-    layer = pack.layers[2]
-    with open(pack.experts_path, "r+b") as f:
-        f.seek(layer.records[3].offset + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    layer = corrupt_record(pack_copy, layer=2, expert=3)
     store = ExpertStore(Pack.open(pack_copy), 1.0)
     with pytest.raises(PackError, match=r"experts.bin: layer 2 expert 3: checksum mismatch "
                                         r"\(expected [0-9a-f]{8}, found [0-9a-f]{8}\)"):
