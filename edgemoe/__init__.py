@@ -8,11 +8,11 @@ def __getattr__(name):
     """Import the MLX entry points on first use, so that the MLX-free parts (the
     pack, reader, store, cache policies, and the CUDA backend) import without MLX."""
     if name == "load":
-        from .loader import load
+        from .model.loader import load
 
         return load
     if name in ("generate", "stream_generate"):
-        from . import generation
+        from .model import generation
 
         return getattr(generation, name)
     raise AttributeError(f"module 'edgemoe' has no attribute {name!r}")

@@ -1,20 +1,20 @@
 """Replay routing traces through the expert cache policies, against Belady's optimum.
 
     python -m edgemoe.cache_sim TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
-        [--policies lru,lfu,lfuda,s3fifo,learned] [--png hit_rate.png] [--json out.json]
-    python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out adapters/cache_policy.npz
+        [--policies lru,lfu,lfuda,s3fifo,learned] [--prefetch] [--png hit_rate.png] [--json out.json]
+    python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out cache_policy.npz
 
-The replay does what the store (edgemoe/store.py) does on demand, without the bytes
-and without prefetches. Each MoE layer has a pool of slots (the store's count for the
-budget, at least top-k). Each forward call asks each layer for its distinct experts,
-sorted, in groups that fit the pool when there are more (a long prefill); the experts
-asked for are pinned and touched, each one a hit if resident; then the misses, last
-first, are each loaded into a free slot or in place of the policy's victim, and touched
-again as their fill starts. A trace marks decoded tokens (one per forward call); a run
-of prompt tokens is replayed as mlx-lm prefills it, in calls of at most 2048 tokens.
+The replay runs the store's own slot state machine (edgemoe.streaming.slots.LayerSlots)
+over a memory that holds nothing and a reader that finishes each fill as it is
+submitted, so it cannot drift from what the store does: each forward call asks each
+MoE layer for its distinct experts in passes that fit the pool (edgemoe.streaming.calls),
+and with `--prefetch` the prefetches the trace recorded are issued where they were, in
+the layer call that issued them. Slot counts come from the store's rule
+(edgemoe.streaming.budget). A trace records its forward calls; an older one without them
+is replayed as mlx-lm prefills, in calls of at most 2048 prompt tokens.
 
 Belady's optimum evicts the resident, unpinned expert whose next use in that layer is
-farthest in the future: no policy has fewer loads on the same requests.
+farthest in the future: no policy has fewer loads on the same requests (without prefetch).
 """
 
 import argparse
@@ -26,18 +26,23 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from .cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
-                    make_policy)
-from .store import parse_budget
-from .trace import load_trace
+from .format.pack import Pack, PackLayer, Record, TensorLayout
+from .streaming.budget import BudgetError, SlotPlan
+from .streaming.cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
+                              make_policy)
+from .streaming.calls import passes
+from .streaming.stats import ExpertStats
+from .streaming.store import ExpertStore
+from .streaming.slots import NoMemory
+from .streaming.trace import load_trace
 
 PREFILL_CHUNK = 2048  # mlx-lm generate_step's prefill_step_size
 TARGET_CAP = 2048  # steps: next uses farther than this all count as "far"
 
 
 def forward_calls(decode: np.ndarray) -> List[slice]:
-    """The token ranges of the model's forward calls: each decoded token alone, each run
-    of prompt tokens in chunks of PREFILL_CHUNK."""
+    """The token ranges of the model's forward calls, for a trace that did not record
+    them: each decoded token alone, each run of prompt tokens in chunks of PREFILL_CHUNK."""
     calls, start = [], None  # start: first token of the prompt run being chunked
     for t, decoded in enumerate(decode.tolist()):
         if decoded:
@@ -55,6 +60,49 @@ def forward_calls(decode: np.ndarray) -> List[slice]:
     return calls
 
 
+def trace_calls(trace: Dict[str, np.ndarray]) -> List[slice]:
+    if "calls" not in trace:
+        return forward_calls(trace["decode"].astype(bool))
+    ends = np.cumsum(trace["calls"]).tolist()
+    return [slice(a, b) for a, b in zip([0] + ends[:-1], ends)]
+
+
+class InstantReader:
+    """A reader that finishes every fill as it is submitted, reading nothing."""
+
+    io = "none"
+    busy_s = 0.0
+
+    def submit(self, fills):
+        for f in fills:
+            f.on_done(f, f.record.length, None)
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self):
+        pass
+
+
+def replay_pack(expert_bytes, num_experts, top_k: int, layers=None) -> Pack:
+    """A Pack of records that hold nothing, shaped as a trace's layers."""
+    layers = list(range(len(expert_bytes))) if layers is None else list(layers)
+    pack_layers = []
+    for index, nbytes, n in zip(layers, expert_bytes, num_experts):
+        nbytes, n = int(nbytes), int(n)
+        tensors = [TensorLayout("expert.weight", "uint8", (nbytes,), 0, nbytes)]
+        records = [Record(((0, e * nbytes, nbytes),)) for e in range(n)]
+        pack_layers.append(PackLayer(f"layers.{index}", int(index), tensors, {}, records))
+    return Pack(Path("<trace>"), "trace", top_k, pack_layers, 0)
+
+
+def replay_store(pack: Pack, slots: int, policy) -> ExpertStore:
+    """An ExpertStore of `slots` per layer over nothing; `policy` as ExpertStore takes it."""
+    return ExpertStore(pack, slots * SlotPlan.of(pack).slot_bytes, policy,
+                       memory=lambda layer, n: NoMemory(),
+                       reader=InstantReader())
+
+
 @dataclass
 class Requests:
     """What one layer's pool is asked for, in order: sets of experts needed together."""
@@ -63,13 +111,12 @@ class Requests:
     decode: np.ndarray  # bool per step
 
 
-def layer_requests(routed: np.ndarray, decode: np.ndarray, layer: int,
-                   slots: int) -> Requests:
+def layer_requests(routed: np.ndarray, decode: np.ndarray, layer: int, slots: int,
+                   calls: Optional[List[slice]] = None) -> Requests:
     steps, flags = [], []
-    for call in forward_calls(decode):
-        experts = np.unique(routed[call, layer])
-        for start in range(0, len(experts), slots):  # the store's passes
-            steps.append(experts[start:start + slots])
+    for call in calls or forward_calls(decode):
+        for group in passes(np.unique(routed[call, layer]), slots):
+            steps.append(group)
             flags.append(bool(decode[call.start]))
     return Requests(steps, np.array(flags, dtype=bool))
 
@@ -86,7 +133,7 @@ def next_steps(steps: List[np.ndarray]) -> Dict[tuple, float]:
 
 class BeladyPolicy:
     """Evict the expert whose next use is farthest in the future. Offline: it is given
-    the requests, and `replay` keeps its `step` at the one being served."""
+    the requests, and the replay keeps its `step` at the one being served."""
 
     def __init__(self, steps: List[np.ndarray]):
         self._next = next_steps(steps)
@@ -107,39 +154,24 @@ class BeladyPolicy:
 
 def replay(requests: Requests, slots: int, policy,
            on_step: Optional[Callable[[int], None]] = None) -> np.ndarray:
-    """(hits, loads) per step: LayerSlots.ensure's bookkeeping, without the bytes.
+    """(hits, loads) per step of one layer, through the store's state machine.
     `on_step(i)` is called before step i is served."""
     offline = hasattr(policy, "step")  # told where in the requests it is
-    resident = set()
+    num_experts = max((int(s.max()) + 1 for s in requests.steps if len(s)), default=1)
+    store = replay_store(replay_pack([4096], [max(num_experts, slots)], 1), slots,
+                         lambda: policy)
+    pool, stats = store.pool(0), store.stats
     counts = np.zeros((len(requests.steps), 2), dtype=np.int64)
     for i, experts in enumerate(requests.steps):
         if offline:
             policy.step = i
         if on_step is not None:
             on_step(i)
-        experts = experts.tolist()
-        missing = [e for e in experts if e not in resident]
-        for e in experts:
-            policy.touch(e)
-        for e in reversed(missing):  # the store pops its misses from the end
-            if len(resident) >= slots:
-                victim = policy.victim(experts)
-                if victim is None or victim not in resident or victim in experts:
-                    raise RuntimeError(f"{type(policy).__name__}: victim {victim} is not a "
-                                       f"resident, unpinned expert")
-                resident.discard(victim)
-                policy.forget(victim)
-            resident.add(e)
-            policy.touch(e)  # the store touches an expert again as its fill starts
-        counts[i] = len(experts) - len(missing), len(missing)
+        hits, loads = stats.hits, stats.loads
+        pool.ensure(experts)
+        pool.release()
+        counts[i] = stats.hits - hits, stats.loads - loads
     return counts
-
-
-def slots_for(budget, expert_bytes: np.ndarray, num_experts: int, top_k: int) -> int:
-    """The store's slot count for a budget (ExpertStore.__init__), at least top-k."""
-    total = int(expert_bytes.sum()) * num_experts
-    slots = parse_budget(budget, total) // int(expert_bytes.sum())
-    return max(top_k, min(slots, num_experts))
 
 
 @dataclass
@@ -147,26 +179,44 @@ class Result:
     policy: str
     budget: str
     slots: int
-    hits: int
-    loads: int
-    decode_hits: int
-    decode_loads: int
-    bytes_read: int
-    decode_bytes_read: int
-    decode_tokens: int
+    hits: int = 0
+    on_demand: int = 0
+    loads: int = 0  # every fill: on demand and prefetched
+    prefetches: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    decode_hits: int = 0
+    decode_on_demand: int = 0
+    decode_loads: int = 0
+    decode_bytes_read: int = 0
+    decode_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
-        return self.hits / max(self.hits + self.loads, 1)
+        return self.hits / max(self.hits + self.on_demand, 1)
 
     @property
     def decode_hit_rate(self) -> float:
-        return self.decode_hits / max(self.decode_hits + self.decode_loads, 1)
+        return self.decode_hits / max(self.decode_hits + self.decode_on_demand, 1)
 
     def add(self, other: "Result"):
-        for k in ("hits", "loads", "decode_hits", "decode_loads", "bytes_read",
-                  "decode_bytes_read", "decode_tokens"):
+        for k in ("hits", "on_demand", "loads", "prefetches", "evictions", "bytes_read",
+                  "decode_hits", "decode_on_demand", "decode_loads", "decode_bytes_read",
+                  "decode_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def count(self, delta: ExpertStats, decode: bool):
+        self.hits += delta.hits
+        self.on_demand += delta.on_demand
+        self.loads += delta.loads
+        self.prefetches += delta.prefetches
+        self.evictions += delta.evictions
+        self.bytes_read += delta.bytes_read
+        if decode:
+            self.decode_hits += delta.hits
+            self.decode_on_demand += delta.on_demand
+            self.decode_loads += delta.loads
+            self.decode_bytes_read += delta.bytes_read
 
 
 def trace_experts(trace: Dict[str, np.ndarray]) -> int:
@@ -176,43 +226,84 @@ def trace_experts(trace: Dict[str, np.ndarray]) -> int:
     return int(trace["routed"].max()) + 1
 
 
+def trace_plan(trace: Dict[str, np.ndarray], num_experts: Optional[int] = None) -> SlotPlan:
+    n_layers = trace["routed"].shape[1]
+    counts = ([int(num_experts)] * n_layers if num_experts else
+              trace["num_experts"].tolist() if "num_experts" in trace
+              else [trace_experts(trace)] * n_layers)
+    return SlotPlan(tuple(trace["expert_bytes"].astype(np.int64).tolist()), tuple(counts),
+                    trace["routed"].shape[-1])
+
+
+def _prefetches(trace) -> Dict[tuple, list]:
+    """(call, issuing layer position) -> [(target position, lead, experts)], in order."""
+    found: Dict[tuple, list] = {}
+    if "prefetch_at" not in trace:
+        return found
+    experts = np.split(trace["prefetch_experts"], np.cumsum(trace["prefetch_counts"])[:-1])
+    for (call, source, target, lead), ids in zip(trace["prefetch_at"].tolist(), experts):
+        found.setdefault((call, source), []).append((target, lead, ids))
+    return found
+
+
 def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
-             num_experts: Optional[int] = None, model: Optional[NextUseModel] = None) -> Result:
-    """Replay one trace through fresh pools, as one generation with a new store."""
+             num_experts: Optional[int] = None, model: Optional[NextUseModel] = None,
+             prefetch: bool = False, learned: Optional[Path] = None) -> Result:
+    """Replay one trace through a fresh store, as one generation: every layer's calls in
+    the order the model made them, and with `prefetch` the recorded prefetches too."""
     routed, decode = trace["routed"], trace["decode"].astype(bool)
-    expert_bytes = trace["expert_bytes"].astype(np.int64)
-    num_experts = num_experts or trace_experts(trace)
-    slots = slots_for(budget, expert_bytes, num_experts, routed.shape[-1])
-    result = Result(policy, str(budget), slots, *[0] * 6, decode_tokens=int(decode.sum()))
-    for layer in range(routed.shape[1]):
-        requests = layer_requests(routed, decode, layer, slots)
-        if policy == "belady":
-            p = BeladyPolicy(requests.steps)
-        elif policy == "learned" and model is not None:
-            p = LearnedPolicy(model)
-        else:
-            p = make_policy(policy)
-        counts = replay(requests, slots, p)
-        hits, loads = counts.sum(0).tolist()
-        d_hits, d_loads = counts[requests.decode].sum(0).tolist()
-        result.hits += hits
-        result.loads += loads
-        result.decode_hits += d_hits
-        result.decode_loads += d_loads
-        result.bytes_read += loads * int(expert_bytes[layer])
-        result.decode_bytes_read += d_loads * int(expert_bytes[layer])
+    plan = trace_plan(trace, num_experts)
+    slots = plan.slots(budget)
+    calls = trace_calls(trace)
+    if prefetch and policy == "belady":
+        raise ValueError("belady replays demand loads only; drop --prefetch for it")
+    if policy == "belady":
+        per_layer = [layer_requests(routed, decode, i, slots, calls).steps
+                     for i in range(routed.shape[1])]
+        policies = iter([BeladyPolicy(steps) for steps in per_layer])
+        factory = lambda: next(policies)  # noqa: E731 (one per layer, in layer order)
+    elif policy == "learned" and model is not None:
+        factory = lambda: LearnedPolicy(model)  # noqa: E731
+    else:
+        factory = lambda: make_policy(policy, learned)  # noqa: E731
+    pack = replay_pack(plan.expert_bytes, plan.num_experts, plan.top_k)
+    store = replay_store(pack, slots, factory)
+    pools = [store.pool(i) for i in range(routed.shape[1])]
+    steps = [0] * len(pools)  # Belady's position in each layer's requests
+    ahead = _prefetches(trace) if prefetch else {}
+    result = Result(policy, str(budget), slots, decode_tokens=int(decode.sum()))
+
+    def issue(call, position):
+        for target, lead, ids in ahead.get((call, position), ()):
+            store.prefetch(target, ids, lead)
+
+    for c, call in enumerate(calls):
+        before = store.snapshot()
+        issue(c, -1)
+        for position, pool in enumerate(pools):
+            groups = passes(np.unique(routed[call, position]), slots)
+            for g, group in enumerate(groups):
+                if policy == "belady":
+                    pool.policy.step = steps[position]
+                    steps[position] += 1
+                pool.ensure(group, new_call=g == 0)
+                if g == 0:
+                    issue(c, position)
+                pool.release()
+        result.count(store.snapshot() - before, bool(decode[call.start]))
     return result
 
 
 def run(traces: List[Dict[str, np.ndarray]], budgets: List[str], policies: List[str],
-        num_experts: Optional[int] = None, model: Optional[NextUseModel] = None) -> List[Result]:
+        num_experts: Optional[int] = None, model: Optional[NextUseModel] = None,
+        prefetch: bool = False, learned: Optional[Path] = None) -> List[Result]:
     """Every policy at every budget, summed over the traces."""
     results = []
     for budget in budgets:
         for policy in policies:
             total = None
             for trace in traces:
-                r = simulate(trace, budget, policy, num_experts, model)
+                r = simulate(trace, budget, policy, num_experts, model, prefetch, learned)
                 if total is None:
                     total = r
                 else:
@@ -339,7 +430,8 @@ def main(argv=None):
     if argv[:1] == ["train-learned"]:
         return main_train(argv[1:])
     p = argparse.ArgumentParser(description="Replay routing traces through expert cache "
-                                            "policies and Belady's optimum.")
+                                            "policies and Belady's optimum.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("traces", nargs="+", help=".npz traces from `edgemoe.generate --trace`")
     p.add_argument("--budget", default="0.1,0.25,0.5",
                    help="Comma-separated expert budgets: fractions, percentages or sizes")
@@ -348,8 +440,12 @@ def main(argv=None):
                         f"(default: all; learned only if its weights exist)")
     p.add_argument("--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
     p.add_argument("--num-experts", type=int, default=None,
-                   help="Experts per layer (default: the largest id in the traces + 1)")
-    p.add_argument("--png", default=None, help="Plot decode hit rate against budget here")
+                   help="Experts per layer (default: as the traces record)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="Also replay the prefetches the traces recorded (advisory or "
+                        "prerouted runs); Belady is then left out")
+    p.add_argument("--png", default=None, help="Plot decode hit rate against budget here "
+                                               "(needs matplotlib: pip install 'edgemoe[bench]')")
     p.add_argument("--json", default=None, help="Write the results here")
     args = p.parse_args(argv)
     try:
@@ -358,29 +454,36 @@ def main(argv=None):
             policies = args.policies.split(",")
         else:
             policies = [n for n in POLICIES if n != "learned" or Path(args.learned).exists()]
-            policies.append("belady")
+            if not args.prefetch:
+                policies.append("belady")
         unknown = set(policies) - set(POLICIES) - {"belady"}
         if unknown:
             raise ValueError(f"cache policy {', '.join(sorted(unknown))}: choose from "
                              f"{', '.join(POLICIES)}, belady")
         model = NextUseModel.load(args.learned) if "learned" in policies else None
-        num_experts = args.num_experts or max(trace_experts(t) for t in traces)
-        results = run(traces, args.budget.split(","), policies, num_experts, model)
-    except (FileNotFoundError, ValueError) as e:
+        results = run(traces, args.budget.split(","), policies, args.num_experts, model,
+                      args.prefetch)
+    except (FileNotFoundError, ValueError) as e:  # BudgetError is a ValueError
         sys.exit(f"edgemoe.cache_sim: error: {e}")
     n = sum(len(t["routed"]) for t in traces)
     d = sum(int(t["decode"].sum()) for t in traces)
-    print(f"{len(traces)} traces, {n} tokens ({d} decoded), {num_experts} experts per layer, "
-          f"top-{traces[0]['routed'].shape[-1]}")
+    experts = args.num_experts or max(trace_experts(t) for t in traces)
+    print(f"{len(traces)} traces, {n} tokens ({d} decoded), {experts} experts per layer, "
+          f"top-{traces[0]['routed'].shape[-1]}" + (", prefetches replayed" if args.prefetch
+                                                    else ""))
     print_table(results)
-    if args.png:
-        plot(results, args.png)
-        print(f"wrote {args.png}")
-    if args.json:
+    if args.json:  # before the plot, which needs an optional package
         rows = [dict(asdict(r), hit_rate=r.hit_rate, decode_hit_rate=r.decode_hit_rate)
                 for r in results]
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.json}")
+    if args.png:
+        try:
+            plot(results, args.png)
+        except ImportError:
+            sys.exit("edgemoe.cache_sim: error: --png needs matplotlib: "
+                     "pip install 'edgemoe[bench]'")
+        print(f"wrote {args.png}")
 
 
 def main_train(argv):

@@ -22,8 +22,9 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import quantize_model, save_config
 from tqdm import tqdm
 
-from .families import check_supported, expert_modules, layer_index, top_k
-from .pack import (RESIDENT_FILE, EXPERTS_FILE, ExpertsWriter, PackLayer,
+from .format.families import check_supported, layer_index, top_k
+from .model.experts import expert_modules
+from .format.pack import (RESIDENT_FILE, EXPERTS_FILE, ExpertsWriter, PackLayer,
                    record_layout, write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")

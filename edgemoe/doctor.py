@@ -1,7 +1,7 @@
-"""Will a pack run here, in how much memory, and how fast: from its manifest and a
+"""Will a pack (or an mlx-lm checkpoint read in place) run here, in how much memory, and how fast: from its manifest and a
 short calibration of this machine's disk and compute. Reads no weights.
 
-    python -m edgemoe.doctor --model PACK [--memory 16GB] [--budget 25%] [--trace T.npz]
+    python -m edgemoe.doctor [--model PACK] [--memory 16GB] [--expert-budget 25%] [--trace T.npz]
 
 Predicted decode time per token, at a budget with a hit rate h:
 
@@ -27,10 +27,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import DEFAULT_POLICY
-from .loader import DEFAULT_MODEL
-from .pack import Pack, PackError, PackLayer
-from .store import BudgetError, ExpertStore, parse_budget
+from .format.pack import Pack, PackError, PackLayer
+from .format.source import BUNDLED_MODEL, open_source, pack_asset
+from .options import StreamOptions
+from .streaming.budget import BudgetError, SlotPlan, fmt_bytes, parse_budget
+from .streaming.cache import DEFAULT_POLICY
 
 HEADROOM = 0.15  # share of --memory left for the KV cache, activations and the OS
 BUDGETS = ("min", "10%", "25%", "50%", "100%")
@@ -60,22 +61,26 @@ def calibrate_disk(pack: Pack, seed: int = 0) -> Disk:
     rng = random.Random(seed)
     chosen = rng.sample(records, min(2 * DISK_RECORDS, len(records)))
     found, cold = chosen[::2], chosen[1::2] or chosen[::2]
-    buf = memoryview(bytearray(max(r.length for r in chosen)))
-    fd = os.open(pack.experts_path, os.O_RDONLY)
+    buf = memoryview(bytearray(max(length for r in chosen for _, _, length in r.segments)))
+    fds = [os.open(f, os.O_RDONLY) for f in pack.files]
     try:
         def timed(rs):
-            hot = sum(in_page_cache(fd, r.offset, r.length, buf) for r in rs)
+            hot = sum(all(in_page_cache(fds[i], offset, length, buf)
+                          for i, offset, length in r.segments) for r in rs)
             tic = time.perf_counter()
             for r in rs:
-                os.preadv(fd, [buf[:r.length]], r.offset)
+                for i, offset, length in r.segments:
+                    os.preadv(fds[i], [buf[:length]], offset)
             return sum(r.length for r in rs) / (time.perf_counter() - tic), hot
 
         found_rate, found_hot = timed(found)
         for r in cold:
-            os.posix_fadvise(fd, r.offset, r.length, os.POSIX_FADV_DONTNEED)
+            for i, offset, length in r.segments:
+                os.posix_fadvise(fds[i], offset, length, os.POSIX_FADV_DONTNEED)
         cold_rate, cold_hot = timed(cold)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
     return Disk(int(statistics.mean(r.length for r in chosen)), found_rate, found_hot,
                 cold_rate, cold_hot)
 
@@ -183,12 +188,6 @@ def resident_compute_bytes(pack: Pack) -> int:
     return total
 
 
-def slots_for(pack: Pack, budget_bytes: int) -> int:
-    """ExpertStore's slots per layer for a budget."""
-    per_slot = sum(l.expert_bytes for l in pack.layers)
-    return min(budget_bytes // per_slot, min(l.num_experts for l in pack.layers))
-
-
 @dataclass
 class Prediction:
     compute_s: float  # per token
@@ -215,11 +214,11 @@ def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
 
 def replay_hit_rate(trace_path: str, pack: Pack, budget_bytes: int) -> float:
     from .cache_sim import simulate
-    from .trace import load_trace
+    from .streaming.trace import load_trace
 
     trace = load_trace(trace_path)
-    return simulate(trace, budget_bytes, DEFAULT_POLICY,
-                    pack.layers[0].num_experts).decode_hit_rate
+    return simulate(trace, budget_bytes, DEFAULT_POLICY, pack.layers[0].num_experts,
+                    learned=pack_asset(pack.path, "cache_policy")).decode_hit_rate
 
 
 def parse_memory(text: str) -> int:
@@ -230,25 +229,32 @@ def parse_memory(text: str) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Will a pack fit, and how fast will it decode?")
-    p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="An edgemoe pack folder (default: the bundled reference MoE)")
+    p.add_argument("--model", default=str(BUNDLED_MODEL),
+                   help="An edgemoe pack or an mlx-lm quantized checkpoint (default: the "
+                        "bundled reference MoE)")
     p.add_argument("--memory", default=None,
                    help="Memory to run in: GB (16) or a size (16GB, 12GiB)")
-    p.add_argument("--budget", default=None, help="Also predict at this expert budget")
+    StreamOptions.add_arguments(p, only=["expert_budget"])
+    p.add_argument("--budget", dest="expert_budget", help=argparse.SUPPRESS)  # older name
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
     args = p.parse_args(argv)
     try:
-        pack = Pack.open(args.model)
+        pack = open_source(args.model)
+        if args.trace:
+            from .streaming.trace import check_trace_matches, load_trace
+
+            check_trace_matches(load_trace(args.trace), pack, args.trace)
         report(pack, args)
-    except (FileNotFoundError, PackError, BudgetError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # PackError and BudgetError too
         sys.exit(f"edgemoe.doctor: error: {e}")
 
 
 def report(pack: Pack, args):
     layers, k = pack.layers, pack.top_k
     resident, experts = pack.resident_bytes, pack.expert_bytes
-    minimum = ExpertStore.minimum_budget(pack)
+    plan = SlotPlan.of(pack)
+    minimum = plan.minimum_bytes
     per_expert = sum(l.expert_bytes for l in layers) / len(layers)
     computed = resident_compute_bytes(pack)
     print(f"pack: {pack.path} ({pack.model_type}, {len(layers)} MoE layers, "
@@ -285,7 +291,8 @@ def report(pack: Pack, args):
           f"token outside them (mlx-lm's model class, random weights): "
           f"{1e3 * step_s:.2f} ms per resident decode step")
 
-    budgets = list(BUDGETS) + ([args.budget] if args.budget else [])
+    asked = args.expert_budget if args.expert_budget not in (None, "1.0") else None
+    budgets = list(BUDGETS) + ([asked] if asked else [])
     if args.memory:
         room = int(parse_memory(args.memory) * (1 - HEADROOM)) - resident
         if room >= minimum:
@@ -301,11 +308,11 @@ def report(pack: Pack, args):
           f"{'read/token':>10} {'tok/s':>7} {'(reads overlapped)':>18}")
     for b in budgets:
         budget_bytes = minimum if b == "min" else parse_budget(b, experts)
-        slots = slots_for(pack, budget_bytes)
+        slots = plan.slots_for_bytes(budget_bytes)
         if slots < k:
             print(f"  {str(b):>10} below the minimum budget")
             continue
-        slot_bytes = slots * sum(l.expert_bytes for l in layers)
+        slot_bytes = plan.memory(slots)
         hit = (replay_hit_rate(args.trace, pack, budget_bytes) if args.trace
                else slots / layers[0].num_experts)
         pred = predict(pack, step_s, disk.cold_rate, hit, overhead_s)
@@ -325,15 +332,8 @@ def report(pack: Pack, args):
             budget = min(room, experts)
             print(f"memory {fmt_bytes(memory)}: fits with --expert-budget {budget} "
                   f"({budget / experts:.0%} of the routed experts, "
-                  f"{slots_for(pack, budget)} slots per layer; {HEADROOM:.0%} kept free "
+                  f"{plan.slots_for_bytes(budget)} slots per layer; {HEADROOM:.0%} kept free "
                   f"for the KV cache, activations and the OS)")
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
 
 
 def _cached(shapes: dict, layer: PackLayer) -> float:

@@ -3,11 +3,13 @@
     python -m edgemoe.eval --text heldout.txt --model PACK[,budget=0.25]
     python -m edgemoe.eval --text heldout.txt --model HF_DIR --model PACK,budget=0.25
 
-A configuration is a path and options: `budget=` (expert budget of a pack),
-`routing=` (native, advisory, prerouted, prerouted-set), `prerouter=` (heads folder),
-`adapter=` (adapter folder). An edgemoe pack (it has manifest.json) loads with
-edgemoe.load; any other folder (a Hugging Face or mlx-lm checkpoint) with mlx_lm.load,
-fully resident. With two configurations it reports, token by token over the same
+A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
+advisory, prerouted, prerouted-set), `prerouter=` (heads folder), `adapter=` (adapter
+folder); the streaming flags (--expert-budget, --routing, ...) give every configuration's
+defaults. Without --model the bundled reference model is evaluated. An edgemoe pack
+loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given streaming
+options (read in place); any other folder (a Hugging Face or mlx-lm checkpoint) loads
+with mlx_lm.load, fully resident. With two configurations it reports, token by token over the same
 windows, top-1 agreement and mean KL(first || second) of the next-token distributions.
 """
 
@@ -23,8 +25,9 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .pack import MANIFEST
-from .trace import routing_stats as trace_routing_stats
+from .format.source import BUNDLED_MODEL, source_kind
+from .options import StreamOptions
+from .streaming.trace import routing_stats as trace_routing_stats
 
 
 OPTIONS = ("budget", "routing", "prerouter", "adapter")
@@ -47,17 +50,17 @@ class ModelConfig:
             options[key] = value
         return cls(path, options)
 
-    def load(self):
-        if (Path(self.path) / MANIFEST).exists():
-            from .loader import load
+    def load(self, defaults: Optional[StreamOptions] = None):
+        kind = source_kind(self.path)
+        if kind == "pack" or (kind == "mlx-lm" and set(self.options) - {"adapter"}):
+            from .model.loader import load
 
-            return load(self.path, expert_budget=self.options.get("budget", "1.0"),
-                        adapter_path=self.options.get("adapter"),
-                        routing=self.options.get("routing", "native"),
-                        prerouter_path=self.options.get("prerouter"))
+            options = (defaults or StreamOptions()).replace(**{
+                {"budget": "expert_budget"}.get(k, k): v for k, v in self.options.items()})
+            return load(self.path, **options.load_kwargs())
         if set(self.options) - {"adapter"}:
             raise ValueError(f"{self.path}: budget=, routing= and prerouter= apply to "
-                             f"edgemoe packs only")
+                             f"edgemoe packs and mlx-lm quantized checkpoints only")
         from mlx_lm import load
 
         return load(self.path, adapter_path=self.options.get("adapter"))
@@ -75,9 +78,7 @@ def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
 
 
 def log_probs(model, window: np.ndarray) -> mx.array:
-    store = getattr(model, "expert_store", None)
-    if store is not None:
-        store.reset()  # each window is a new sequence
+    """Next-token log-probs over one window: a whole sequence (no cache, fresh routing)."""
     logits = model(mx.array(window[None, :-1]))[0].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -107,8 +108,9 @@ def compare(models: list, tokens: List[int], context: int = 256, desc: str = "ev
 
 
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
-             max_tokens: Optional[int] = None, routing_stats: bool = False) -> dict:
-    models = [c.load() for c in configs]
+             max_tokens: Optional[int] = None, routing_stats: bool = False,
+             defaults: Optional[StreamOptions] = None) -> dict:
+    models = [c.load(defaults) for c in configs]
     first_store = getattr(models[0][0], "expert_store", None)
     if routing_stats:
         if first_store is None:
@@ -123,36 +125,38 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
         entry = {"model": str(config), "nll": nll, "perplexity": math.exp(nll)}
         store = getattr(model, "expert_store", None)
         if store is not None:
-            entry["expert_hit_rate"] = store.stats.hit_rate
+            entry["expert_hit_rate"] = store.snapshot().hit_rate
         result["configs"].append(entry)
     for key in ("top1_agreement", "mean_kl"):
         if key in scores:
             result[key] = scores[key]
     if routing_stats:
-        trace = {"layers": np.array(recorder.layers), "routed": np.concatenate(recorder.routed)}
-        experts = first_store.pack.layers[0].num_experts
-        result["routing"] = trace_routing_stats(trace, experts)
+        result["routing"] = trace_routing_stats(recorder.as_trace(),
+                                                first_store.info().experts_per_layer)
     return result
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", required=True, help="A UTF-8 text file")
-    p.add_argument("--model", action="append", required=True,
+    p.add_argument("--model", action="append", default=None,
                    help="PATH[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
-                        "give two to compare them")
+                        "give two to compare them (default: the bundled reference model)")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
     p.add_argument("--routing-stats", action="store_true",
                    help="Per-layer expert usage and routing entropy of the first model")
     p.add_argument("--json", default=None, help="Also write the result here")
+    StreamOptions.add_arguments(p)
     args = p.parse_args(argv)
+    args.model = args.model or [str(BUNDLED_MODEL)]
     if len(args.model) > 2:
         p.error("give one --model, or two to compare")
     try:
         configs = [ModelConfig.parse(s) for s in args.model]
         text = Path(args.text).read_text()
-        result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats)
+        result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats,
+                          StreamOptions.from_args(args))
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.eval: error: {e}")
     for c in result["configs"]:

@@ -1,387 +1,22 @@
 """An OpenAI-compatible HTTP server: concurrent requests share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
+           [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
 
-Endpoints, with the request and response shapes of `mlx_lm.server` and OpenAI's API:
-`POST /v1/completions`, `POST /v1/chat/completions` (server-sent events when
-`"stream": true`), `GET /v1/models`, `GET /health`, and `GET /metrics` (JSON: tokens per
-second, latency percentiles, expert bytes read and reused).
-
-The HTTP layer (Starlette on uvicorn, one asyncio loop) validates and tokenizes each
-request, then hands it to the engine thread (`edgemoe.engine`), which owns the model and
-decodes every request in flight together, one step at a time.
+The HTTP layer is edgemoe.serving.http; the engine thread that owns the model and decodes
+every request in flight together is edgemoe.serving.engine.
 """
 
 import argparse
-import asyncio
-import contextlib
-import json
 import logging
 import sys
-import time
-import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Tuple
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
-
-from .cache import DEFAULT_POLICY, POLICIES
-from . import __version__
-from .engine import Engine, Job
+from .options import StreamOptions
+from .serving.engine import Engine
+from .serving.http import DEFAULT_MAX_TOKENS, Server, make_app
 
 log = logging.getLogger("edgemoe.server")
-
-DEFAULT_MAX_TOKENS = 512
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-
-
-def error_response(message: str, status: int = 400, param: Optional[str] = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None}}, status_code=status)
-
-
-# ---- request parsing ---------------------------------------------------------------
-
-_NUMBER = (int, float)
-
-
-def _field(body: dict, name: str, types, default=None, lo=None, hi=None, nullable=True):
-    value = body.get(name, default)
-    if value is None and nullable:
-        return default
-    # bool is an int in Python; a JSON true is never a valid number here
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in
-                                         (types if isinstance(types, tuple) else (types,))):
-        names = types if isinstance(types, tuple) else (types,)
-        expected = " or ".join({"int": "integer", "float": "number", "str": "string",
-                                "bool": "boolean", "list": "array", "dict": "object"}
-                               .get(t.__name__, t.__name__) for t in names)
-        raise BadRequest(f"'{name}' must be {'an' if expected[0] in 'aeiou' else 'a'} "
-                         f"{expected}, got {type(value).__name__} {json.dumps(value)[:60]}",
-                         name)
-    if lo is not None and value < lo:
-        raise BadRequest(f"'{name}' must be at least {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise BadRequest(f"'{name}' must be at most {hi}, got {value}", name)
-    return value
-
-
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise BadRequest(f"{where}: only text content parts "
-                                 f"({{\"type\": \"text\", \"text\": ...}}) are supported",
-                                 "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise BadRequest(f"{where}: 'content' must be a string or a list of text parts",
-                     "messages")
-
-
-class Server:
-    """Turns HTTP requests into engine jobs and job events into OpenAI responses."""
-
-    def __init__(self, engine: Engine, model_id: str, context_length: int,
-                 vocab_size: Optional[int] = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
-        self.engine = engine
-        self.vocab_size = vocab_size
-        self.model_id = model_id
-        self.context_length = context_length
-        self.default_max_tokens = default_max_tokens
-        self.created = int(time.time())
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    # -- prompt ----------------------------------------------------------------
-    def chat_prompt(self, body: dict) -> List[int]:
-        messages = body.get("messages")
-        if messages is None:
-            raise BadRequest("'messages' is required", "messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array of "
-                             "{\"role\": ..., \"content\": ...} objects", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a string 'role'",
-                                 "messages")
-            clean.append({"role": m["role"],
-                          "content": _content_text(m.get("content", ""), f"messages[{i}]")})
-        tok = self.tokenizer
-        if tok.has_chat_template:
-            text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-        from mlx_lm.server import convert_chat
-        return tok.encode(convert_chat(clean, body.get("role_mapping")))
-
-    def text_prompt(self, body: dict) -> List[int]:
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise BadRequest("'prompt' is required", "prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.vocab_size
-        if (isinstance(prompt, list) and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise BadRequest(f"'prompt' token id {bad[0]} is out of range "
-                                 f"[0, {vocab})", "prompt")
-            return list(prompt)
-        raise BadRequest("'prompt' must be a string or a non-empty array of token ids "
-                         "(one prompt per request)", "prompt")
-
-    # -- arguments -------------------------------------------------------------
-    def parse(self, body: Any, chat: bool) -> Tuple[Job, dict]:
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        opts = {
-            "stream": _field(body, "stream", bool, False),
-            "model": _field(body, "model", str, self.model_id),
-        }
-        stream_options = _field(body, "stream_options", dict, {})
-        opts["include_usage"] = bool(stream_options.get("include_usage", False))
-        n = _field(body, "n", int, 1)
-        if n != 1:
-            raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
-        temperature = _field(body, "temperature", _NUMBER, 0.0, lo=0)
-        top_p = _field(body, "top_p", _NUMBER, 1.0, lo=0, hi=1)
-        top_k = _field(body, "top_k", int, 0, lo=0)
-        min_p = _field(body, "min_p", _NUMBER, 0.0, lo=0, hi=1)
-        seed = _field(body, "seed", int)
-        logprobs = _field(body, "logprobs", (bool, int) if not chat else bool, False)
-        stop = body.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-            raise BadRequest("'stop' must be a string or an array of non-empty strings",
-                             "stop")
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-            else "max_tokens"
-        max_tokens = _field(body, name, int, None, lo=1)
-
-        prompt = self.chat_prompt(body) if chat else self.text_prompt(body)
-        if not prompt:
-            raise BadRequest("the prompt is empty after tokenization",
-                             "messages" if chat else "prompt")
-        room = self.context_length - len(prompt)
-        if room < 1:
-            raise BadRequest(f"the prompt is {len(prompt)} tokens; the model's context is "
-                             f"{self.context_length} tokens, and at least one must be left "
-                             f"for the completion", "messages" if chat else "prompt")
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
-        elif max_tokens > room:
-            raise BadRequest(f"the model's context is {self.context_length} tokens; the "
-                             f"prompt is {len(prompt)} and '{name}' asks for {max_tokens} "
-                             f"more ({len(prompt) + max_tokens} in all)", name)
-
-        sampling = None  # greedy
-        if temperature > 0:
-            sampling = dict(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-                            seed=seed)
-        job = Job(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                  prompt=prompt, max_tokens=max_tokens, emit=lambda e: None,
-                  sampling=sampling, stop=stop, want_logprobs=bool(logprobs))
-        return job, opts
-
-    # -- responses -------------------------------------------------------------
-    def _base(self, job: Job, opts: dict, chat: bool, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat \
-            else "text_completion"
-        return {"id": job.id, "object": kind, "created": self.created,
-                "model": opts["model"], "system_fingerprint": f"edgemoe-{__version__}"}
-
-    @staticmethod
-    def _logprobs(items):
-        return {"content": [{"id": t, "logprob": lp} for t, lp in items]}
-
-    def _chunk(self, job, opts, chat, text, finish, logprobs=None) -> dict:
-        out = self._base(job, opts, chat, chunk=True)
-        choice: Dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["delta"] = {"role": "assistant", **({"content": text} if text else {})}
-        else:
-            choice["text"] = text
-        if logprobs:
-            choice["logprobs"] = self._logprobs(logprobs)
-        out["choices"] = [choice]
-        return out
-
-    def _usage(self, event: dict) -> dict:
-        p, c = event["prompt_tokens"], event["completion_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    # -- endpoints -------------------------------------------------------------
-    async def completions(self, request: Request):
-        return await self._complete(request, chat=False)
-
-    async def chat_completions(self, request: Request):
-        return await self._complete(request, chat=True)
-
-    async def _complete(self, request: Request, chat: bool):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(f"invalid JSON in the request body: {e}")
-        if not self.engine.alive:
-            return error_response("the model is not loaded", 503, kind="server_error")
-        try:
-            job, opts = self.parse(body, chat)
-        except BadRequest as e:
-            return error_response(e.message, e.status, e.param)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def emit(event):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop has closed: the server is stopping
-                job.cancelled = True
-
-        job.emit = emit
-        if not self.engine.submit(job):
-            return error_response(f"the server is busy ({self.engine.waiting()} requests "
-                                  f"waiting); try again later", 503, kind="server_error")
-        if opts["stream"]:
-            return StreamingResponse(self._stream(job, opts, chat, events),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, job, opts, chat, events)
-
-    async def _collect(self, request, job, opts, chat, events):
-        text, logprobs = [], []
-        try:
-            loop = asyncio.get_running_loop()
-            checked = loop.time()
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    event = None
-                if loop.time() - checked >= 0.25:  # a client that left frees its row
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        log.info("request %s: client went away", job.id)
-                        self.engine.cancel(job)
-                        return error_response("client disconnected", 499)
-                if event is None:
-                    continue
-                if event["type"] == "error":
-                    return error_response(event["message"], 500, kind="server_error")
-                if event["type"] == "token":
-                    text.append(event["text"])
-                    if job.want_logprobs:
-                        logprobs.append((event["token"], event["logprob"]))
-                    continue
-                out = self._base(job, opts, chat, chunk=False)
-                choice: Dict[str, Any] = {"index": 0, "finish_reason": event["finish_reason"]}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": "".join(text)}
-                else:
-                    choice["text"] = "".join(text)
-                if job.want_logprobs:
-                    choice["logprobs"] = self._logprobs(logprobs)
-                out["choices"] = [choice]
-                out["usage"] = self._usage(event)
-                return JSONResponse(out)
-        except asyncio.CancelledError:
-            self.engine.cancel(job)
-            raise
-
-    async def _stream(self, job, opts, chat, events):
-        finished = False
-        try:
-            while True:
-                event = await events.get()
-                if event["type"] == "error":
-                    yield _sse({"error": {"message": event["message"], "type": "server_error",
-                                          "param": None, "code": None}})
-                    finished = True
-                    return
-                if event["type"] == "token":
-                    lp = [(event["token"], event["logprob"])] if job.want_logprobs else None
-                    if event["text"] or lp:
-                        yield _sse(self._chunk(job, opts, chat, event["text"], None, lp))
-                    continue
-                yield _sse(self._chunk(job, opts, chat, "", event["finish_reason"]))
-                if opts["include_usage"]:
-                    usage = self._base(job, opts, chat, chunk=True)
-                    usage.update(choices=[], usage=self._usage(event))
-                    yield _sse(usage)
-                yield "data: [DONE]\n\n"
-                finished = True
-                return
-        finally:  # the client went away (cancelled task or closed generator)
-            if not finished:
-                log.info("request %s: client disconnected mid-stream", job.id)
-                self.engine.cancel(job)
-
-    async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created,
-             "owned_by": "edgemoe"}]})
-
-    async def health(self, request: Request):
-        ok = self.engine.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable"},
-                            status_code=200 if ok else 503)
-
-    async def metrics(self, request: Request):
-        return JSONResponse(self.engine.snapshot())
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _http_error(request: Request, exc: HTTPException):
-    message = {404: f"no route {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(
-        exc.status_code, str(exc.detail))
-    return error_response(message, exc.status_code)
-
-
-def make_app(server: Server) -> Starlette:
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        # uvicorn re-raises SIGTERM once the app has shut down: stop the engine here,
-        # so its thread frees the model and its MLX streams before the process ends.
-        await asyncio.to_thread(server.engine.stop)
-
-    return Starlette(
-        lifespan=lifespan,
-        routes=[
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-            Route("/chat/completions", server.chat_completions, methods=["POST"]),
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: _http_error},
-    )
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -392,15 +27,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(default: the bundled reference MoE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--expert-budget", default="1.0",
-                   help="Memory for routed experts: a fraction (0.25), a percentage "
-                        "(25%%) or a size (2GB)")
-    p.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    # per-sequence predictor state (prerouter heads) is not kept per batch row yet
-    p.add_argument("--routing", default="native", choices=("native", "advisory"),
-                   help="advisory: prefetch the next layer's experts (same output)")
-    p.add_argument("--io", default="buffered", choices=("buffered", "direct"))
-    p.add_argument("--adapter-path", default=None)
     p.add_argument("--max-batch", type=int, default=8,
                    help="Most requests decoded together; more wait their turn (FIFO)")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -410,17 +36,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    StreamOptions.add_arguments(p)  # each batch row keeps its own routing state
     return p
 
 
 def build(args) -> Tuple[Engine, Server]:
     """Load the model on the engine thread; the HTTP-side server over it."""
-    from .loader import load
+    from .model.loader import load
+
+    options = StreamOptions.from_args(args)
 
     def load_model():
-        return load(args.model, expert_budget=args.expert_budget,
-                    adapter_path=args.adapter_path, cache_policy=args.cache_policy,
-                    routing=args.routing, io=args.io, return_config=True)
+        return load(args.model, return_config=True, **options.load_kwargs())
 
     engine = Engine(load_model, max_batch=args.max_batch,
                     prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting)
@@ -443,11 +70,11 @@ def main(argv=None):
         engine, server = build(args)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"edgemoe.server: error: {e}")
-    store = engine.model.expert_store
-    log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts); "
-             "context %d; serving on http://%s:%d", args.model, len(store.layers),
-             store.slots_per_layer, store.slot_bytes / 1e6, store.pack.expert_bytes / 1e6,
-             server.context_length, args.host, args.port)
+    info = engine.model.expert_store.info()
+    log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts), %s "
+             "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,
+             info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,
+             args.routing, server.context_length, args.host, args.port)
     try:
         uvicorn.run(make_app(server), host=args.host, port=args.port,
                     log_level=args.log_level.lower(), timeout_graceful_shutdown=5)

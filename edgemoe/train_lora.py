@@ -32,8 +32,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .eval import compare
-from .loader import ROUTING_MODES, load
-from .lora import ADAPTER_CONFIG, apply_lora, merge_adapter, merge_survival, save_adapter
+from .model.loader import load
+from .options import StreamOptions
+from .model.lora import ADAPTER_CONFIG, apply_lora, merge_adapter, merge_survival, save_adapter
 
 STATE = "train_state"
 REPORT = "report.json"
@@ -53,9 +54,8 @@ def teacher_log_probs(teacher, inputs: mx.array) -> mx.array:
 
 
 def load_student(args, adapter_path=None):
-    model, tokenizer = load(args.model, expert_budget=args.expert_budget, routing=args.routing,
-                            prerouter_path=args.prerouter, adapter_path=adapter_path)
-    return model, tokenizer
+    options = StreamOptions.from_args(args, adapter=adapter_path)
+    return load(args.model, **options.load_kwargs())
 
 
 def quality(teacher, student, tokens, args, desc) -> dict:
@@ -137,11 +137,9 @@ def train(args) -> dict:
         state.save(student, optimizer, config)
     loss_and_grad = nn.value_and_grad(student, kd_loss)
     bar = tqdm(total=args.steps, initial=state.step, desc="distil", unit="step")
-    store = student.expert_store
     while state.step < args.steps:
         inputs = batches(train_tokens, args, state.rng)
         target = teacher_log_probs(teacher, inputs)
-        store.reset()  # a new batch of sequences
         loss, grads = loss_and_grad(student, inputs, target)
         optimizer.update(student, grads)
         mx.eval(loss, student.trainable_parameters(), optimizer.state)
@@ -224,9 +222,6 @@ def main(argv=None):
     p.add_argument("--eval-data", default=None,
                    help="UTF-8 held-out text (default: the last tenth of --data)")
     p.add_argument("--out", required=True, help="adapter folder (resumes if it has one)")
-    p.add_argument("--routing", default="prerouted", choices=ROUTING_MODES)
-    p.add_argument("--prerouter", default=None, help="prerouter heads (prerouted modes)")
-    p.add_argument("--expert-budget", default="1.0")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--scale", type=float, default=20.0)
     p.add_argument("--targets", default=None,
@@ -239,6 +234,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=8192)
+    StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "routing",
+                                         "prerouter", "readers"])
+    p.set_defaults(routing="prerouted")  # the student as it will be served
     args = p.parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG
     if existing.exists() and not (Path(args.out) / STATE).exists():

@@ -25,7 +25,7 @@ import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,9 +34,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .pack import MANIFEST
-from .prerouter import (Prerouter, PrerouterConfig, gate_logits, load_prerouter,
-                        moe_blocks, routing_from_logits, save_prerouter, uses_sigmoid)
+from .format.source import source_kind
+from .options import StreamOptions
+from .routing.gates import gate_logits, moe_blocks, routing_from_logits, uses_sigmoid
+from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
 # knobs
 CONTEXT = 256  # tokens per window
@@ -48,12 +49,17 @@ SET_LOSS_WEIGHT = 1.0  # BCE on the native top-k set, beside the KL
 FEATURES_VERSION = 1
 
 
-def load_base(path: str):
-    """The model with native routing: an edgemoe pack (all experts held), or mlx-lm."""
-    if (Path(path) / MANIFEST).exists():
-        from .loader import load
+def load_base(path: str, options: Optional[StreamOptions] = None):
+    """The model with native routing: an edgemoe pack streamed under the options' budget,
+    an mlx-lm quantized checkpoint streamed in place when a budget is given, or else
+    mlx-lm's own model, fully resident."""
+    options = (options or StreamOptions()).replace(routing="native", prerouter=None,
+                                                   adapter=None)
+    kind = source_kind(path)
+    if kind == "pack" or (kind == "mlx-lm" and options.expert_budget not in ("1.0", 1.0)):
+        from .model.loader import load
 
-        return load(path, expert_budget=1.0)
+        return load(path, **options.load_kwargs())
     from mlx_lm import load
 
     return load(path)
@@ -323,6 +329,7 @@ def main(argv=None):
     p.add_argument("--max-steps", type=int, default=0, help="steps per epoch (0: all)")
     p.add_argument("--max-train-tokens", type=int, default=0)
     p.add_argument("--max-eval-tokens", type=int, default=0)
+    StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "readers"])
     args = p.parse_args(argv)
     try:
         report = run(args)
@@ -333,7 +340,7 @@ def main(argv=None):
 
 def run(args) -> dict:
     out = Path(args.out)
-    model, tokenizer = load_base(args.model)
+    model, tokenizer = load_base(args.model, StreamOptions.from_args(args))
     config_json = json.loads((Path(args.model) / "config.json").read_text())
     blocks = moe_blocks(model)
     native = [int(l) for l in args.native_layers.split(",") if l.strip()]

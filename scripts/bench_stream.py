@@ -7,11 +7,11 @@ by the model's files, expert bytes read per token and ms blocked per token; writ
 JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
-                                   [--cold] [--fio] [--prerouter HEADS_DIR] [--adapter LORA_DIR]
+                                   [--cold] [--fio] [--prerouter HEADS_DIR] [--adapter-path LORA_DIR]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
 --prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
-modes. --adapter adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
+modes. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
 25% with --prerouter) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate.
@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from edgemoe.options import StreamOptions
+
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
 ADVISORY_BUDGETS = [0.25, 0.10]
 
@@ -39,14 +41,15 @@ def drop_page_cache(folder: Path):
 
 
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
-           prerouter=None, text=None, temp=0.0, adapter=None) -> dict:
+           prerouter=None, text=None, temp=0.0, adapter=None, cache_policy="lfu",
+           readers=2) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from edgemoe.telemetry import page_cache_bytes, peak_rss_bytes
+    from edgemoe.streaming.telemetry import page_cache_bytes, peak_rss_bytes
 
     if kind == "mlx-lm":
         from mlx_lm import load
@@ -62,7 +65,8 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
             routing = routing.replace("-heads", "")
         model, tokenizer = edgemoe.load(path, expert_budget=float(budget), routing=routing,
                                         io=io, prerouter_path=heads,
-                                        adapter_path=adapter if lora else None)
+                                        adapter_path=adapter if lora else None,
+                                        cache_policy=cache_policy, readers=readers)
     store = getattr(model, "expert_store", None)
     if text:  # real text: routing as in use, not as on random tokens
         prompt = mx.array(tokenizer.encode(Path(text).read_text())[:prompt_len])
@@ -84,12 +88,12 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         "peak_mlx_bytes": mx.get_peak_memory(),
         "peak_rss_bytes": peak_rss_bytes(),
         "page_cache_bytes": sum(page_cache_bytes(f) for f in Path(path).glob("*")
-                                if f.suffix in (".bin", ".safetensors")),
+                                if f.suffix in (".bin", ".safetensors")),  # resident too
     }
     if store:
         d = store.snapshot() - before
         result |= {
-            "slots_per_layer": store.slots_per_layer,
+            "slots_per_layer": store.info().slots_per_layer,
             "expert_bytes_read_per_token": d.bytes_read / n,
             "blocked_ms_per_token": 1000 * d.blocked_s / n,
             "hit_rate": d.hit_rate,
@@ -98,7 +102,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
             "prefetch_recall": d.recall,
             "late_fills_per_token": d.late_fills / n,
             "on_demand_per_token": d.on_demand / n,
-            "io": store.reader.io,
+            "io": store.info().io,
         }
     return result
 
@@ -114,8 +118,9 @@ def run_config(kind, path, args) -> dict:
     if args.text:
         cmd += ["--text", args.text]
     if args.adapter:
-        cmd += ["--adapter", args.adapter]
-    cmd += ["--temp", str(args.temp)]
+        cmd += ["--adapter-path", args.adapter]
+    cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
+            "--readers", str(args.readers)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -140,7 +145,7 @@ def default_model(out: Path):
 
 def fio_read_rate(pack: Path) -> dict:
     """fio's random-read rate of the experts file with one record per read."""
-    from edgemoe.pack import Pack
+    from edgemoe.format.pack import Pack
 
     p = Pack.open(pack)
     bs = max(4096, (p.layers[0].expert_bytes + 4095) // 4096 * 4096)
@@ -221,21 +226,21 @@ def main():
     p.add_argument("--cold", action="store_true",
                    help="Drop the page cache before each run; O_DIRECT expert reads")
     p.add_argument("--fio", action="store_true", help="Also measure the experts file with fio")
-    p.add_argument("--prerouter", default=None,
-                   help="Trained prerouter heads: adds advisory-heads and prerouted rows")
     p.add_argument("--text", default=None,
                    help="Take the prompt from this text file (default: random tokens)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
-    p.add_argument("--adapter", default=None,
-                   help="A LoRA adapter: adds rows serving it unmerged, and its decode cost")
+    # --prerouter adds advisory-heads and prerouted rows; --adapter-path adds rows serving
+    # the adapter unmerged, and its decode cost
+    StreamOptions.add_arguments(p, only=["prerouter", "adapter", "cache_policy", "readers"])
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
-                                args.prerouter, args.text, args.temp, args.adapter)))
+                                args.prerouter, args.text, args.temp, args.adapter,
+                                args.cache_policy, args.readers)))
         return
 
     out = Path(args.out)

@@ -26,7 +26,7 @@ import torch
 
 from edgemoe.cuda.int4 import gather_qmm
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load
-from edgemoe.pack import (ALIGNMENT, RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
+from edgemoe.format.pack import (ALIGNMENT, RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
                           write_manifest)
 
 PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
@@ -202,7 +202,7 @@ def bench(path, device, budget, io, tokens=BENCH_TOKENS):
     before = store.snapshot()
     run = greedy(model, prompt, tokens, keep_logits=False, forced=forced)
     stats = store.snapshot() - before
-    io_used = store.reader.io
+    io_used = store.info().io
     store.close()
     return {"pack": Path(path).name, "budget": budget, "io": io_used,
             "tok_per_s": round(tokens / run.decode_s, 2),
@@ -212,11 +212,13 @@ def bench(path, device, budget, io, tokens=BENCH_TOKENS):
 
 
 def _load_everything(store):
-    for slots in store.layers.values():
-        experts = np.arange(slots.layer.num_experts)
-        for start in range(0, len(experts), slots.num_slots):
-            slots.ensure(experts[start:start + slots.num_slots])
-            slots.release()
+    from edgemoe.streaming.calls import passes
+
+    for layer in store.layer_indices:
+        pool = store.pool(layer)
+        for group in passes(np.arange(pool.layer.num_experts), pool.num_slots):
+            pool.ensure(group)
+            pool.release()
 
 
 def run_benchmarks(device, synthetic):

@@ -97,8 +97,8 @@ def run_level(url: str, n: int, max_tokens: int, rng) -> dict:
             (e1["decode"]["bytes_used"] - e0["decode"]["bytes_used"]) / tokens,
         "decode_read_B_per_tok":
             (e1["decode"]["bytes_read"] - e0["decode"]["bytes_read"]) / tokens,
-        "hit_rate": ((e1["hits"] - e0["hits"])
-                     / max(1, e1["hits"] + e1["loads"] - e0["hits"] - e0["loads"])),
+        "hit_rate": ((e1["hits"] - e0["hits"])  # edgemoe.streaming.stats's definition
+                     / max(1, e1["requests"] - e0["requests"])),
         "blocked_s": e1["blocked_s"] - e0["blocked_s"],
     }
 

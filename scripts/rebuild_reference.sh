@@ -12,13 +12,13 @@ shift
 STEPS=${*:-pack card heads lora traces}
 PY=${PYTHON:-python}
 PACK=edgemoe/models/reference
-HEADS=adapters/reference/prerouter
-LORA=adapters/reference/lora
+HEADS=edgemoe/models/reference/prerouter
+LORA=edgemoe/models/reference/adapter
 
 for step in $STEPS; do
   echo "== $step"
   case $step in
-    pack)
+    pack)  # replaces the whole folder, its heads, adapter and cache policy too: run all steps
       $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
@@ -45,7 +45,7 @@ for step in $STEPS; do
       $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r{0,1,2,3}.npz --out "$RUN/traces/learned_r0-3.npz"
       $PY -m edgemoe.cache_sim "$RUN"/traces/r{4,5,6,7}.npz --learned "$RUN/traces/learned_r0-3.npz" \
           --budget 0.1,0.25,0.5 --json "$RUN/traces/heldout_replay.json"
-      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r?.npz --out adapters/cache_policy.npz ;;
+      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r?.npz --out edgemoe/models/reference/cache_policy.npz ;;
     *)
       echo "unknown step $step" >&2; exit 2 ;;
   esac

@@ -37,7 +37,7 @@ def packs(checkpoints, tmp_path_factory):
 
 def corrupt_record(pack_path, layer: int, expert: int):
     """Flip one byte inside a record of the pack's experts file; return that layer."""
-    from edgemoe.pack import Pack
+    from edgemoe.format.pack import Pack
 
     pack = Pack.open(pack_path)
     pack_layer = pack.layers[layer]

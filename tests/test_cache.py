@@ -8,12 +8,13 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import edgemoe
-from edgemoe import cache
-from edgemoe.cache import POLICIES, LearnedPolicy, NextUseModel, make_policy
+from edgemoe.streaming import cache
+from edgemoe.streaming.cache import POLICIES, LearnedPolicy, NextUseModel, make_policy
 from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests,
                                replay, simulate, train_learned)
-from edgemoe.pack import Pack
-from edgemoe.store import ExpertStore
+from edgemoe.format.pack import Pack
+from edgemoe.streaming.store import ExpertStore
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 
 def requests(*steps):
@@ -157,9 +158,7 @@ def recorded(pack, budget, policy, prompt_len=24, max_tokens=12):
     prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
     for _ in generate_step(prompt, model, max_tokens=max_tokens):
         pass
-    routed = np.concatenate(trace.routed)
-    return dict(routed=routed, decode=np.concatenate(trace.decode),
-                expert_bytes=np.array(trace.expert_bytes)), store.stats
+    return trace.as_trace(), store.snapshot()
 
 
 @pytest.mark.parametrize("policy,budget", [
@@ -167,7 +166,7 @@ def recorded(pack, budget, policy, prompt_len=24, max_tokens=12):
 ])
 def test_replay_matches_the_stores_counters(large_pack, policy, budget):
     if budget == "min":  # 2 slots: the prompt's distinct experts load in passes
-        budget = ExpertStore.minimum_budget(large_pack)
+        budget = minimum_bytes(large_pack)
     trace, stats = recorded(large_pack, budget, policy)
     r = simulate(trace, budget, policy, num_experts=32)
     assert (r.hits, r.loads) == (stats.hits, stats.loads)

@@ -9,8 +9,8 @@ import pytest
 
 from edgemoe import convert as convert_module
 from edgemoe.convert import convert
-from edgemoe.families import UnsupportedModelError
-from edgemoe.pack import ALIGNMENT, Pack
+from edgemoe.format.families import UnsupportedModelError
+from edgemoe.format.pack import ALIGNMENT, Pack
 
 from conftest import FAMILIES
 

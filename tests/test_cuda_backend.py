@@ -26,13 +26,15 @@ pytest.importorskip("transformers", reason="the CUDA backend needs transformers"
 import mlx.core as mx  # noqa: E402
 
 import edgemoe  # noqa: E402
-from edgemoe.cache import POLICIES  # noqa: E402
+from edgemoe.streaming.cache import POLICIES  # noqa: E402
 from edgemoe.cuda import int4  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402
 from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
 from edgemoe.cuda.streams import HostStreams  # noqa: E402
-from edgemoe.pack import Pack, PackError  # noqa: E402
-from edgemoe.store import FILLING, FREE, READY, ExpertStore  # noqa: E402
+from edgemoe.format.pack import Pack, PackError  # noqa: E402
+from edgemoe.streaming.slots import FILLING, FREE, READY  # noqa: E402
+from edgemoe.streaming.store import ExpertStore  # noqa: E402
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 import gpu_check  # noqa: E402  (scripts/, on the path through conftest)
 from conftest import corrupt_record  # noqa: E402
@@ -162,7 +164,7 @@ def wait_for(condition, timeout=5.0):
 def small(packs):
     """The tiny qwen3_moe pack, 2 slots a layer (its top-k)."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    return pack, ExpertStore.minimum_budget(pack)
+    return pack, minimum_bytes(pack)
 
 
 # --- the slot state machine and cache policies over device slot memory --------------
@@ -414,7 +416,7 @@ def mlx_runs():
     ("olmoe", "minimum"), ("reference", "100%"), ("reference", "minimum")])
 def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
     path = str(DEFAULT_MODEL if model == "reference" else packs[model]["hf"])
-    amount = 1.0 if budget == "100%" else ExpertStore.minimum_budget(Pack.open(path))
+    amount = 1.0 if budget == "100%" else minimum_bytes(Pack.open(path))
     ref_tokens, ref_logits = mlx_runs(path, amount)
     torch_model, _ = load(path, amount, device="cpu", tokenizer=False)
     run = greedy(torch_model, prompt(500), DECODE)
@@ -452,7 +454,7 @@ def test_decode_through_the_fake_device_equals_synchronous_copies(packs):
     """A whole decode under the ordering rules, every wait checked by the fake device,
     gives the same logits as synchronous copies."""
     path = packs["qwen3_moe"]["hf"]
-    budget = ExpertStore.minimum_budget(Pack.open(path))
+    budget = minimum_bytes(Pack.open(path))
     runs = []
     for streams in (HostStreams(), FakeDevice()):
         model, _ = load(path, budget, device="cpu", streams=streams, tokenizer=False)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from edgemoe import doctor
-from edgemoe.cache import DEFAULT_POLICY
-from edgemoe.pack import Pack
-from edgemoe.store import ExpertStore
+from edgemoe.streaming.cache import DEFAULT_POLICY
+from edgemoe.format.pack import Pack
+from edgemoe.streaming.store import ExpertStore
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
     memory = (pack.resident_bytes + pack.expert_bytes) / 1e9  # GB: room for ~85%
     doctor.main(["--model", str(pack.path), "--memory", str(memory), "--trace", str(trace)])
     out = capsys.readouterr().out
-    minimum = ExpertStore.minimum_budget(pack)
+    minimum = minimum_bytes(pack)
     lines = {l.strip().split("  ")[0]: l for l in out.splitlines()}
     assert doctor.fmt_bytes(minimum) in lines["minimum budget"]
     assert doctor.fmt_bytes(pack.resident_bytes) in lines["resident"]

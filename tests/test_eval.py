@@ -43,8 +43,13 @@ def test_perplexity_is_the_mean_next_token_nll(checkpoints):
 def test_bad_options_are_refused(checkpoints):
     with pytest.raises(ValueError, match="budget=, routing="):
         ModelConfig.parse("x,colour=blue")
-    with pytest.raises(ValueError, match="packs only"):
-        ModelConfig(str(checkpoints["olmoe"][1]), {"budget": "0.5"}).load()
+    with pytest.raises(ValueError, match="packs and mlx-lm quantized checkpoints only"):
+        ModelConfig(str(checkpoints["olmoe"][0]), {"budget": "0.5"}).load()
+
+
+def test_streaming_options_read_an_mlx_lm_checkpoint_in_place(checkpoints):
+    model, _ = ModelConfig(str(checkpoints["olmoe"][1]), {"budget": "0.5"}).load()
+    assert model.expert_store.info().in_place
 
 
 def test_cli(packs, tmp_path):

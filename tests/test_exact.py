@@ -9,8 +9,9 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
-from edgemoe.pack import Pack
-from edgemoe.store import ExpertStore
+from edgemoe.format.pack import Pack
+from edgemoe.streaming.store import ExpertStore
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 from conftest import FAMILIES
 
@@ -45,7 +46,7 @@ def mlx_lm_tokens(model, tokens):
 
 def budgets(pack_path):
     return {"100%": 1.0, "50%": 0.5,
-            "minimum": ExpertStore.minimum_budget(Pack.open(pack_path))}
+            "minimum": minimum_bytes(Pack.open(pack_path))}
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +112,12 @@ VARIANTS = {  # name -> (source, load options)
 def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, reference):
     """Advisory prefetch, O_DIRECT, and an mlx-lm checkpoint read in place change
     where and when experts are read, never the output."""
-    from edgemoe.loader import open_source
+    from edgemoe.model.loader import open_source
 
     _, ref_tokens, ref_logits, ref_forced = reference(family)
     source, options = VARIANTS[variant]
     path = packs[family]["hf"] if source == "pack" else checkpoints[family][1]
-    amount = {"50%": 0.5, "minimum": ExpertStore.minimum_budget(open_source(path))}[budget]
+    amount = {"50%": 0.5, "minimum": minimum_bytes(open_source(path))}[budget]
     model, _ = edgemoe.load(path, expert_budget=amount, **options)
     tokens = prompt()
     assert mlx_lm_tokens(model, tokens) == ref_tokens

@@ -12,9 +12,9 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import edgemoe
 from edgemoe import train_lora
-from edgemoe.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
-from edgemoe.prerouter import (Prerouter, PrerouterConfig, load_prerouter, moe_blocks,
-                               save_prerouter)
+from edgemoe.model.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
+from edgemoe.routing.gates import moe_blocks
+from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
 TOKENS = mx.array(np.random.default_rng(2).integers(3, 500, (1, 12)))
 

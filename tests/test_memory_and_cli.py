@@ -6,7 +6,7 @@ import sys
 
 
 import edgemoe
-from edgemoe.pack import Pack
+from edgemoe.format.pack import Pack
 
 PEAK = """
 import json, sys, mlx.core as mx, numpy as np
@@ -92,7 +92,7 @@ def test_trace_records_every_token_and_layer(packs, tmp_path):
          "--trace", str(trace_path), "--verbose", "false"],
         check=True, capture_output=True,
     )
-    from edgemoe.trace import load_trace
+    from edgemoe.streaming.trace import load_trace
 
     trace = load_trace(trace_path)
     n_tokens, n_layers, k = trace["routed"].shape

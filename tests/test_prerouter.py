@@ -13,9 +13,12 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe import train_prerouter
-from edgemoe.prerouter import (PredictedGate, Prerouter, PrerouterConfig, PrerouterPredictor,
-                               gate_logits, load_prerouter, moe_blocks, routing_from_logits,
-                               restrict_logits, save_prerouter, top_k)
+from edgemoe.routing.gates import (PredictedGate, gate_logits, moe_blocks, restrict_logits,
+                                   routing_from_logits, top_k)
+from edgemoe.routing.predictors import HeadsPredictor
+from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
+from edgemoe.routing.state import RoutingState, sequence_state
+from edgemoe.streaming.budget import minimum_bytes
 
 from conftest import FAMILIES
 
@@ -164,24 +167,24 @@ def test_predictor_carries_the_previous_token(packs):
     """Token by token or all at once, the heads see the same t-1 routing."""
     model, _ = edgemoe.load(packs["olmoe"]["hf"])
     prerouter, blocks = new_prerouter(model, "olmoe", same_token=True)
-    predictor = PrerouterPredictor(prerouter, blocks)
+    predictor = HeadsPredictor(prerouter, blocks)
     source, target = 1, 2
     x, now = inputs(model, blocks, source, length=6)
-    whole = predictor.predict(source, x, np.array(now))[target]
-    predictor.reset()
-    steps = [predictor.predict(source, x[:, i:i + 1], np.array(now[:, i:i + 1]))[target]
+    whole = predictor.predict(RoutingState(), source, x, np.array(now))[target]
+    state = RoutingState()
+    steps = [predictor.predict(state, source, x[:, i:i + 1], np.array(now[:, i:i + 1]))[target]
              for i in range(6)]
     assert np.array_equal(np.concatenate(steps, axis=1), whole)
-    predictor.reset()  # a new request starts with no previous token
-    first = predictor.predict(source, x[:, :1], np.array(now[:, :1]))[target]
+    state = RoutingState()  # a new request starts with no previous token
+    first = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
     assert np.array_equal(first, whole[:, :1])
-    shifted = predictor.predict(source, x[:, :1], np.array(now[:, :1]))[target]
+    shifted = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
     expected, _ = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
     assert np.array_equal(shifted, np.array(expected))
 
 
-def decode_logits(model, tokens, steps=16):
-    cache = make_prompt_cache(model)
+def decode_logits(model, tokens, steps=16, cache=None):
+    cache = cache if cache is not None else make_prompt_cache(model)
     out = model(tokens[None], cache=cache)
     logits = [out[0]]
     for _ in range(steps):
@@ -200,17 +203,17 @@ def test_advisory_with_prerouter_is_exact(packs, trained, family):
     if family == "qwen3_moe":  # the heads trained on this model, through load()
         model, _ = edgemoe.load(packs[family]["hf"], expert_budget=0.5, routing="advisory",
                                 prerouter_path=trained[0] / "prerouter")
-        predictor = model.expert_store.predictor
+        assert isinstance(model.routing.predictor, HeadsPredictor)
         blocks = moe_blocks(model)
     else:
         prerouter, _ = new_prerouter(model, family)
-        predictor = PrerouterPredictor(prerouter, blocks)
-        model.expert_store.predictor = predictor
-    got = decode_logits(model, tokens)
+        model.routing.predictor = HeadsPredictor(prerouter, blocks)
+    cache = make_prompt_cache(model)
+    got = decode_logits(model, tokens, cache=cache)
     assert mx.array_equal(got, expected)
     stats = model.expert_store.snapshot()
     assert stats.predicted > 0 and stats.prefetches > 0  # the heads did steer reads
-    assert set(predictor.previous) == set(blocks)
+    assert set(sequence_state(cache).previous) == set(blocks)  # kept beside the KV cache
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -258,24 +261,24 @@ def decode_steps(model, prompt, steps=16):
     cache = make_prompt_cache(model)
     out = model(prompt[None], cache=cache)
     store = model.expert_store
-    before = {s.layer.index: s.on_demand for s in store.layers.values()}
+    before = store.on_demand_by_layer()
     logits = []
     for _ in range(steps):
         out = model(mx.argmax(out[:, -1], -1)[None], cache=cache)
         logits.append(out[0, -1])
-    after = {s.layer.index: s.on_demand for s in store.layers.values()}
+    after = store.on_demand_by_layer()
     return mx.stack(logits), {l: after[l] - before[l] for l in after}
 
 
 @pytest.mark.parametrize("budget", [0.25, "minimum"])
 @pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
 def test_prerouted_decode_never_loads_on_demand(packs, trained, mode, budget):
-    from edgemoe.pack import Pack
-    from edgemoe.store import ExpertStore
+    from edgemoe.format.pack import Pack
+    from edgemoe.streaming.store import ExpertStore
 
     path = packs["qwen3_moe"]["hf"]
     if budget == "minimum":
-        budget = ExpertStore.minimum_budget(Pack.open(path))
+        budget = minimum_bytes(Pack.open(path))
     heads = trained[0] / "prerouter"
     model, _ = edgemoe.load(path, expert_budget=budget, routing=mode, prerouter_path=heads)
     prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))

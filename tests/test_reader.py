@@ -11,8 +11,9 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 import edgemoe
-from edgemoe.pack import Pack, PackError
-from edgemoe.store import ExpertStore
+from edgemoe.format.pack import Pack, PackError
+from edgemoe.streaming.store import ExpertStore
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 
 def streaming_modules(model):
@@ -26,7 +27,7 @@ def test_random_routing_at_a_tight_budget_never_reads_a_stale_slot(packs, checkp
     own expert module over all experts."""
     path = packs["qwen3_moe"]["hf"]
     pack = Pack.open(path)
-    model, _ = edgemoe.load(path, expert_budget=ExpertStore.minimum_budget(pack) * 3 // 2)
+    model, _ = edgemoe.load(path, expert_budget=minimum_bytes(pack) * 3 // 2)
     store = model.expert_store
     assert store.slots_per_layer == 3
     reference, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
@@ -93,7 +94,7 @@ def test_read_error_mid_run_is_a_clear_error_and_the_store_recovers(own_pack, mo
 def test_file_truncated_under_the_reader(own_pack):
     experts = own_pack / "experts.bin"
     saved = experts.read_bytes()
-    model, tokenizer = edgemoe.load(own_pack, expert_budget=ExpertStore.minimum_budget(
+    model, tokenizer = edgemoe.load(own_pack, expert_budget=minimum_bytes(
         Pack.open(own_pack)))
     edgemoe.generate(model, tokenizer, "hello", max_tokens=4)
     os.truncate(experts, len(saved) // 3)
@@ -116,7 +117,7 @@ def test_advisory_telemetry(packs):
 
 
 def test_direct_io_reads_bypass_the_page_cache(own_pack):
-    from edgemoe.telemetry import page_cache_bytes
+    from edgemoe.streaming.telemetry import page_cache_bytes
 
     experts = own_pack / "experts.bin"
     fd = os.open(experts, os.O_RDONLY)
@@ -132,7 +133,7 @@ def test_direct_io_reads_bypass_the_page_cache(own_pack):
 
 
 def test_adjacent_records_are_merged_into_one_read(packs):
-    from edgemoe.reader import Fill, Reader
+    from edgemoe.streaming.reader import Fill, Reader
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
     reader = Reader(pack, threads=1)

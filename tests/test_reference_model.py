@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import edgemoe
-from edgemoe.loader import DEFAULT_MODEL
-from edgemoe.pack import Pack
+from edgemoe.format.source import BUNDLED_MODEL as DEFAULT_MODEL
+from edgemoe.format.pack import Pack
 
 
 def test_bundled_pack_is_whole_and_small():
@@ -13,12 +13,12 @@ def test_bundled_pack_is_whole_and_small():
     assert pack.model_type == "qwen3_moe" and len(pack.layers) >= 4
     assert pack.layers[0].num_experts >= 32 and pack.top_k >= 2
     assert pack.expert_bytes > 0.8 * (pack.expert_bytes + pack.resident_bytes)
-    assert sum(f.stat().st_size for f in DEFAULT_MODEL.iterdir()) < 30e6
+    assert sum(f.stat().st_size for f in DEFAULT_MODEL.rglob("*") if f.is_file()) < 30e6
 
 
 def test_load_without_a_path_gives_the_reference_model():
     model, tokenizer = edgemoe.load(expert_budget=0.25)
-    assert model.expert_store.pack.path == DEFAULT_MODEL
+    assert model.expert_store.info().path == DEFAULT_MODEL
     text = edgemoe.generate(model, tokenizer, "import os\n", max_tokens=12)
     assert len(text) > 0
 
@@ -31,32 +31,26 @@ def test_generate_cli_defaults_to_the_reference_model():
 
 
 def test_shipped_prerouter_heads_serve_the_reference_model():
-    from pathlib import Path
-
-    heads = Path(__file__).resolve().parents[1] / "adapters" / "reference" / "prerouter"
-    model, tokenizer = edgemoe.load(expert_budget=0.25, routing="prerouted",
-                                    prerouter_path=heads)
+    """With no --prerouter, the prerouted modes use the heads the bundled pack carries."""
+    model, tokenizer = edgemoe.load(expert_budget=0.25, routing="prerouted")
     store = model.expert_store
     counts = []
     for _ in edgemoe.stream_generate(model, tokenizer, "def read_lines(path):", max_tokens=16):
-        counts.append({i: s.on_demand for i, s in store.by_index.items()})
+        counts.append(store.on_demand_by_layer())
     first, last = counts[0], counts[-1]  # after the prompt, after 16 tokens
     assert all(last[i] == first[i] for i in range(1, 6)), (first, last)  # predicted layers
     assert store.snapshot().prefetches > 0
 
 
 def test_shipped_lora_serves_the_prerouted_reference_model_unmerged():
-    from pathlib import Path
-
     import mlx.core as mx
 
-    from edgemoe.lora import lora_layers
+    from edgemoe.model.lora import lora_layers
 
-    adapters = Path(__file__).resolve().parents[1] / "adapters" / "reference"
     tokens = mx.array([[3, 17, 250, 4000, 12, 99]])
     outputs = []
-    for adapter in (None, adapters / "lora"):
-        model, _ = edgemoe.load(routing="prerouted", prerouter_path=adapters / "prerouter",
+    for adapter in (None, "pack"):  # "pack": the adapter the bundled pack carries
+        model, _ = edgemoe.load(routing="prerouted", prerouter_path="pack",
                                 adapter_path=adapter)
         outputs.append(model(tokens))
     assert len(lora_layers(model)) == 4 * len(model.layers)  # attention, unmerged

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import edgemoe
-from edgemoe.families import UnsupportedModelError
-from edgemoe.pack import Pack, PackError
-from edgemoe.store import BudgetError, ExpertStore, parse_budget
+from edgemoe.format.families import UnsupportedModelError
+from edgemoe.format.pack import Pack, PackError
+from edgemoe.streaming.budget import BudgetError, parse_budget
+from edgemoe.streaming.store import ExpertStore
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 from conftest import corrupt_record
 
@@ -46,7 +48,7 @@ def test_slots_are_filled_in_place_with_the_records_bytes(packs):
 
 def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, ExpertStore.minimum_budget(pack) * 2, "lru")  # 4 slots a layer
+    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lru")  # 4 slots a layer
     slots = store.layers[pack.layers[0].module]
     assert slots.num_slots == 4
     for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1, least recently used
@@ -62,7 +64,7 @@ def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
 
 def test_budget_too_small_names_the_minimum(packs):
     pack = Pack.open(packs["olmoe"]["hf"])
-    minimum = ExpertStore.minimum_budget(pack)
+    minimum = minimum_bytes(pack)
     with pytest.raises(BudgetError, match=f"minimum is .*{minimum} bytes"):
         edgemoe.load(pack.path, expert_budget=minimum - 1)
     ExpertStore(pack, minimum)
@@ -71,7 +73,7 @@ def test_budget_too_small_names_the_minimum(packs):
 def test_budget_counts_slot_memory(packs):
     pack = Pack.open(packs["qwen3_moe_large"]["hf"])
     store = ExpertStore(pack, 0.25)
-    assert store.slot_bytes <= 0.25 * pack.expert_bytes
+    assert store.info().slot_bytes <= 0.25 * pack.expert_bytes
     assert store.slots_per_layer == 8  # 32 experts
 
 

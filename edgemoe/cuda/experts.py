@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..store import LayerSlots
+from ..streaming.calls import run_call
+from ..streaming.slots import LayerSlots
 from . import int4
 
 DECODE_ROWS = 64  # up to this many rows per matmul, the Triton kernel (on a GPU)
@@ -37,26 +38,23 @@ class StreamingExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         ids = top_k_index.cpu().numpy()  # the host learns this layer's routing (a sync)
-        store = self.slots.store
-        if store.trace is not None:
-            store.trace.record(self.slots.layer.index, ids)
         rows = torch.empty((ids.size, hidden_states.shape[-1]), dtype=hidden_states.dtype,
                            device=hidden_states.device)
-        experts = np.unique(ids)
-        size = self.slots.num_slots
-        for start in range(0, len(experts), size):  # passes only when experts > slots
-            group = experts[start:start + size]
-            slot_of = self.slots.ensure(group, new_call=start == 0)
-            picked = np.flatnonzero(np.isin(ids.reshape(-1), group))
-            rows[self._index(picked)] = self._swiglu(hidden_states, ids, picked, slot_of)
-            self.slots.release()  # the reads are queued: slot refills wait for them
+
+        def compute(picked, slot_ids):  # the reads are queued: slot refills wait for them
+            picked = np.arange(ids.size) if picked is None else picked
+            rows[self._index(picked)] = self._swiglu(hidden_states, ids, picked,
+                                                     slot_ids.reshape(-1))
+
+        run_call(self.slots, ids, compute)  # edgemoe's one call protocol
         rows = rows.view(*ids.shape, -1) * top_k_weights[..., None].to(rows.dtype)
         return rows.sum(dim=1)
 
-    def _swiglu(self, x, ids, picked, slot_of):
-        """Outputs of the (token, k) rows `picked` of the flattened routing."""
+    def _swiglu(self, x, ids, picked, slot_ids):
+        """Outputs of the (token, k) rows `picked` of the flattened routing, whose experts
+        are in slots `slot_ids`."""
         k = ids.shape[-1]
-        slots = self._index(slot_of[ids.reshape(-1)[picked]])
+        slots = self._index(slot_ids)
         tokens = self._index(picked // k)
         gate = self._qmm(x, "gate_proj", slots, tokens)
         up = self._qmm(x, "up_proj", slots, tokens)

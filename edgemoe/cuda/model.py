@@ -21,15 +21,16 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.activations import ACT2FN
 
-from ..cache import DEFAULT_POLICY
-from ..pack import RESIDENT_FILE, Pack, PackError
-from ..store import ExpertStore
+from ..format.pack import PackError
+from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset
+from ..streaming.cache import DEFAULT_POLICY
+from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
 from .int4 import dequantize
 from .slots import DeviceSlotMemory
 from .streams import make_streams
 
-DEFAULT_MODEL = Path(__file__).parents[1] / "models" / "reference"
+DEFAULT_MODEL = BUNDLED_MODEL
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 # mlx-lm's resident names -> transformers' (the routed experts are streamed, not renamed)
 RENAMES = {"mixtral": ((".block_sparse_moe.gate.", ".mlp.gate."),)}
@@ -46,7 +47,7 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     Triton int4 kernel for decode rows; by default on a GPU when Triton is installed.
     Returns (model, tokenizer or None); the store is at `model.expert_store`.
     """
-    path = Path(pack_path) if pack_path is not None else DEFAULT_MODEL
+    path = model_path(pack_path)
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise PackError(f"{path / 'config.json'}: model_type {config.get('model_type')!r}; "
@@ -54,12 +55,12 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     streams = streams or make_streams(device)
-    pack = Pack.open(path)
-    store = ExpertStore(pack, expert_budget, cache_policy, io,
-                        memory=lambda layer, n: DeviceSlotMemory(layer, n, device, streams))
+    store = ExpertStore(open_source(path), expert_budget, cache_policy, io,
+                        memory=lambda layer, n: DeviceSlotMemory(layer, n, device, streams),
+                        learned_policy=pack_asset(path, "cache_policy"))
     model = _build(config, dtype)
     _install(model, store, _kernel(device, kernel))
-    _load_resident(model, path / RESIDENT_FILE, config, dtype, device)
+    _load_resident(model, path, config, dtype, device, skip=tuple(f"{m}." for m in store.layers))
     model.expert_store = store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
@@ -94,7 +95,7 @@ def _install(model, store: ExpertStore, kernel):
     for module, slots in store.layers.items():
         block = layers[slots.layer.index].mlp
         if not hasattr(block, "experts") or not hasattr(block, "gate"):
-            raise PackError(f"{store.pack.path}: layer {slots.layer.index} of the model has "
+            raise PackError(f"{store.info().path}: layer {slots.layer.index} of the model has "
                             f"no MoE block, but the manifest streams {module}")
         found = list(inspect.signature(block.experts.forward).parameters)
         if found[:3] != EXPERTS_CALL:
@@ -104,9 +105,13 @@ def _install(model, store: ExpertStore, kernel):
         block.experts = StreamingExperts(slots, act, kernel)
 
 
-def _load_resident(model, path: Path, config: dict, dtype, device):
-    """Assign the pack's resident weights to the meta model, then check nothing is left."""
-    state = resident_state_dict(path, config.get("quantization", {}), dtype, device)
+def _load_resident(model, path: Path, config: dict, dtype, device, skip=()):
+    """Assign the resident weights (a pack's model.safetensors, or an mlx-lm checkpoint's
+    shards less the streamed experts, names starting with `skip`) to the meta model, then
+    check nothing is left."""
+    state = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        state.update(resident_state_dict(f, config.get("quantization", {}), dtype, device, skip))
     for old, new in RENAMES.get(config["model_type"], ()):
         state = {name.replace(old, new): tensor for name, tensor in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -126,12 +131,13 @@ def _load_resident(model, path: Path, config: dict, dtype, device):
         raise PackError(f"{path}: no weights for {left[:5]}")
 
 
-def resident_state_dict(path: Path, quantization: dict, dtype, device) -> Dict[str, torch.Tensor]:
+def resident_state_dict(path: Path, quantization: dict, dtype, device,
+                        skip=()) -> Dict[str, torch.Tensor]:
     """mlx-lm's resident tensors as float tensors: quantized (weight, scales, biases)
     triples dequantized with the module's own or the model's quantization."""
     state = {}
     with safe_open(str(path), "pt") as f:
-        names = set(f.keys())
+        names = {n for n in f.keys() if not n.startswith(skip)}
         for name in sorted(names):
             if name.endswith((".scales", ".biases")):
                 continue

@@ -18,7 +18,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from ..pack import PackLayer
+from ..format.pack import PackLayer
 
 TORCH_DTYPES = {"uint32": torch.int32,  # the same bits; see int4.py
                 "float32": torch.float32, "bfloat16": torch.bfloat16,

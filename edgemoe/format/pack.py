@@ -9,6 +9,7 @@ A record holds all of one expert's tensors (weights, scales, biases of every
 projection) back to back, so one `preadv` scatters it straight into the slot arrays.
 """
 
+import hashlib
 import json
 import os
 import zlib
@@ -177,6 +178,16 @@ class Pack:
                 f"{self.experts_path}: truncated or overwritten "
                 f"(expected {self.experts_file_size} bytes, found {found})"
             )
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the routed experts' layout and checksums (for a checkpoint read
+        in place, of where its tensors lie): routing traces name the model they came from."""
+        layout = [self.model_type, self.top_k, self.experts_file_size,
+                  [[l.index, l.to_json()["tensors"], [list(r.segments) + [r.crc32]
+                                                     for r in l.records]]
+                   for l in self.layers]]
+        return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
     def layer_named(self, module: str) -> PackLayer:
         for layer in self.layers:

@@ -117,7 +117,6 @@ def merge_survival(adapted: nn.Module, base: nn.Module, merged: nn.Module,
     headline = next((n for n in middle if n.endswith("o_proj")), (middle or names)[0])
     log_probs = []
     for model in (adapted, base, merged):
-        model.expert_store.reset()
         logits = model(inputs).astype(mx.float32)
         log_probs.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     lp_adapted, lp_base, lp_merged = log_probs

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from .pack import ALIGNMENT, Pack, PackError
+from ..format.pack import ALIGNMENT, Pack, PackError
 
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 

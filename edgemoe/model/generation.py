@@ -6,8 +6,8 @@ from typing import Generator, Optional
 from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
-from .store import ExpertStats
-from .telemetry import peak_rss_bytes
+from ..streaming.stats import ExpertStats
+from ..streaming.telemetry import peak_rss_bytes
 
 
 @dataclass
@@ -29,8 +29,6 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                     draft_model=None, **kwargs) -> Generator[GenerationResponse, None, None]:
     """`mlx_lm.stream_generate`, with expert statistics on every response."""
     store = getattr(model, "expert_store", None)
-    if store:
-        store.reset()  # a new request: no previous token
     snapshot = store.snapshot if store else ExpertStats
     start = snapshot()
     after_prompt = None

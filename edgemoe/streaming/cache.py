@@ -19,7 +19,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-DEFAULT_LEARNED = Path(__file__).resolve().parents[1] / "adapters" / "cache_policy.npz"
+# fitted on the bundled reference model's traces; a pack may carry its own (cache_policy.npz)
+DEFAULT_LEARNED = Path(__file__).resolve().parents[1] / "models" / "reference" / "cache_policy.npz"
 
 
 class LRUPolicy:
@@ -253,12 +254,18 @@ POLICIES = {
     "lfu": LFUPolicy,
     "lfuda": LFUDAPolicy,
     "s3fifo": S3FIFOPolicy,
-    "learned": LearnedPolicy.from_file,  # weights from adapters/cache_policy.npz
+    "learned": LearnedPolicy.from_file,  # weights from DEFAULT_LEARNED unless given
 }
 DEFAULT_POLICY = "lfu"  # best online policy in cache_sim replays of the reference model
 
 
-def make_policy(name: str):
+def make_policy(name, learned=None):
+    """A fresh policy by name (`learned`: the learned policy's weights file), or from a
+    factory: a callable taking nothing."""
+    if callable(name):
+        return name()
     if name not in POLICIES:
         raise ValueError(f"cache policy {name!r}: choose one of {', '.join(POLICIES)}")
+    if name == "learned":
+        return LearnedPolicy.from_file(learned)
     return POLICIES[name]()

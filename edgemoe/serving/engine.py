@@ -26,12 +26,15 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from ..routing.state import RoutingState, bind, sequence_state
+from ..streaming.stats import ExpertStats
 
 log = logging.getLogger("edgemoe.server")
 
@@ -70,27 +73,27 @@ class Finished:
 
 
 class Metrics:
-    """Counters the engine updates and the HTTP side reads (under a lock)."""
+    """Counters the engine updates and the HTTP side reads (under a lock). Expert figures
+    are the store's own counters (edgemoe.streaming.stats), so they mean what
+    `edgemoe.generate` prints."""
 
     def __init__(self, store):
         self.lock = threading.Lock()
         self.store = store
+        self.info = store.info()
         self.started = time.time()
         self.submitted = self.completed = self.cancelled = self.failed = 0
         self.prompt_tokens = self.generated_tokens = 0
         self.steps = self.step_rows = self.max_batch_seen = 0
         self.busy_s = 0.0  # engine time spent prefilling or decoding
-        self.decode = {"hits": 0, "loads": 0, "bytes_read": 0}  # decode steps only
+        self.decode = ExpertStats()  # decode steps only
         self.recent = deque(maxlen=1000)  # Finished, newest last
-        self._last_stats = store.stats.copy()
-        self.expert_bytes_mean = (store.pack.expert_bytes
-                                  / sum(l.num_experts for l in store.pack.layers))
+        self._last_stats = store.snapshot()
 
-    def store_stats(self):
+    def store_stats(self) -> ExpertStats:
         """A consistent copy of the store's counters (the last one once it is closed)."""
         if self.store is not None:
-            snap = getattr(self.store, "snapshot", None)
-            self._last_stats = snap() if snap else self.store.stats.copy()
+            self._last_stats = self.store.snapshot()
         return self._last_stats
 
     def snapshot(self, active: int, waiting: int) -> dict:
@@ -98,9 +101,7 @@ class Metrics:
         with self.lock:
             lat = sorted(f.latency_s for f in self.recent)
             ttft = sorted(f.ttft_s for f in self.recent)
-            gen, busy = self.generated_tokens, self.busy_s
-            hits, loads = getattr(s, "hits", 0), getattr(s, "loads", 0)
-            read = getattr(s, "bytes_read", 0)
+            gen, busy, decode = self.generated_tokens, self.busy_s, self.decode.copy()
             return {
                 "uptime_s": round(time.time() - self.started, 3),
                 "requests": {"submitted": self.submitted, "completed": self.completed,
@@ -115,28 +116,25 @@ class Metrics:
                           "max_size_seen": self.max_batch_seen},
                 "latency_s": {"count": len(lat), "p50": _pct(lat, 50), "p95": _pct(lat, 95),
                               "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95)},
-                # hits and loads count distinct experts per layer per forward call (the
-                # union over the batch), so (hits + loads) x expert size is the expert
-                # bytes computed on, and hits x expert size the bytes reused from slots.
-                "experts": {"loads": loads, "hits": hits,
-                            "hit_rate": round(hits / (hits + loads), 4) if hits + loads
-                            else 1.0,
-                            "bytes_read": read,
-                            "bytes_reused": int(hits * self.expert_bytes_mean),
-                            "bytes_used": int((hits + loads) * self.expert_bytes_mean),
-                            "evictions": getattr(s, "evictions", 0),
-                            "blocked_s": round(getattr(s, "blocked_s", 0.0), 4),
-                            "bytes_read_per_token": round(read / gen, 1) if gen else 0.0,
-                            "decode": {
-                                **self.decode,
-                                "bytes_used": int((self.decode["hits"] + self.decode["loads"])
-                                                  * self.expert_bytes_mean),
-                                "bytes_used_per_token": round(
-                                    (self.decode["hits"] + self.decode["loads"])
-                                    * self.expert_bytes_mean / gen, 1) if gen else 0.0},
-                            "slots_per_layer": getattr(self.store, "slots_per_layer", None),
-                            "budget_bytes": getattr(self.store, "budget_bytes", None)},
+                # requests count distinct experts per layer per forward call (the union
+                # over the batch); bytes_used is what compute read from slots, bytes_reused
+                # what of it was already in memory (edgemoe.streaming.stats)
+                "experts": {**_expert_figures(s),
+                            "bytes_read_per_token": round(s.bytes_read / gen, 1) if gen else 0.0,
+                            "decode": {**_expert_figures(decode),
+                                       "bytes_used_per_token": round(decode.bytes_used / gen, 1)
+                                       if gen else 0.0},
+                            "slots_per_layer": self.info.slots_per_layer,
+                            "budget_bytes": self.info.budget_bytes},
             }
+
+
+def _expert_figures(s: ExpertStats) -> dict:
+    return {"requests": s.requests, "hits": s.hits, "late_fills": s.late_fills,
+            "on_demand": s.on_demand, "loads": s.loads, "prefetches": s.prefetches,
+            "hit_rate": round(s.hit_rate, 4), "bytes_read": s.bytes_read,
+            "bytes_reused": s.bytes_hit, "bytes_used": s.bytes_used,
+            "evictions": s.evictions, "blocked_s": round(s.blocked_s, 4)}
 
 
 def _pct(sorted_values, p):
@@ -159,6 +157,7 @@ class Engine:
         self.pending: deque = deque()  # admitted, waiting for or in prefill (FIFO)
         self.active: List[Job] = []    # rows of the decode batch, in cache order
         self.batch_cache = None
+        self.batch_routing: Optional[RoutingState] = None  # the rows' routing, as their caches
         self.model = self.tokenizer = self.config = self.metrics = None
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
@@ -241,7 +240,7 @@ class Engine:
         exit now and then ("terminate called without an active exception")."""
         self._fail_all("the server is stopping")
         store = getattr(self.model, "expert_store", None)
-        if store is not None and hasattr(store, "close"):
+        if store is not None:
             store.close()
         self.model = self.batch_cache = None
         self.metrics.store = None
@@ -290,14 +289,18 @@ class Engine:
             self._join_batch(job)
 
     def _join_batch(self, job: Job):
+        routing = sequence_state(job.cache)  # what its prefill carries to the next token
         rows = [c.merge([c]) for c in job.cache]  # each layer's cache as a batch of one
         job.cache = None
         job.next_input = job.prompt[-1]
         if self.batch_cache is None:
             self.batch_cache = rows
+            self.batch_routing = RoutingState.merge([routing])
+            bind(self.batch_cache, self.batch_routing)
         else:
             for batch, row in zip(self.batch_cache, rows):
                 batch.extend(row)
+            self.batch_routing.extend(routing)
         self.active.append(job)
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(job.prompt)
@@ -305,11 +308,12 @@ class Engine:
     def _keep_rows(self, keep: List[int]):
         self.active = [self.active[i] for i in keep]
         if not self.active:
-            self.batch_cache = None
+            self.batch_cache = self.batch_routing = None
         elif self.batch_cache is not None:
             index = mx.array(keep)
             for c in self.batch_cache:
                 c.filter(index)
+            self.batch_routing.filter(keep)
 
     def _step(self):
         before = self.metrics.store_stats()
@@ -329,8 +333,10 @@ class Engine:
         tokens, chosen = tokens.tolist(), chosen.tolist()
         after = self.metrics.store_stats()
         with self.metrics.lock:
-            for k in self.metrics.decode:
-                self.metrics.decode[k] += getattr(after, k, 0) - getattr(before, k, 0)
+            delta = after - before
+            for f in fields(ExpertStats):
+                setattr(self.metrics.decode, f.name,
+                        getattr(self.metrics.decode, f.name) + getattr(delta, f.name))
             self.metrics.steps += 1
             self.metrics.step_rows += len(self.active)
             self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, len(self.active))
@@ -412,7 +418,8 @@ class Engine:
             if job in self.pending:
                 self.pending.remove(job)
         if any(job in self.active for job in jobs):
-            self.active, self.batch_cache = [], None  # the batch's caches are suspect
+            # the batch's caches are suspect
+            self.active, self.batch_cache, self.batch_routing = [], None, None
         with self.metrics.lock:
             self.metrics.failed += len(jobs)
         for job in jobs:

@@ -2,13 +2,9 @@
 
 Every supported family's MoE block computes its own routing, then calls its expert
 module (`switch_mlp`, an mlx-lm `SwitchGLU`) with the chosen indices. Swapping that
-module for a streaming one keeps the family's routing math exact.
+module for a streaming one (edgemoe.model.experts) keeps the family's routing math
+exact. This module reads configs only: it needs no MLX.
 """
-
-from typing import Dict
-
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "mixtral", "olmoe", "qwen3_moe")
 
@@ -25,15 +21,6 @@ def check_supported(config: dict, where) -> str:
             f"edgemoe supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model_type
-
-
-def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """The routed-expert modules of a model, by module path, in layer order."""
-    return {
-        path: module
-        for path, module in model.named_modules()
-        if isinstance(module, (SwitchGLU, SwitchMLP))
-    }
 
 
 def layer_index(module_path: str) -> int:

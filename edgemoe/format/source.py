@@ -1,0 +1,76 @@
+"""The one opener of streamable models: an edgemoe pack, or an mlx-lm quantized checkpoint
+read in place. Every tool opens a model folder through `open_source`, so that both kinds
+work everywhere and fail with the same messages.
+
+A pack may carry what was trained for it beside its weights, found by `pack_asset`:
+
+    prerouter/        prerouter heads (edgemoe.train_prerouter)
+    adapter/          a recovery LoRA (edgemoe.train_lora), in mlx-lm's adapter format
+    cache_policy.npz  weights of the learned cache policy (edgemoe.cache_sim train-learned)
+"""
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .families import check_supported
+from .inplace import open_mlx_lm
+from .pack import MANIFEST, Pack, PackError
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
+PACK_ASSETS = {"prerouter": "prerouter", "adapter": "adapter", "cache_policy": "cache_policy.npz"}
+OWN = "pack"  # as a path (--prerouter pack, --adapter-path pack): the model folder's own
+
+
+def model_path(path=None) -> Path:
+    """The model folder: `path`, or the bundled reference model when None. It must exist
+    and hold a config.json."""
+    path = Path(path) if path is not None else BUNDLED_MODEL
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model folder")
+    config = path / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{path}: no config.json: not an edgemoe pack nor an mlx-lm "
+                                f"checkpoint; is this a model folder?")
+    return path
+
+
+def source_kind(path) -> str:
+    """'pack' (an edgemoe pack), 'mlx-lm' (a quantized mlx-lm checkpoint, streamable in
+    place) or 'hf' (anything else: a Hugging Face checkpoint, to convert first)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return "pack"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "hf"
+    return "mlx-lm" if "quantization" in config else "hf"
+
+
+def open_source(path=None) -> Pack:
+    """The routed experts of a model folder: a pack's records, or an mlx-lm checkpoint's
+    tensor slices read in place."""
+    path = model_path(path)
+    check_supported(json.loads((path / "config.json").read_text()), path / "config.json")
+    if source_kind(path) == "pack":
+        return Pack.open(path)
+    return open_mlx_lm(path)
+
+
+def pack_asset(model: Path, name: str) -> Optional[Path]:
+    """A trained asset the model folder carries (see the module doc), or None."""
+    found = Path(model) / PACK_ASSETS[name]
+    return found if found.exists() else None
+
+
+def resolve_asset(given, model: Path, name: str, flag: str) -> Optional[Path]:
+    """`given` as a path, with the short name 'pack' for the model folder's own asset."""
+    if given is None:
+        return None
+    if str(given) != OWN:
+        return Path(given)
+    found = pack_asset(model, name)
+    if found is None:
+        raise PackError(f"{flag} {OWN}: {model} carries no {PACK_ASSETS[name]}")
+    return found

@@ -1,0 +1,176 @@
+"""The streaming expert module: an mlx-lm `SwitchGLU` whose experts live in slots.
+
+It computes with mlx-lm's own expert module (same projections, same activation, same
+`gather_qmm` calls), built over the layer's slot pool instead of all experts, with the
+router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
+remapped indices gives bit-identical results (shared/GUIDE.md).
+"""
+
+from typing import Dict
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
+
+from ..format.pack import PackError, PackLayer
+from ..streaming.calls import run_call
+from ..streaming.slots import LayerSlots
+from ..streaming.store import ExpertStore
+
+
+class MLXSlotMemory:
+    """A layer's slots as MLX arrays in unified memory, filled in place: the reader's
+    rows are numpy views of the arrays. Compute evaluates before it releases slots
+    (StreamingExperts), so no device ordering is needed here."""
+
+    arrays: Dict[str, mx.array]
+
+    def __init__(self, layer: PackLayer, num_slots: int):
+        self.arrays, self._rows = {}, {}
+        for t in layer.tensors:
+            self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
+        self._names = [t.name for t in layer.tensors]
+
+    def rows(self, slot: int):
+        return [self._rows[name][slot] for name in self._names]
+
+    def before_read(self, slot: int):
+        pass
+
+    def after_read(self, slot: int):
+        pass
+
+    def acquire(self, slots: np.ndarray):
+        pass
+
+    def release(self, slots: np.ndarray):
+        pass
+
+
+def _slot_array(num_slots: int, shape, dtype: str):
+    """An MLX array of (num_slots, *shape) and a writable numpy view of its memory."""
+    storage = {"bfloat16": np.uint16}.get(dtype, dtype)
+    host = mx.array(np.zeros((num_slots, *shape), dtype=storage))
+    mx.eval(host)
+    view = np.asarray(host)  # shares the MLX buffer: preadv into it fills the array
+    array = host.view(mx.bfloat16) if dtype == "bfloat16" else host
+    return array, view
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in replacement for a MoE block's `switch_mlp`; holds no parameters.
+
+    It owns its compute pool: mlx-lm's own expert module over the layer's slot arrays
+    (`build_pool`). `routing`, when set, is told of each call's routing (advisory and
+    prerouted modes: edgemoe.routing.modes).
+    """
+
+    def __init__(self, slots: LayerSlots, pool: nn.Module):
+        super().__init__()
+        # plain attributes, not children: the slot arrays are not model parameters
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "routing", None)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        ids = np.array(indices)  # the host learns this layer's routing here (a sync)
+        layer = self.slots.layer.index
+        routed = None if self.routing is None else (
+            lambda: self.routing.observe(layer, x, ids))  # its prefetches overlap compute
+        k = ids.shape[-1]
+        tokens = x.reshape(-1, x.shape[-1])
+
+        def compute(rows, slot_ids):
+            if rows is None:  # one pass: exactly mlx-lm's call, over the slots
+                out = self.pool(x, mx.array(slot_ids.astype(np.uint32)))
+            else:  # (token, k) rows of this pass
+                slots = mx.array(slot_ids.astype(np.uint32)[:, None])
+                out = self.pool(tokens[mx.array(rows // k)], slots)[:, 0]
+            mx.eval(out)  # every read of the slots is done before any can be refilled
+            return out
+
+        parts = run_call(self.slots, ids, compute, routed)
+        if len(parts) == 1:
+            return parts[0][1]
+        order = np.argsort(np.concatenate([rows for rows, _ in parts]))
+        out = mx.concatenate([y for _, y in parts])[mx.array(order)]
+        return out.reshape(*ids.shape, out.shape[-1])
+
+
+def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """The routed-expert modules of a model, by module path, in layer order."""
+    return {path: module for path, module in model.named_modules()
+            if isinstance(module, (SwitchGLU, SwitchMLP))}
+
+
+def build_pool(module: nn.Module, layer: PackLayer, arrays: Dict[str, mx.array]) -> nn.Module:
+    """Turn a freshly built mlx-lm expert module into one over the slot arrays.
+
+    Its projections are quantized exactly as the pack's manifest records, then their
+    (still lazy, never evaluated) random weights are replaced by the slot arrays.
+    """
+    for name, child in list(module.children().items()):
+        if name not in layer.quantization:
+            continue
+        q = layer.quantization[name]
+        if q is not None:
+            child = child.to_quantized(q["group_size"], q["bits"], mode=q["mode"])
+            assert isinstance(child, QuantizedSwitchLinear)
+        for t in layer.tensors:
+            if t.projection == name:
+                setattr(child, t.kind, arrays[t.name])
+        setattr(module, name, child)
+    module.freeze()
+    return module
+
+
+def install(model: nn.Module, store: ExpertStore) -> Dict[int, StreamingExperts]:
+    """Replace every routed-expert module of `model` by a streaming one; return them by
+    decoder layer index."""
+    found = expert_modules(model)
+    if set(found) != set(store.layers):
+        raise PackError(
+            f"{store.info().path}: the manifest's MoE layers do not match the model's "
+            f"(manifest: {len(store.layers)}, model: {len(found)})"
+        )
+    installed = {}
+    for path, module in found.items():
+        slots = store.layers[path]
+        streaming = StreamingExperts(slots, build_pool(module, slots.layer, slots.arrays))
+        parent_path, name = path.rsplit(".", 1)
+        parent = model
+        for part in parent_path.split("."):
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        setattr(parent, name, streaming)
+        installed[slots.layer.index] = streaming
+    return installed
+
+
+def streaming_class(model_class: type, expert_paths) -> type:
+    """mlx-lm's model class for the family, with the two hooks streaming needs.
+
+    `sanitize` drops the checkpoint's own routed-expert tensors (an mlx-lm checkpoint
+    read in place has them): they are streamed, never loaded whole. `__call__` makes the
+    calling sequence's routing state current while predicted routing runs
+    (edgemoe.routing.modes); `model.routing` is that driver, None in native mode.
+    """
+    prefixes = tuple(f"{path}." for path in expert_paths)
+
+    class Streaming(model_class):
+        routing = None
+
+        def sanitize(self, weights):
+            weights = super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+            return {k: v for k, v in weights.items() if not k.startswith(prefixes)}
+
+        def __call__(self, inputs, cache=None, **kwargs):
+            if self.routing is None:
+                return super().__call__(inputs, cache=cache, **kwargs)
+            shape_of = inputs if inputs is not None else kwargs.get("input_embeddings")
+            with self.routing.sequence(shape_of, cache):
+                return super().__call__(inputs, cache=cache, **kwargs)
+
+    Streaming.__name__ = Streaming.__qualname__ = model_class.__name__
+    Streaming.__module__ = model_class.__module__
+    return Streaming

@@ -1,0 +1,119 @@
+"""`load()`: an MoE model whose routed experts stream from disk, as an mlx-lm model."""
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
+
+from ..format.source import (BUNDLED_MODEL, model_path, open_source, pack_asset,
+                             resolve_asset)
+from ..routing.gates import moe_blocks
+from ..routing.modes import ROUTING_MODES, PredictedRouting
+from ..routing.predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
+from ..routing.prerouter import load_prerouter
+from ..streaming.cache import DEFAULT_POLICY
+from ..streaming.store import ExpertStore
+from .experts import install, streaming_class
+
+DEFAULT_MODEL = BUNDLED_MODEL
+
+
+def load(
+    path_or_hf_repo: Optional[str] = None,
+    expert_budget=1.0,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[str] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    routing: str = "native",
+    cache_policy: str = DEFAULT_POLICY,
+    io: str = "buffered",
+    prerouter_path: Optional[str] = None,
+    readers: int = 2,
+):
+    """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
+
+    `path_or_hf_repo` is an edgemoe pack or an mlx-lm quantized checkpoint, read in
+    place (default: the bundled reference model). `routing` is "native" (the model's own
+    router, loads on demand), "advisory" (a predictor prefetches the next layer's
+    experts; the router still decides, so outputs are the same), "prerouted" (the
+    prerouter heads' prediction is the routing, read a whole token ahead) or
+    "prerouted-set" (the predicted experts, weighed by the native router). `io` is
+    "buffered" or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names
+    trained heads (edgemoe.train_prerouter); the prerouted modes default to the heads
+    the pack carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
+    adapter folder, or "pack" for the one the pack carries (PACK/adapter). A pack's own
+    cache_policy.npz serves `cache_policy="learned"`.
+
+    The model is mlx-lm's own class for the family with each MoE block's expert
+    module streaming from disk; it works with mlx-lm's generate_step, samplers and
+    KV caches. Its store is `model.expert_store` (see ExpertStore: `info()`,
+    `snapshot()`, `start_trace()`).
+    """
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
+    path = model_path(path_or_hf_repo)
+    source = open_source(path)
+    heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
+    adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    store = ExpertStore(source, expert_budget, cache_policy, io, readers,
+                        learned_policy=pack_asset(path, "cache_policy"))
+    experts = {}
+
+    def streaming_classes(config):
+        model_class, args_class = _get_classes(config)
+
+        def build(args):
+            model = streaming_class(model_class, store.layers)(args)
+            experts.update(install(model, store))
+            return model
+
+        return build, args_class
+
+    try:
+        model, config = load_model(path, lazy, model_config=model_config,
+                                   get_model_classes=streaming_classes)
+    except BaseException:
+        store.close()
+        raise
+    model.expert_store = store
+    predictor = _predictor(routing, heads, model)
+    if predictor is not None:
+        model.routing = PredictedRouting(predictor, store.prefetch)
+        for module in experts.values():
+            object.__setattr__(module, "routing", model.routing)
+    if adapter is not None:
+        model = load_adapters(model, str(adapter))
+        model.eval()
+    tokenizer = load_tokenizer(path, tokenizer_config,
+                               eos_token_ids=config.get("eos_token_id", None))
+    if return_config:
+        return model, tokenizer, config
+    return model, tokenizer
+
+
+def _heads(path: Path, routing: str, given) -> Optional[Path]:
+    heads = resolve_asset(given, path, "prerouter", "--prerouter")
+    if heads is None and routing.startswith("prerouted"):
+        heads = pack_asset(path, "prerouter")
+        if heads is None:
+            raise ValueError(f"--routing {routing} needs prerouter heads: pass --prerouter "
+                             f"DIR (prerouter_path= in Python); {path} carries none "
+                             f"(python -m edgemoe.train_prerouter makes them)")
+        print(f"[edgemoe] --routing {routing}: the heads {path} carries ({heads})",
+              file=sys.stderr)
+    return heads
+
+
+def _predictor(routing: str, heads: Optional[Path], model):
+    if routing == "native":
+        return None
+    blocks = moe_blocks(model)
+    if routing.startswith("prerouted"):
+        return PreroutedPredictor(load_prerouter(heads), blocks,
+                                  confine=routing == "prerouted-set")
+    if heads is not None:
+        return HeadsPredictor(load_prerouter(heads), blocks)
+    return NextRouterPredictor(blocks)

@@ -1,0 +1,87 @@
+"""The streaming options every tool takes, with one set of flags.
+
+    options = StreamOptions.from_args(args)       # after StreamOptions.add_arguments(parser)
+    model, tokenizer = edgemoe.load(path, **options.load_kwargs())
+
+`add_arguments` gives `generate`, `server`, `eval`, `train_prerouter`, `train_lora`,
+`doctor` and the benchmarks the same flags with the same help and defaults; a tool
+names the ones it takes with `only=`.
+"""
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, Sequence
+
+from .routing.modes import ROUTING_MODES
+from .streaming.cache import DEFAULT_POLICY, POLICIES
+
+IO_MODES = ("buffered", "direct")
+
+
+@dataclass
+class StreamOptions:
+    """How a model streams its experts (the keyword arguments of `edgemoe.load`)."""
+
+    expert_budget: str = "1.0"  # a fraction, a percentage or a size
+    cache_policy: str = DEFAULT_POLICY
+    io: str = "buffered"
+    routing: str = "native"
+    prerouter: Optional[str] = None  # heads folder, or "pack"
+    adapter: Optional[str] = None  # adapter folder, or "pack"
+    readers: int = 2
+
+    def load_kwargs(self) -> dict:
+        return dict(expert_budget=self.expert_budget, cache_policy=self.cache_policy,
+                    io=self.io, routing=self.routing, prerouter_path=self.prerouter,
+                    adapter_path=self.adapter, readers=self.readers)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> "StreamOptions":
+        """The options a parsed command line gives (flags it lacks keep their defaults)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
+
+    def replace(self, **changes) -> "StreamOptions":
+        return StreamOptions(**{**asdict(self), **changes})
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser,
+                      only: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+        """Add the flags (all, or those named in `only` by field name) to `parser`."""
+        wanted = set(only) if only is not None else {f.name for f in fields(StreamOptions)}
+        unknown = wanted - {f.name for f in fields(StreamOptions)}
+        assert not unknown, unknown
+        group = parser.add_argument_group("streaming")
+        flags = {
+            "expert_budget": (("--expert-budget",), dict(
+                default="1.0", help="Memory for routed experts: a fraction (0.25), a "
+                                    "percentage (25%%) or a size (2GB) (default: %(default)s)")),
+            "cache_policy": (("--cache-policy",), dict(
+                default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                help="Which resident expert to evict when a layer's slots are full "
+                     "(default: %(default)s)")),
+            "io": (("--io",), dict(
+                default="buffered", choices=IO_MODES,
+                help="direct: O_DIRECT reads that bypass the page cache (default: %(default)s)")),
+            "routing": (("--routing",), dict(
+                default="native", choices=ROUTING_MODES,
+                help="native: the router decides, experts load on demand; advisory: later "
+                     "layers' experts are prefetched, same output; prerouted: the prerouter "
+                     "heads' prediction is the routing; prerouted-set: the predicted "
+                     "experts, native weights (default: %(default)s)")),
+            "prerouter": (("--prerouter",), dict(
+                default=None, help="Prerouter heads folder (edgemoe.train_prerouter --out "
+                                   "DIR: DIR/prerouter), or 'pack' for the heads the model "
+                                   "folder carries; the prerouted modes use those by default")),
+            "adapter": (("--adapter-path",), dict(
+                dest="adapter", default=None,
+                help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
+                     "model folder carries (PACK/adapter)")),
+            "readers": (("--readers",), dict(
+                type=int, default=2, help="Reader threads filling expert slots "
+                                          "(default: %(default)s)")),
+        }
+        for name, (names, kwargs) in flags.items():
+            if name in wanted:
+                group.add_argument(*names, **kwargs)
+        return parser

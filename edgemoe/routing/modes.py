@@ -1,0 +1,59 @@
+"""The routing modes, as the model side drives them.
+
+    native         the model's own router; experts load on demand (no driver)
+    advisory       a predictor prefetches later layers' experts; the router decides
+    prerouted      the prerouter heads' prediction is the routing, read a token ahead
+    prerouted-set  the predicted experts, weighed by the native router
+
+`PredictedRouting` is the driver of the non-native modes. The model's forward call
+opens `sequence(inputs, cache)`, which makes the calling sequence's RoutingState current;
+each streaming expert module calls `observe(layer, x, ids)` once its layer's routing is
+known, and the driver runs the predictor on that state and hands its predictions to
+`prefetch(layer, experts, lead)`, the only thing the expert store is told of routing.
+"""
+
+import contextlib
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .state import RoutingState, sequence_state
+
+ROUTING_MODES = ("native", "advisory", "prerouted", "prerouted-set")
+
+Prefetch = Callable[[int, np.ndarray, int], None]  # (layer index, expert ids, lead)
+
+
+class PredictedRouting:
+    """Runs a predictor at each MoE layer on the current sequence's state."""
+
+    def __init__(self, predictor, prefetch: Prefetch):
+        self.predictor, self.prefetch = predictor, prefetch
+        self.state: Optional[RoutingState] = None
+        self.rows = 1
+
+    @contextlib.contextmanager
+    def sequence(self, inputs: Optional[mx.array], cache):
+        """One forward call of the sequence(s) that own `cache` ((rows, L) `inputs`)."""
+        outer = self.state, self.rows
+        self.state = sequence_state(cache)
+        self.rows = inputs.shape[0] if inputs is not None and inputs.ndim > 1 else 1
+        try:
+            yield self.state
+        finally:
+            self.state, self.rows = outer
+            for gate in getattr(self.predictor, "gates", ()):
+                gate.set_prediction(None)  # a prediction never outlives its forward call
+
+    def observe(self, layer: int, x: mx.array, ids: np.ndarray):
+        """Layer `layer` routed its input `x` to `ids`; predict and prefetch."""
+        state = self.state if self.state is not None else RoutingState()
+        if x.ndim == 2:  # a block that flattens its tokens (OLMoE)
+            x = x.reshape(self.rows, -1, x.shape[-1])
+        x = x.reshape(-1, x.shape[-2], x.shape[-1])
+        ids = ids.reshape(x.shape[0], x.shape[1], ids.shape[-1])
+        predictions = self.predictor.predict(state, layer, x, ids)
+        state.rows = x.shape[0]
+        for target, experts in predictions.items():
+            self.prefetch(target, experts, self.predictor.lead)

@@ -1,0 +1,133 @@
+"""Predictors of routing: from a MoE layer's input and routing, the experts later layers
+will need.
+
+`predict(state, layer, x, ids)` sees one call of MoE layer `layer`: its input `x`
+(rows, L, D), the expert ids its router chose `ids` (rows, L, k), and the calling
+sequence's RoutingState. It returns {target layer: expert ids}. Each predictor says its
+`lead`: 0 when the prediction is about this call (the same token), 1 when it is about
+the next call (the next token, a whole token ahead).
+
+- NextRouterPredictor: the free baseline, the next layer's own router on this input.
+- HeadsPredictor: trained prerouter heads (advisory: the router still decides).
+- PreroutedPredictor: the heads' prediction *is* the routing of the predicted layers.
+"""
+
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .gates import PredictedGate, gate_logits, routing_from_logits
+from .prerouter import Prerouter
+from .state import RoutingState
+
+
+class NextRouterPredictor:
+    """The next MoE layer's own router applied to this layer's input."""
+
+    lead = 0
+
+    def __init__(self, blocks: Dict[int, nn.Module]):
+        layers = sorted(blocks)
+        self.next = {a: (b, blocks[b]) for a, b in zip(layers, layers[1:])}
+
+    def predict(self, state: RoutingState, layer: int, x: mx.array,
+                ids: np.ndarray) -> Dict[int, np.ndarray]:
+        if layer not in self.next:
+            return {}
+        target, block = self.next[layer]
+        inds, _ = routing_from_logits(block, gate_logits(block, x))
+        return {target: np.array(inds)}
+
+
+class HeadsPredictor:
+    """The trained heads: at each MoE layer, the expert ids of every target whose head
+    runs there. A next-token head predicts, for each sequence, the ids of its next
+    token; a same-token one the ids of every token of this call."""
+
+    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module]):
+        self.prerouter = prerouter
+        self.blocks = blocks
+        self.targets_of: Dict[int, List[int]] = {}
+        for target, source in prerouter.config.sources.items():
+            self.targets_of.setdefault(source, []).append(target)
+
+    @property
+    def same_token(self) -> bool:
+        return self.prerouter.config.same_token
+
+    @property
+    def lead(self) -> int:
+        return 0 if self.same_token else 1
+
+    def routing_now(self, state: RoutingState, layer: int, ids: np.ndarray):
+        """This call's ids (rows, L, k) and the previous token's at each position; the
+        last token's ids are kept for the sequence's next call."""
+        rows, length, k = ids.shape
+        now = mx.array(ids.astype(np.int32))
+        last = state.previous.get(layer)
+        if last is None or last.shape != (rows, k):
+            last = mx.full((rows, k), -1, dtype=mx.int32)  # -1: no expert, all zeros
+        prev = mx.concatenate([last[:, None], now[:, :-1]], axis=1)
+        state.previous[layer] = now[:, -1]
+        return now, prev
+
+    def predict(self, state, layer, x, ids):
+        now, prev = self.routing_now(state, layer, ids)
+        predictions = {}
+        for target in self.targets_of.get(layer, []):
+            if self.same_token:
+                xs, nows, prevs = x, now, prev
+            else:  # only the last token's head output is about a token still to come
+                xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
+            inds, _ = self.prerouter.route(target, self.blocks[target], xs, nows, prevs)
+            predictions[target] = np.array(inds)
+        return predictions
+
+
+class PreroutedPredictor(HeadsPredictor):
+    """Predicted routing: run at MoE layer l on token t, a next-token head gives layer
+    l+1's logits for token t+1. Within one call (a prompt of L tokens) position p routes
+    by the prediction made at position p-1; the call's last prediction is carried in
+    the sequence's state to its next call, and its experts are returned, so the store
+    reads them a whole token ahead. The first token of a sequence, and the configured
+    native layers, route natively. `confine=True` is `prerouted-set`: the predicted
+    set, weighed by the native router.
+    """
+
+    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False):
+        if prerouter.config.same_token:
+            raise ValueError("prerouted routing needs next-token heads (trained without "
+                             "--same-token)")
+        super().__init__(prerouter, blocks)
+        self.confine = confine
+        self.predicted_layers = set(prerouter.config.predicted_layers)
+        for target in self.predicted_layers:
+            if not isinstance(blocks[target].gate, PredictedGate):
+                blocks[target].gate = PredictedGate(blocks[target].gate)
+
+    @property
+    def gates(self) -> List[PredictedGate]:
+        return [self.blocks[t].gate for t in sorted(self.predicted_layers)]
+
+    def predict(self, state, layer, x, ids):
+        now, prev = self.routing_now(state, layer, ids)
+        ahead = {}
+        for target in self.targets_of.get(layer, []):
+            block = self.blocks[target]
+            logits = self.prerouter.logits(target, x, now, prev)  # (rows, L, E): position p+1
+            if target in self.predicted_layers:
+                first = state.carry.get(target)
+                if first is None or first.shape[0] != x.shape[0]:
+                    first = mx.full((x.shape[0], 1, logits.shape[-1]), mx.nan)
+                shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
+                state.carry[target] = logits[:, -1:]
+                if self.confine:
+                    inds = routing_from_logits(block, mx.nan_to_num(shifted, nan=0.0))[0]
+                    inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
+                    block.gate.set_prediction(allowed=inds)
+                else:
+                    block.gate.set_prediction(shifted)
+            ahead[target] = np.array(routing_from_logits(block, logits[:, -1])[0])
+        return ahead

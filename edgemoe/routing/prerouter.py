@@ -1,0 +1,138 @@
+"""Prerouter heads: predict the next MoE layer's routing a token ahead.
+
+A head for target layer l+1 runs while token t passes MoE layer l. Its input is the
+vector that layer l's MoE block receives (the post-attention-norm hidden state at token
+t) and layer l's routing at tokens t and t-1 (multi-hot over its experts). It outputs
+router logits for layer l+1 at token t+1 (`same_token=False`, a whole token of lead
+time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of lead).
+`routing_from_logits` applies the target block's own routing math to those logits, so
+predicted routing picks and weighs experts exactly as the native router would have from
+the same logits.
+
+    prerouter = load_prerouter("PACK/prerouter")
+    logits = prerouter.logits(target, x, routed_now, routed_prev)   # (..., num_experts)
+    indices, weights = routing_from_logits(blocks[target], logits)
+
+Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one folder.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .gates import multi_hot, num_experts, routing_from_logits, top_k
+
+WEIGHTS = "prerouter.safetensors"
+CONFIG = "prerouter_config.json"
+
+
+@dataclass
+class PrerouterConfig:
+    model_type: str
+    hidden_size: int  # of the model: the MoE blocks' input
+    num_experts: int
+    top_k: int
+    sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
+    head_hidden: int = 256
+    same_token: bool = False  # predict layer l+1 of token t, not of token t+1
+    native_layers: List[int] = field(default_factory=list)  # keep the native router here
+
+    @classmethod
+    def for_model(cls, model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
+                  head_hidden: int = 256, same_token: bool = False,
+                  native_layers: Sequence[int] = ()) -> "PrerouterConfig":
+        """A head for every MoE layer but the first (it has no previous MoE layer)."""
+        layers = sorted(blocks)
+        first = blocks[layers[0]]
+        return cls(model_type, hidden_size, num_experts(first), top_k(first),
+                   dict(zip(layers[1:], layers[:-1])), head_hidden, same_token,
+                   sorted({layers[0], *native_layers}))
+
+    @property
+    def targets(self) -> List[int]:
+        return sorted(self.sources)
+
+    @property
+    def predicted_layers(self) -> List[int]:
+        """Targets whose routing a prerouted mode takes from the heads."""
+        return [t for t in self.targets if t not in self.native_layers]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["sources"] = {str(t): s for t, s in self.sources.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PrerouterConfig":
+        d = dict(d)
+        d["sources"] = {int(t): int(s) for t, s in d["sources"].items()}
+        return cls(**d)
+
+
+class PrerouterHead(nn.Module):
+    """A small MLP: [norm(x), routing at t, routing at t-1] -> router logits of the target."""
+
+    def __init__(self, hidden_size: int, num_experts: int, head_hidden: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden_size)
+        self.up = nn.Linear(hidden_size + 2 * num_experts, head_hidden)
+        self.down = nn.Linear(head_hidden, num_experts)
+
+    def __call__(self, x: mx.array, now: mx.array, prev: mx.array) -> mx.array:
+        h = mx.concatenate([self.norm(x.astype(mx.float32)), now, prev], axis=-1)
+        return self.down(nn.silu(self.up(h)))
+
+
+class Prerouter(nn.Module):
+    """All heads of one model, keyed by target decoder layer (`heads["layer_<l>"]`)."""
+
+    def __init__(self, config: PrerouterConfig):
+        super().__init__()
+        self.config = config
+        self.heads = {f"layer_{t}": PrerouterHead(config.hidden_size, config.num_experts,
+                                                   config.head_hidden)
+                      for t in config.targets}
+
+    def head(self, target: int) -> PrerouterHead:
+        return self.heads[f"layer_{target}"]
+
+    def logits(self, target: int, x: mx.array, routed_now: mx.array,
+               routed_prev: Optional[mx.array] = None) -> mx.array:
+        """Predicted router logits of `target` from its source layer's input `x` (..., D)
+        and that layer's expert ids (..., k) at this token and the previous one (None:
+        no previous token). Token t+1's logits, or token t's when `same_token`."""
+        n = self.config.num_experts
+        now = multi_hot(routed_now, n)
+        prev = mx.zeros_like(now) if routed_prev is None else multi_hot(routed_prev, n)
+        return self.head(target)(x, now, prev)
+
+    def route(self, target: int, block: nn.Module, x: mx.array, routed_now: mx.array,
+              routed_prev: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+        """Predicted (indices, weights) of `target` (whose MoE block is `block`)."""
+        return routing_from_logits(block, self.logits(target, x, routed_now, routed_prev))
+
+
+def save_prerouter(prerouter: Prerouter, path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / WEIGHTS), dict(tree_flatten(prerouter.parameters())))
+    (path / CONFIG).write_text(json.dumps(prerouter.config.to_json(), indent=1))
+    return path
+
+
+def load_prerouter(path) -> Prerouter:
+    path = Path(path)
+    for name in (CONFIG, WEIGHTS):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
+                                    f"folder (python -m edgemoe.train_prerouter --out ...)?")
+    prerouter = Prerouter(PrerouterConfig.from_json(json.loads((path / CONFIG).read_text())))
+    prerouter.load_weights(str(path / WEIGHTS), strict=True)
+    prerouter.eval()
+    mx.eval(prerouter.parameters())
+    return prerouter

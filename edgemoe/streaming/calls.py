@@ -1,0 +1,55 @@
+"""The call protocol of every routed-expert module, whatever computes it.
+
+One call of a MoE layer: the router's expert ids (..., k) -> the distinct experts ->
+passes of at most `num_slots` of them (only a long prefill under a small budget needs
+more than one) -> for each pass: `ensure` (the experts ready in slots), compute over
+the slots, `release`. Release is always reached, also when a read or the computation
+fails, so that an error leaves the pool usable for the next call.
+
+A backend supplies only `compute(rows, slot_ids)`:
+- one pass: `rows` is None and `slot_ids` has the shape of `ids` (every entry's slot);
+- several passes: `rows` are the flat (token * k + j) entries this pass covers and
+  `slot_ids` their slots, flat.
+`compute` must not return before the slots' reads are done or ordered on the device
+(MLX: evaluated; CUDA: an event recorded), since a released slot may be refilled.
+"""
+
+from typing import Callable, List, Optional, Tuple, TypeVar
+
+import numpy as np
+
+from .slots import LayerSlots
+
+T = TypeVar("T")
+
+
+def passes(experts: np.ndarray, num_slots: int) -> List[np.ndarray]:
+    """Sorted distinct experts in groups that fit a pool of `num_slots`."""
+    return [experts[start:start + num_slots] for start in range(0, len(experts), num_slots)]
+
+
+def run_call(slots: LayerSlots, ids: np.ndarray,
+             compute: Callable[[Optional[np.ndarray], np.ndarray], T],
+             routed: Optional[Callable[[], None]] = None) -> List[Tuple[Optional[np.ndarray], T]]:
+    """Compute one layer call over the slots; (rows, output) for each pass.
+
+    `routed()` runs once the first pass's experts are in slots and before compute, so the
+    reads it starts (prefetches for later layers) overlap this layer's computation.
+    """
+    slots.record_routing(ids)
+    flat = ids.reshape(-1)
+    groups = passes(np.unique(flat), slots.num_slots)
+    results = []
+    for i, group in enumerate(groups):
+        slot_of = slots.ensure(group, new_call=i == 0)
+        try:
+            if i == 0 and routed is not None:
+                routed()
+            if len(groups) == 1:
+                results.append((None, compute(None, slot_of[ids])))
+            else:
+                rows = np.flatnonzero(np.isin(flat, group))
+                results.append((rows, compute(rows, slot_of[flat[rows]])))
+        finally:
+            slots.release()
+    return results

@@ -1,0 +1,287 @@
+"""The slot interface: one MoE layer's fixed pool of expert slots and its state machine.
+
+A slot is free, filling (the reader is writing it), ready, or in use (a computation
+reads it). Compute asks `ensure(experts)` for a slot table; missing experts are read on
+demand and waited for. A prediction may `prefetch` a layer's experts ahead of time.
+The cache policy picks which ready slot to give up; filling and in-use slots are never
+evicted. Where a slot's bytes live is a backend's `SlotMemory`: MLX arrays in unified
+memory (edgemoe.model.experts), device tensors filled from pinned host rows
+(edgemoe.cuda.slots), or nothing at all (edgemoe.cache_sim replays traces through this
+very state machine). This module needs neither MLX nor PyTorch.
+"""
+
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Protocol
+
+import numpy as np
+
+from ..format.pack import PackLayer
+from .reader import Fill
+from .stats import ExpertStats
+
+FREE, FILLING, READY, IN_USE = range(4)
+WAIT_POLL_S = 0.1  # how often a waiting compute checks that the reader is alive
+
+
+class SlotPool(Protocol):
+    """The seam between policy and hardware, one per MoE layer.
+
+    `ensure` returns the expert -> slot table (-1 where absent) with every requested
+    expert ready and marked in use; `release` ends that use once the computation that
+    read the slots has finished (or failed: see edgemoe.streaming.calls); `prefetch`
+    starts fills without waiting, for this layer's next call (`lead=0`) or the one
+    after (`lead=1`).
+    """
+
+    num_slots: int
+
+    def ensure(self, experts: np.ndarray, new_call: bool = True) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+    def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
+
+
+class SlotMemory(Protocol):
+    """The bytes of one layer's slots, and the ordering a device needs around them.
+
+    `arrays` are what compute reads: tensor name -> (num_slots, *shape). The reader
+    writes a record into `rows(slot)` (host buffers, in the layer's tensor order) after
+    calling `before_read(slot)`, then calls `after_read(slot)`; a slot turns ready only
+    after that. Compute calls `acquire(slots)` before reading slots and `release(slots)`
+    once its reads are issued; a slot is refilled only after its release.
+    """
+
+    arrays: Dict[str, object]
+
+    def rows(self, slot: int) -> List[np.ndarray]: ...
+
+    def before_read(self, slot: int) -> None: ...
+
+    def after_read(self, slot: int) -> None: ...
+
+    def acquire(self, slots: np.ndarray) -> None: ...
+
+    def release(self, slots: np.ndarray) -> None: ...
+
+
+class NoMemory:
+    """Slot memory that holds nothing: the state machine alone (trace replays)."""
+
+    arrays: Dict[str, object] = {}
+
+    def rows(self, slot: int) -> List[np.ndarray]:
+        return []
+
+    def before_read(self, slot: int):
+        pass
+
+    def after_read(self, slot: int):
+        pass
+
+    def acquire(self, slots: np.ndarray):
+        pass
+
+    def release(self, slots: np.ndarray):
+        pass
+
+
+# makes a layer's slot memory: (layer, number of slots) -> SlotMemory
+MemoryFactory = Callable[[PackLayer, int], SlotMemory]
+
+
+class LayerSlots:
+    """The slot pool of one MoE layer: its state machine over a backend's SlotMemory.
+
+    `reader` takes fills (`submit`) and says whether it still runs (`alive`); `stats`
+    and `lock` are shared by every layer of one store.
+    """
+
+    def __init__(self, layer: PackLayer, num_slots: int, policy, memory: SlotMemory,
+                 reader, stats: ExpertStats, lock: threading.Lock):
+        self.layer, self.num_slots, self.policy = layer, num_slots, policy
+        self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
+        self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
+        self.expert_in = np.full(num_slots, -1, dtype=np.int64)
+        self.state = np.full(num_slots, FREE, dtype=np.int8)
+        self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
+        self.pending_prediction: Optional[set] = None  # for this layer's next call
+        self.next_prediction: Optional[set] = None  # for the call after
+        self.on_demand = 0  # this layer's share of stats.on_demand
+        self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
+
+    @property
+    def arrays(self) -> Dict[str, object]:
+        """The slot tensors compute reads: name -> (num_slots, *shape)."""
+        return self.memory.arrays
+
+    def record_routing(self, ids: np.ndarray):
+        """One call's routing, (..., k) expert ids, for the trace if one is recording."""
+        if self.trace is not None:
+            self.trace.record(self.layer.index, ids)
+
+    def ensure(self, experts: np.ndarray, new_call: bool = True) -> np.ndarray:
+        """`new_call=False` for the later passes of one call (more experts than slots)."""
+        wanted = experts.tolist()
+        assert len(wanted) <= self.num_slots
+        waits, missing = [], []
+        with self.lock:
+            if new_call:
+                self._score_prediction(wanted)
+            for e in wanted:
+                slot = self.slot_of[e]
+                if slot >= 0 and self.state[slot] in (READY, IN_USE):
+                    self.stats.hits += 1
+                    self.stats.bytes_hit += self.layer.expert_bytes
+                elif slot >= 0:
+                    self.stats.late_fills += 1
+                    waits.append(self.fills[e])
+                else:
+                    missing.append(e)
+                self.policy.touch(e)
+            self.stats.on_demand += len(missing)
+            self.stats.bytes_used += len(wanted) * self.layer.expert_bytes
+            self.on_demand += len(missing)
+        while missing:
+            new, in_flight = [], []
+            try:
+                with self.lock:
+                    while missing and self._has_room(pinned=wanted):
+                        new.append(self._start_fill(missing.pop(), pinned=wanted))
+                    if missing:  # every other slot is filling: a prefetch must land first
+                        in_flight = [f for e, f in self.fills.items() if e not in wanted]
+                        if not in_flight and not new:
+                            raise RuntimeError(
+                                f"layer {self.layer.index}: no slot can be had: every slot "
+                                f"is in use by a call that was never released")
+            finally:  # a claimed slot is always read, or it would stay filling for ever
+                if new:
+                    self.reader.submit(new)
+            waits += new
+            if in_flight:
+                self._wait(in_flight[:1], raise_errors=False)
+        self._wait(waits)
+        with self.lock:
+            used = self.slot_of[experts]
+            self.state[used] = IN_USE
+        self.memory.acquire(used)
+        return self.slot_of
+
+    def release(self):
+        with self.lock:
+            used = np.flatnonzero(self.state == IN_USE)
+            # under the lock: no fill can claim these slots before their release is known
+            self.memory.release(used)
+            self.state[used] = READY
+            # experts predicted for the next call that found no room, or that this
+            # call's own loads evicted: read them now, a call ahead still
+            missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
+        if missing:
+            self._fill_ahead(np.array(sorted(missing)))
+
+    def prefetch(self, experts: np.ndarray, lead: int = 0):
+        """Start reading `experts` (a prediction) where slots can be had without waiting.
+
+        `lead` is how many of this layer's calls pass before the predicted one: 0 for a
+        prediction about the current token, 1 for one about the next token. What finds
+        no room now is read as soon as this layer's current call releases its slots.
+        """
+        with self.lock:
+            if lead == 0:
+                self.pending_prediction = set(experts.tolist())
+            else:
+                self.next_prediction = set(experts.tolist())
+        self._fill_ahead(experts)
+
+    def _fill_ahead(self, experts: np.ndarray):
+        new = []
+        try:
+            with self.lock:
+                # the experts predicted for this layer's next call stay too
+                pinned = set(experts.tolist()) | (self.pending_prediction or set())
+                for e in experts.tolist():
+                    if self.slot_of[e] >= 0:
+                        continue
+                    if not self._has_room(pinned=pinned):
+                        break  # release() reads the rest once this layer's call is done
+                    new.append(self._start_fill(e, pinned=pinned))
+                    self.stats.prefetches += 1
+        finally:
+            if new:
+                self.reader.submit(new)
+
+    def _score_prediction(self, wanted):
+        if self.pending_prediction is not None:
+            self.stats.predicted += len(self.pending_prediction)
+            self.stats.predicted_used += len(self.pending_prediction.intersection(wanted))
+            self.stats.needed += len(wanted)
+        self.pending_prediction, self.next_prediction = self.next_prediction, None
+
+    def _wait(self, fills, raise_errors=True):
+        tic = time.perf_counter()
+        for f in fills:
+            while not f.done.wait(WAIT_POLL_S):
+                if not self.reader.alive():
+                    raise RuntimeError("edgemoe: the expert reader thread died")
+        if fills:
+            with self.lock:
+                self.stats.blocked_s += time.perf_counter() - tic
+        for f in fills:
+            if f.error is not None and raise_errors:
+                raise f.error
+
+    def _evictable(self, pinned) -> list:
+        busy = set(pinned) | set(self.fills)
+        return [e for e in self.expert_in.tolist()
+                if e >= 0 and e not in busy and self.state[self.slot_of[e]] == READY]
+
+    def _has_room(self, pinned) -> bool:
+        return bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+
+    def _start_fill(self, expert: int, pinned) -> Fill:
+        """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
+        free = np.flatnonzero(self.state == FREE)
+        if len(free):
+            slot = int(free[0])
+        else:
+            candidates = set(self._evictable(pinned))
+            # pinned: the experts this step needs, whether resident yet or not
+            victim = self.policy.victim([e for e in self.expert_in.tolist()
+                                         if e not in candidates] + list(pinned))
+            if victim is None or victim not in candidates:
+                raise RuntimeError(f"{type(self.policy).__name__}: victim {victim} is not a "
+                                   f"resident, unpinned expert")
+            slot = int(self.slot_of[victim])
+            self.slot_of[victim] = -1
+            self.policy.forget(victim)
+            self.stats.evictions += 1
+        self.slot_of[expert] = slot
+        self.expert_in[slot] = expert
+        self.state[slot] = FILLING
+        fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
+                    self.memory.rows(slot), self._filled, before_read=self.memory.before_read)
+        self.fills[expert] = fill
+        self.policy.touch(expert)
+        self.stats.loads += 1
+        return fill
+
+    def _filled(self, fill: Fill, nbytes: int, error: Optional[Exception]):
+        """Called by a reader thread when a fill ends, well or not."""
+        if error is None:
+            try:
+                self.memory.after_read(fill.slot)  # e.g. start the copy to the device
+            except Exception as e:
+                error = e
+        with self.lock:
+            self.fills.pop(fill.expert, None)
+            if error is None:
+                self.state[fill.slot] = READY
+                self.stats.bytes_read += nbytes
+            else:
+                self.slot_of[fill.expert] = -1
+                self.expert_in[fill.slot] = -1
+                self.state[fill.slot] = FREE
+                self.policy.forget(fill.expert)
+                fill.error = error
+        fill.done.set()

@@ -1,0 +1,138 @@
+"""The expert store: every MoE layer's slot pool under one memory budget, one reader.
+
+It is the memory manager and nothing else: it is told which experts a call needs
+(`pool(layer).ensure`, through edgemoe.streaming.calls) and which to read ahead
+(`prefetch`), and it counts what that cost (`snapshot`). Routing decisions are made on
+the model side (edgemoe.routing); a prediction reaches the store only as "prefetch these
+experts for layer l with this lead".
+
+    store = ExpertStore(open_source(path), expert_budget="25%")
+    store.info()       # sizes: slots per layer, budget, bytes held, io mode, files
+    store.snapshot()   # ExpertStats; subtract two for a span
+    store.start_trace()  # record routing and prefetches for edgemoe.cache_sim
+    store.close()
+"""
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..format.pack import Pack
+from .budget import Budget, SlotPlan
+from .cache import DEFAULT_POLICY, make_policy
+from .reader import Reader
+from .slots import LayerSlots, MemoryFactory
+from .stats import ExpertStats
+from .telemetry import page_cache_bytes
+from .trace import TraceRecorder
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """What a store holds, for tools and logs."""
+
+    path: Path
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int  # of the smallest layer
+    top_k: int
+    slots_per_layer: int
+    budget_bytes: int  # what was asked for
+    slot_bytes: int  # what the slot pools hold
+    expert_bytes: int  # every routed expert
+    minimum_bytes: int
+    io: str  # buffered, direct, or buffered+dontneed
+    in_place: bool  # an mlx-lm checkpoint read as it is
+    files: List[Path]  # the files experts are read from
+
+
+class ExpertStore:
+    """All MoE layers' slot pools for one pack, under one memory budget."""
+
+    def __init__(self, pack: Pack, expert_budget: Budget = 1.0,
+                 cache_policy: str = DEFAULT_POLICY, io: str = "buffered", readers: int = 2,
+                 memory: Optional[MemoryFactory] = None, reader=None,
+                 learned_policy: Optional[Path] = None):
+        """`memory` makes each layer's SlotMemory (default: MLX arrays); `reader` fills
+        slots (default: `readers` threads of edgemoe.streaming.reader); `learned_policy`
+        holds the learned cache policy's weights (default: the bundled ones)."""
+        self.reader = None
+        self.pack = pack
+        self.plan = SlotPlan.of(pack)
+        self.budget_bytes = self.plan.budget_bytes(expert_budget)
+        self.slots_per_layer = self.plan.slots(expert_budget)
+        self.stats = ExpertStats()
+        self.lock = threading.Lock()
+        self.trace: Optional[TraceRecorder] = None
+        if memory is None:
+            from ..model.experts import MLXSlotMemory as memory  # imports MLX only when used
+        if not callable(cache_policy):  # a bad name or file fails before threads start
+            make_policy(cache_policy, learned_policy)
+        self.reader = reader if reader is not None else Reader(pack, readers, io)
+        self.layers: Dict[str, LayerSlots] = {
+            l.module: LayerSlots(l, self.slots_per_layer,
+                                 make_policy(cache_policy, learned_policy),
+                                 memory(l, self.slots_per_layer), self.reader, self.stats,
+                                 self.lock)
+            for l in pack.layers
+        }
+        self._by_index = {s.layer.index: s for s in self.layers.values()}
+
+    def pool(self, layer_index: int) -> LayerSlots:
+        """The slot pool of a decoder layer (by its index in the model)."""
+        return self._by_index[layer_index]
+
+    @property
+    def layer_indices(self) -> List[int]:
+        return sorted(self._by_index)
+
+    def prefetch(self, layer_index: int, experts: np.ndarray, lead: int = 0):
+        """Read `experts` of a layer ahead of its call `lead` calls from now (0: the next)."""
+        experts = np.unique(experts)
+        if self.trace is not None:
+            self.trace.record_prefetch(layer_index, experts, lead)
+        self._by_index[layer_index].prefetch(experts, lead)
+
+    def snapshot(self) -> ExpertStats:
+        with self.lock:
+            stats = self.stats.copy()
+        stats.read_busy_s = getattr(self.reader, "busy_s", 0.0)
+        return stats
+
+    def on_demand_by_layer(self) -> Dict[int, int]:
+        """Experts read only when a call asked for them, per decoder layer."""
+        with self.lock:
+            return {i: s.on_demand for i, s in self._by_index.items()}
+
+    def info(self) -> StoreInfo:
+        p = self.plan
+        return StoreInfo(self.pack.path, self.pack.model_type, len(self.pack.layers),
+                         min(p.num_experts), p.top_k, self.slots_per_layer,
+                         self.budget_bytes, p.memory(self.slots_per_layer), p.total_bytes,
+                         p.minimum_bytes, getattr(self.reader, "io", "none"),
+                         self.pack.in_place, list(self.pack.files))
+
+    def page_cache_bytes(self) -> int:
+        """Bytes of the expert files in the OS page cache now."""
+        return sum(page_cache_bytes(f) for f in self.pack.files)
+
+    def start_trace(self) -> TraceRecorder:
+        """Record the routing of every forward call, and every prefetch, from now on."""
+        self.trace = TraceRecorder([l.index for l in self.pack.layers],
+                                   [l.expert_bytes for l in self.pack.layers],
+                                   [l.num_experts for l in self.pack.layers],
+                                   model=self.pack.fingerprint)
+        for slots in self.layers.values():
+            slots.trace = self.trace
+        return self.trace
+
+    def close(self):
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def __del__(self):
+        self.close()
