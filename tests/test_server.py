@@ -4,6 +4,7 @@ One server process (a small expert budget, at most 4 requests decoded together) 
 every test here; each request has a bounded length and each client call a timeout.
 """
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -31,14 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(packs):
+@contextlib.contextmanager
+def running_server(*args):
+    """`python -m edgemoe.server ARGS` on a free loopback port; yields its URL."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgemoe.server", "--model", str(packs[FAMILY]["hf"]),
-         "--host", "127.0.0.1", "--port", str(port), "--expert-budget", BUDGET,
-         "--max-batch", str(MAX_BATCH), "--log-level", "WARNING",
-         "--routing", "advisory"],  # prefetching must not change any output
+        [sys.executable, "-m", "edgemoe.server", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -64,6 +64,14 @@ def server(packs):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(packs):
+    with running_server("--model", str(packs[FAMILY]["hf"]), "--expert-budget", BUDGET,
+                        "--max-batch", str(MAX_BATCH),
+                        "--routing", "advisory") as url:  # prefetching must not change output
+        yield url
 
 
 def post(url, path, body, **kw):
@@ -317,7 +325,7 @@ def test_a_short_request_is_not_held_behind_a_long_one(server):
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek_v3"])
 def test_engine_batches_every_family_exactly(family, packs):
     """The other families, on the engine without HTTP: together equals alone."""
-    from edgemoe.engine import Engine, Job
+    from edgemoe.serving.engine import Engine, Job
 
     engine = Engine(lambda: edgemoe.load(packs[family]["hf"], expert_budget=0.5,
                                          return_config=True), max_batch=4)
@@ -349,7 +357,7 @@ def test_engine_batches_every_family_exactly(family, packs):
 
 
 def test_stop_strings_are_held_back_until_they_cannot_match():
-    from edgemoe.engine import Engine, Job
+    from edgemoe.serving.engine import Engine, Job
 
     job = Job(id="x", prompt=[1], max_tokens=9, emit=None, stop=["END", "!"])
     sent = []
@@ -364,3 +372,26 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
     job.text = "so E"
     assert Engine._releasable(job, final=False) == ("so ", False)
     assert Engine._releasable(job, final=True) == ("E", False)  # the end flushes it
+
+
+@pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
+def test_server_serves_prerouted_routing_per_request(mode):
+    """Each batch row keeps its own prerouter state: concurrent greedy requests get the
+    tokens edgemoe.generate gives each alone (the bundled model carries its heads)."""
+    model, tokenizer = edgemoe.load(expert_budget=0.25, routing=mode)
+    eos = set(tokenizer.eos_token_ids)
+    ps = [np.random.default_rng(i).integers(3, 4000, n).tolist()
+          for i, n in enumerate((12, 3, 30, 7))]
+    alone = []
+    for p in ps:
+        tokens = [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=10,
+                                                   sampler=make_sampler(0.0))]
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        alone.append(tokens[:ends[0] + 1] if ends else tokens)  # the server stops at EOS
+    assert any(len(a) == 10 for a in alone)
+    with running_server("--expert-budget", "0.25", "--routing", mode,
+                        "--max-batch", "4") as url:
+        with ThreadPoolExecutor(len(ps)) as pool:
+            got = list(pool.map(lambda p: completion(url, p, max_tokens=10)[0], ps))
+        assert metrics(url)["batch"]["max_size_seen"] > 1  # they really shared steps
+    assert got == alone

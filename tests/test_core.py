@@ -1,0 +1,192 @@
+"""The streaming core: the call protocol survives errors, routing state belongs to the
+sequence, and the trace replay runs the store's own state machine."""
+
+import contextlib
+import signal
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+import edgemoe
+from edgemoe.cache_sim import simulate
+from edgemoe.format.pack import PackError
+from edgemoe.format.source import open_source
+from edgemoe.model.experts import StreamingExperts
+from edgemoe.streaming.budget import minimum_bytes
+from edgemoe.streaming.slots import IN_USE
+
+TOKENS = mx.array(np.random.default_rng(4).integers(3, 500, (1, 9)))
+OTHER = mx.array(np.random.default_rng(5).integers(3, 500, (1, 9)))  # other experts
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail, instead of hanging, when the block takes longer than `seconds`."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def experts_of(model):
+    return [m for _, m in model.named_modules() if isinstance(m, StreamingExperts)]
+
+
+@pytest.fixture
+def small(packs):
+    """A pack at its minimum budget (every call loads), and its correct logits on OTHER."""
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=minimum_bytes(open_source(path)))
+    expected = model(OTHER)
+    mx.eval(expected)
+    return model, expected
+
+
+def test_an_exception_in_compute_leaves_the_store_usable(small):
+    model, expected = small
+    module = experts_of(model)[2]
+    pool = module.pool
+
+    def broken(*args):
+        raise RuntimeError("injected compute failure")
+
+    object.__setattr__(module, "pool", broken)
+    with pytest.raises(RuntimeError, match="injected compute failure"):
+        model(TOKENS)
+    assert not (module.slots.state == IN_USE).any()  # released although compute failed
+    object.__setattr__(module, "pool", pool)
+    with deadline(1.0):  # the failed call's slots must be free for other experts
+        again = model(OTHER)
+        mx.eval(again)
+    assert mx.array_equal(again, expected)
+
+
+def test_a_read_error_leaves_the_store_usable(small):
+    model, expected = small
+    reader = model.expert_store.reader
+    read = reader._read_buffered
+    failures = []
+
+    def fail_once(run):
+        if not failures:
+            failures.append(run)
+            raise OSError(5, "Input/output error")
+        return read(run)
+
+    reader._read_buffered = fail_once
+    with pytest.raises(PackError, match=r"layer \d+ expert \d+: read failed"):
+        model(TOKENS)
+    for module in experts_of(model):
+        assert not (module.slots.state == IN_USE).any()
+    with deadline(1.0):  # the failed call's slots must be free for other experts
+        again = model(OTHER)
+        mx.eval(again)
+    assert failures and mx.array_equal(again, expected)
+
+
+def test_slots_never_released_are_an_error_not_a_hang(packs):
+    from edgemoe.streaming.store import ExpertStore
+
+    pack = open_source(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, minimum_bytes(pack))  # top-k = 2 slots a layer
+    pool = store.pool(pack.layers[0].index)
+    pool.ensure(np.array([0, 1]))  # in use, and never released (a caller's bug)
+    with deadline(1.0), pytest.raises(RuntimeError, match="never released"):
+        pool.ensure(np.array([2, 3]))
+    store.close()
+
+
+def greedy_tokens(model, prompt, n=12):
+    return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n,
+                                              sampler=make_sampler(0.0))]
+
+
+@pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
+def test_interleaved_sequences_keep_their_own_routing(mode):
+    """Two sequences decoded step by step in turn give each one's tokens alone: the
+    prerouter state of one never reaches the other."""
+    model, _ = edgemoe.load(expert_budget=0.25, routing=mode)  # the bundled pack's heads
+    a = mx.array(np.random.default_rng(1).integers(3, 4000, 11))
+    b = mx.array(np.random.default_rng(2).integers(3, 4000, 5))
+    alone = [greedy_tokens(model, a), greedy_tokens(model, b)]
+    steps = [generate_step(p, model, max_tokens=12, sampler=make_sampler(0.0)) for p in (a, b)]
+    together = [[], []]
+    for _ in range(12):
+        for i, gen in enumerate(steps):
+            together[i].append(int(next(gen)[0]))
+    assert together == alone
+    assert alone[0] != greedy_tokens(edgemoe.load(expert_budget=0.25)[0], a)  # routing changed
+
+
+def test_a_new_request_does_not_see_the_last_ones_prediction():
+    model, _ = edgemoe.load(expert_budget=0.25, routing="prerouted")
+    prompt = mx.array(np.random.default_rng(3).integers(3, 4000, 7))
+    first = model(prompt[None], cache=make_prompt_cache(model))
+    model(mx.array([[5, 6, 7]]), cache=make_prompt_cache(model))  # another sequence
+    assert mx.array_equal(model(prompt[None], cache=make_prompt_cache(model)), first)
+
+
+class WaitingReader:
+    """The real reader, but `submit` returns once the fills are done: the store's
+    timing then cannot change its decisions, so a replay must match it exactly."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def submit(self, fills):
+        self.reader.submit(fills)
+        for f in fills:
+            f.done.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_prefetch_replay_matches_the_store_in_advisory_mode(packs, policy):
+    path = packs["qwen3_moe_large"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=0.25, routing="advisory", cache_policy=policy)
+    store = model.expert_store
+    waiting = WaitingReader(store.reader)
+    for index in store.layer_indices:
+        store.pool(index).reader = waiting
+    trace = store.start_trace()
+    prompt = mx.array(np.random.default_rng(0).integers(3, 500, 24))
+    for _ in generate_step(prompt, model, max_tokens=16, sampler=make_sampler(0.0)):
+        pass
+    stats = store.snapshot()
+    replayed = simulate(trace.as_trace(), 0.25, policy, prefetch=True)
+    assert stats.prefetches > 0 and stats.late_fills == 0
+    assert (replayed.hits, replayed.on_demand, replayed.loads, replayed.prefetches,
+            replayed.evictions, replayed.bytes_read) == (
+        stats.hits, stats.on_demand, stats.loads, stats.prefetches, stats.evictions,
+        stats.bytes_read)
+    plain = simulate(trace.as_trace(), 0.25, policy)  # the same routing, no prefetches
+    assert plain.prefetches == 0 and plain.loads == plain.on_demand
+
+
+def test_the_core_has_no_import_cycle():
+    """streaming imports format only; format imports nothing of edgemoe's upper layers."""
+    import ast
+    from pathlib import Path
+
+    root = Path(edgemoe.__file__).parent
+    allowed = {"format": {"format"}, "streaming": {"format", "streaming", "model"},
+               "routing": {"format", "routing"}}
+    for package, may in allowed.items():
+        for source in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                    assert node.module.split(".")[0] in may, (source, node.module)

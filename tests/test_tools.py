@@ -1,0 +1,161 @@
+"""What every tool shares (the streaming flags, the bundled model as the default) and
+what a new user hit: over-100% budgets, cache_sim --png without matplotlib, eval with no
+--model, doctor with another model's trace, mlx-lm's --verbose values; and what a plain
+(non-editable) `pip install .` brings."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgemoe import cache_sim, doctor, eval as edgemoe_eval, generate
+from edgemoe.options import StreamOptions
+from edgemoe.streaming.budget import BudgetError, parse_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_tool_takes_the_same_streaming_flags():
+    from edgemoe import server, train_lora, train_prerouter  # noqa: F401  (they import)
+
+    helps = {}
+    for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora",
+                 "cache_sim"):
+        out = subprocess.run([sys.executable, "-m", f"edgemoe.{name}", "--help"],
+                             capture_output=True, text=True, check=True).stdout
+        helps[name] = " ".join(out.split())
+    budget_help = "a fraction (0.25), a percentage (25%) or a size (2GB) (default: 1.0)"
+    for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora"):
+        assert "--expert-budget" in helps[name] and budget_help in helps[name], name
+    for name in ("generate", "server", "eval"):
+        for flag in ("--routing", "--prerouter", "--adapter-path", "--cache-policy", "--io",
+                     "--readers"):
+            assert flag in helps[name], (name, flag)
+
+
+def test_options_round_trip_through_a_parser():
+    p = StreamOptions.add_arguments(argparse.ArgumentParser())
+    args = p.parse_args(["--expert-budget", "25%", "--routing", "prerouted",
+                         "--adapter-path", "pack", "--io", "direct"])
+    options = StreamOptions.from_args(args)
+    assert options == StreamOptions("25%", io="direct", routing="prerouted", adapter="pack")
+    assert options.load_kwargs()["adapter_path"] == "pack"
+
+
+def test_budgets_over_100_percent_hold_every_expert(capsys):
+    assert parse_budget("150%", 1000) == 1000
+    assert "holding all of them" in capsys.readouterr().err
+    for bad in ("1.5", 1.5):
+        with pytest.raises(BudgetError, match="a fraction is at most 1"):
+            parse_budget(bad, 1000)
+
+
+def test_generate_cli_refuses_a_fractional_budget_over_1_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--expert-budget", "1.5",
+                        "--max-tokens", "2"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "edgemoe.generate: error: expert budget '1.5': a fraction is at most 1 (1.0 holds "
+        "every expert); for more write a size like 1.5GB, or 100%"]
+
+
+@pytest.mark.parametrize("value,streams", [("F", False), ("false", False), ("True", True),
+                                           ("T", True)])
+def test_generate_verbose_takes_what_mlx_lm_takes(value, streams):
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "def ",
+                        "--ignore-chat-template", "--max-tokens", "4", "--verbose", value],
+                       capture_output=True, text=True, check=True)
+    assert ("Generation: " in r.stdout) == streams
+
+
+def test_generate_runs_prerouted_with_the_packs_own_heads_adapter_and_learned_policy():
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "import os",
+                        "--ignore-chat-template", "--max-tokens", "6", "--routing",
+                        "prerouted", "--adapter-path", "pack", "--cache-policy", "learned",
+                        "--expert-budget", "25%"], capture_output=True, text=True, check=True)
+    assert "Generation: 6 tokens" in r.stdout and "the heads" in r.stderr
+
+
+def a_trace(layers, experts, nbytes, model=None):
+    trace = dict(layers=np.array(layers, np.int32),
+                 routed=np.zeros((3, len(layers), 2), np.int32),
+                 decode=np.array([False, True, True]),
+                 num_experts=np.array([experts] * len(layers), np.int32),
+                 expert_bytes=np.array(nbytes, np.int64))
+    if model is not None:
+        trace["model"] = np.array(model)
+    return trace
+
+
+def test_doctor_refuses_a_trace_of_another_model(packs, tmp_path):
+    from edgemoe.format.pack import Pack
+
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    layers = [l.index for l in pack.layers]
+    sizes = [l.expert_bytes for l in pack.layers]
+    cases = {"fingerprint": a_trace(layers, 16, sizes, model="0123456789abcdef"),
+             "MoE layers": a_trace(layers[:-1], 16, sizes[:-1]),
+             "num_experts": a_trace(layers, 64, sizes),
+             "expert_bytes": a_trace(layers, 16, [s + 1 for s in sizes])}
+    for what, trace in cases.items():
+        path = tmp_path / f"{what}.npz"
+        with open(path, "wb") as f:
+            np.savez(f, **trace)
+        with pytest.raises(SystemExit, match=f"edgemoe.doctor: error: {path}: recorded on "
+                                             f"another model \\({what}"):
+            doctor.main(["--model", str(pack.path), "--trace", str(path)])
+
+
+def test_cache_sim_writes_its_json_before_a_png_it_cannot_draw(tmp_path, monkeypatch,
+                                                               capsys):
+    trace = a_trace([0, 1], 8, [100, 100])
+    trace["routed"] = np.random.default_rng(0).integers(0, 8, (40, 2, 2)).astype(np.int32)
+    trace["decode"] = np.arange(40) >= 8
+    path = tmp_path / "t.npz"
+    with open(path, "wb") as f:
+        np.savez(f, **trace)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match=r"--png needs matplotlib: pip install 'edgemoe\[bench\]'"):
+        cache_sim.main([str(path), "--budget", "0.5", "--policies", "lru",
+                        "--json", str(out), "--png", str(tmp_path / "r.png")])
+    assert json.loads(out.read_text())[0]["policy"] == "lru"
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_eval_without_a_model_scores_the_bundled_one(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n" * 4)
+    edgemoe_eval.main(["--text", str(text), "--context", "16", "--max-tokens", "32",
+                       "--expert-budget", "50%"])
+    out = capsys.readouterr().out
+    assert "reference: perplexity" in out
+
+
+def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
+    """`pip install .` (not editable) ships the bundled pack with its heads, adapter and
+    learned cache policy. Installed into a folder of its own, without dependencies
+    (this environment has them), and run from outside the repository."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(target), str(ROOT)], check=True)
+    env = dict(os.environ, PYTHONPATH=str(target))
+    code = ("import edgemoe, sys; print(edgemoe.__file__); "
+            "from edgemoe.generate import main; main(sys.argv[1:])")
+    r = subprocess.run([sys.executable, "-c", code, "--prompt", "def f(x):",
+                        "--ignore-chat-template", "--max-tokens", "5", "--routing",
+                        "prerouted", "--adapter-path", "pack", "--cache-policy", "learned",
+                        "--expert-budget", "25%"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith(str(target))  # the installed copy ran
+    assert "Generation: 5 tokens" in r.stdout
+    installed = target / "edgemoe" / "models" / "reference"
+    for asset in ("prerouter/prerouter.safetensors", "adapter/adapters.safetensors",
+                  "cache_policy.npz"):
+        assert (installed / asset).exists(), asset
