@@ -1,4 +1,21 @@
-"""edgemoe: run Mixture-of-Experts models whose experts stay on disk."""
+"""edgemoe: run Mixture-of-Experts models whose experts stay on disk.
+
+The data path, convert -> pack -> load -> router / prerouter -> slots <- reader <- cache
+policy -> compute, and the module that holds each box:
+
+    convert              edgemoe.convert
+    pack                 edgemoe.format (pack, inplace: an mlx-lm checkpoint in place, source)
+    load                 edgemoe.model.loader
+    router / prerouter   edgemoe.routing (gates, prerouter, predictors, state, modes)
+    slots                edgemoe.streaming.slots, .store, .budget
+    reader               edgemoe.streaming.reader
+    cache policy         edgemoe.streaming.cache
+    compute              edgemoe.streaming.calls (the protocol), edgemoe.model.experts (MLX),
+                         edgemoe.cuda (PyTorch)
+
+Entry points (the modules at this level): generate, convert, server, eval, doctor,
+cache_sim, train_prerouter, train_lora; `options` holds the flags they share.
+"""
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate"]

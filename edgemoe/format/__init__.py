@@ -1,0 +1,9 @@
+"""The format: what is on disk and how to open it.
+
+    pack      the edgemoe pack (resident weights, one aligned record per expert, manifest)
+    inplace   an mlx-lm quantized checkpoint read as it is, several reads per expert
+    source    the one opener of both (`open_source`), the bundled model, a pack's assets
+    families  which MoE families stream; config keys (no MLX)
+
+`edgemoe.convert` writes packs. Nothing here imports MLX.
+"""

@@ -15,11 +15,11 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 
 from ..format.pack import PackError, PackLayer
 from ..streaming.calls import run_call
-from ..streaming.slots import LayerSlots
+from ..streaming.slots import LayerSlots, UnorderedMemory
 from ..streaming.store import ExpertStore
 
 
-class MLXSlotMemory:
+class MLXSlotMemory(UnorderedMemory):
     """A layer's slots as MLX arrays in unified memory, filled in place: the reader's
     rows are numpy views of the arrays. Compute evaluates before it releases slots
     (StreamingExperts), so no device ordering is needed here."""
@@ -34,18 +34,6 @@ class MLXSlotMemory:
 
     def rows(self, slot: int):
         return [self._rows[name][slot] for name in self._names]
-
-    def before_read(self, slot: int):
-        pass
-
-    def after_read(self, slot: int):
-        pass
-
-    def acquire(self, slots: np.ndarray):
-        pass
-
-    def release(self, slots: np.ndarray):
-        pass
 
 
 def _slot_array(num_slots: int, shape, dtype: str):

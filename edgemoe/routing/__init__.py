@@ -1,0 +1,10 @@
+"""Routing: who decides which experts a token uses, and what is read ahead.
+
+    gates       each family's routing math from logits; PredictedGate (prerouted modes)
+    prerouter   the heads that predict the next layer's routing a token ahead
+    predictors  next-router baseline, heads (advisory), prerouted
+    state       routing state of a sequence, kept beside its KV cache
+    modes       the routing modes and the driver the model calls at each MoE layer
+
+The model side decides; the store is only told "prefetch these experts for layer l".
+"""

@@ -1,0 +1,17 @@
+"""Streaming: experts from disk into a fixed pool of memory slots.
+
+    budget     budget -> slots per layer, the minimum, bytes per slot (SlotPlan)
+    slots      one layer's slot pool: the state machine (free, filling, ready, in use)
+    calls      the call protocol of every routed-expert module: ids -> passes ->
+               ensure -> compute -> release (always)
+    store      all layers' pools under one budget, one reader: `prefetch`, `snapshot`
+    reader     background `preadv` threads that fill slots (O_DIRECT if asked)
+    cache      eviction policies (LFU, LRU, LFU-DA, S3-FIFO, learned)
+    stats      the counters and the one definition of a hit
+    trace      routing and prefetch traces, for edgemoe.cache_sim
+    telemetry  peak RSS, page cache held by a file
+
+Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
+(edgemoe.cuda). Nothing here imports MLX, except the MLX slot memory that ExpertStore
+uses by default, imported when a store is made without one.
+"""

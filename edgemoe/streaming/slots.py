@@ -66,13 +66,9 @@ class SlotMemory(Protocol):
     def release(self, slots: np.ndarray) -> None: ...
 
 
-class NoMemory:
-    """Slot memory that holds nothing: the state machine alone (trace replays)."""
-
-    arrays: Dict[str, object] = {}
-
-    def rows(self, slot: int) -> List[np.ndarray]:
-        return []
+class UnorderedMemory:
+    """Slot memory whose reads and compute need no ordering hooks (host memory, where
+    compute finishes its reads before it releases slots)."""
 
     def before_read(self, slot: int):
         pass
@@ -85,6 +81,15 @@ class NoMemory:
 
     def release(self, slots: np.ndarray):
         pass
+
+
+class NoMemory(UnorderedMemory):
+    """Slot memory that holds nothing: the state machine alone (trace replays)."""
+
+    arrays: Dict[str, object] = {}
+
+    def rows(self, slot: int) -> List[np.ndarray]:
+        return []
 
 
 # makes a layer's slot memory: (layer, number of slots) -> SlotMemory
