@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from .format.pack import Pack, PackLayer, Record, TensorLayout
-from .streaming.budget import BudgetError, SlotPlan
+from .streaming.budget import SlotPlan
 from .streaming.cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
                               make_policy)
 from .streaming.calls import passes

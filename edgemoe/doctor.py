@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .format.pack import Pack, PackError, PackLayer
+from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
 from .options import StreamOptions
-from .streaming.budget import BudgetError, SlotPlan, fmt_bytes, parse_budget
+from .streaming.budget import SlotPlan, fmt_bytes, parse_budget
 from .streaming.cache import DEFAULT_POLICY
 
 HEADROOM = 0.15  # share of --memory left for the KV cache, activations and the OS

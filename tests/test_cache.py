@@ -13,7 +13,6 @@ from edgemoe.streaming.cache import POLICIES, LearnedPolicy, NextUseModel, make_
 from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests,
                                replay, simulate, train_learned)
 from edgemoe.format.pack import Pack
-from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 

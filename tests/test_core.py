@@ -3,8 +3,6 @@ sequence, and the trace replay runs the store's own state machine."""
 
 import contextlib
 import signal
-import threading
-import time
 
 import mlx.core as mx
 import numpy as np

@@ -8,7 +8,6 @@ import pytest
 from edgemoe import doctor
 from edgemoe.streaming.cache import DEFAULT_POLICY
 from edgemoe.format.pack import Pack
-from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 

@@ -10,7 +10,6 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe.format.pack import Pack
-from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 from conftest import FAMILIES

@@ -274,7 +274,6 @@ def decode_steps(model, prompt, steps=16):
 @pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
 def test_prerouted_decode_never_loads_on_demand(packs, trained, mode, budget):
     from edgemoe.format.pack import Pack
-    from edgemoe.streaming.store import ExpertStore
 
     path = packs["qwen3_moe"]["hf"]
     if budget == "minimum":

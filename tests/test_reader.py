@@ -12,7 +12,6 @@ from mlx_lm import load as mlx_lm_load
 
 import edgemoe
 from edgemoe.format.pack import Pack, PackError
-from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
 

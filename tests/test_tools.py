@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe import cache_sim, doctor, eval as edgemoe_eval, generate
+from edgemoe import cache_sim, doctor, eval as edgemoe_eval
 from edgemoe.options import StreamOptions
 from edgemoe.streaming.budget import BudgetError, parse_budget
 
@@ -21,8 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_tool_takes_the_same_streaming_flags():
-    from edgemoe import server, train_lora, train_prerouter  # noqa: F401  (they import)
-
     helps = {}
     for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora",
                  "cache_sim"):

@@ -5,7 +5,7 @@ vector that layer l's MoE block receives (the post-attention-norm hidden state a
 t) and layer l's routing at tokens t and t-1 (multi-hot over its experts). It outputs
 router logits for layer l+1 at token t+1 (`same_token=False`, a whole token of lead
 time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of lead).
-`routing_from_logits` applies the target block's own routing math to those logits, so
+`routing_from_logits` (edgemoe.routing.gates) applies the target block's own routing math to those logits, so
 predicted routing picks and weighs experts exactly as the native router would have from
 the same logits.
 
