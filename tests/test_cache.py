@@ -205,3 +205,52 @@ def test_learned_policy_in_the_registry(tmp_path, monkeypatch):
     small_model().save(tmp_path / "w.npz")
     monkeypatch.setattr(cache, "DEFAULT_LEARNED", tmp_path / "w.npz")
     assert isinstance(make_policy("learned"), LearnedPolicy)
+
+
+def test_lfu_evicts_the_least_used_ties_to_the_least_recent():
+    lfu = make_policy("lfu")
+    for e in (0, 0, 0, 1, 2, 2):
+        lfu.touch(e)
+    assert lfu.victim([]) == 1  # 0 used 3 times, 2 twice, 1 once
+    assert lfu.victim([1]) == 2
+    lfu.touch(5)
+    lfu.touch(6)  # 1, 5 and 6 were used once each: the least recent of them goes
+    assert lfu.victim([]) == 1 and lfu.victim([1]) == 5
+    lfu.forget(0)
+    lfu.touch(0)  # counts survive eviction: 0 has 4 uses now
+    assert lfu.victim([1, 5, 6, 2]) == 0 and lfu.victim([1, 5, 6]) == 2
+
+
+def test_lfuda_ages_by_the_last_victims_key():
+    p = make_policy("lfuda")
+    for e in (0, 0, 0, 1):
+        p.touch(e)  # keys: 0 -> 3, 1 -> 1
+    assert p.victim([]) == 1
+    p.forget(1)  # the age becomes 1
+    p.touch(2)  # key 1 + 1 = 2
+    p.touch(1)  # back, from the age: key 2, not 2 uses in all
+    assert p.victim([]) == 2  # keys 0: 3, 2: 2, 1: 2; the least recent of the ties
+    p.forget(2)  # the age becomes 2
+    p.touch(3)  # key 3
+    assert p.victim([]) == 1  # keys 0: 3, 1: 2, 3: 3
+
+
+def test_s3fifo_evicts_new_experts_first_and_promotes_reused_ones():
+    p = make_policy("s3fifo")
+    for e in (0, 1, 2):
+        p.touch(e)  # all new: the small FIFO
+    assert p.victim([]) == 0  # first in, never reused
+    p.forget(0)  # remembered in the ghost list
+    p.touch(0)  # seen recently: straight to the main FIFO
+    for _ in range(3):
+        p.touch(1)  # reused while in the small FIFO
+    assert p.victim([]) == 2  # 1 is promoted to main on the way; 2 goes
+    p.forget(2)
+    assert p.victim([]) == 0  # the small FIFO is empty: the main FIFO's oldest unused
+
+
+def test_lru_evicts_the_least_recent_not_the_most():
+    lru = make_policy("lru")
+    for e in (0, 1, 2, 0):
+        lru.touch(e)
+    assert lru.victim([]) == 1 and lru.victim([1]) == 2 and lru.victim([1, 2]) == 0

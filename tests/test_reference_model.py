@@ -55,3 +55,20 @@ def test_shipped_lora_serves_the_prerouted_reference_model_unmerged():
         outputs.append(model(tokens))
     assert len(lora_layers(model)) == 4 * len(model.layers)  # attention, unmerged
     assert not mx.allclose(outputs[0], outputs[1])
+
+
+def test_readme_merge_figures_are_the_shipped_reports():
+    import json
+    import re
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    found = re.search(r"(\d+)% of the delta survives at the median projection, (\d+)% at the "
+                      r"logits, and the merged model keeps (\d+)% of the KL gain", readme)
+    assert found, "README no longer states the merge figures"
+    report = json.loads((DEFAULT_MODEL / "adapter" / "report.json").read_text())
+    merged = report["merged"]
+    gain = report["before"]["kl_to_teacher"] - report["after"]["kl_to_teacher"]
+    kept = (report["before"]["kl_to_teacher"] - merged["quality"]["kl_to_teacher"]) / gain
+    expected = [merged["projection_survival_median"], merged["logit_survival"], kept]
+    assert [int(g) for g in found.groups()] == [round(100 * v) for v in expected]

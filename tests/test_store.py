@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -125,3 +126,51 @@ def test_unsupported_model_type(pack_copy):
     (pack_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="deepseek_v3, mixtral, olmoe, qwen3_moe"):
         edgemoe.load(pack_copy)
+
+
+class GatedReader:
+    """The store's reader, holding back each submitted run until `gate` is set."""
+
+    def __init__(self, reader, gate):
+        self.reader, self.gate = reader, gate
+
+    def submit(self, fills):
+        def later():
+            self.gate.wait()
+            self.reader.submit(fills)
+
+        threading.Thread(target=later, daemon=True).start()
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+def test_counters_by_value_at_the_minimum_budget(packs):
+    """Known requests at 2 slots a layer under LRU: every counter, and the hit rate."""
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, minimum_bytes(pack), "lru")
+    layer = pack.layers[1]
+    pool, size = store.pool(layer.index), layer.expert_bytes
+    pool.ensure(np.array([0, 1]))  # 2 on demand
+    pool.release()
+    pool.ensure(np.array([1, 2]))  # 1 hit; 2 evicts 0
+    pool.release()
+    pool.prefetch(np.array([3]))  # evicts 1 (the least recent), read ahead
+    for fill in list(pool.fills.values()):
+        assert fill.done.wait(5)
+    pool.ensure(np.array([2, 3]))  # 2 hits: 3 was prefetched
+    pool.release()
+    gate = threading.Event()
+    pool.reader = GatedReader(store.reader, gate)
+    pool.prefetch(np.array([4]))  # still being read when it is needed: late
+    threading.Timer(0.05, gate.set).start()
+    pool.ensure(np.array([4]))
+    pool.release()
+    s = store.snapshot()
+    assert (s.hits, s.late_fills, s.on_demand, s.prefetches, s.loads, s.evictions) == \
+        (3, 1, 3, 2, 5, 3)
+    assert s.requests == 7 and s.hit_rate == 3 / 7
+    assert s.bytes_read == 5 * size and s.bytes_used == 7 * size and s.bytes_hit == 3 * size
+    assert s.blocked_s > 0  # waited for the late fill at least
+    assert (s.predicted, s.predicted_used, s.needed) == (2, 2, 3)  # both predictions used
+    store.close()
