@@ -7,7 +7,8 @@ For every family this writes two folders under OUT:
   <family>-mlx4   the same model quantized to int4 (group 64) by `mlx_lm.convert`.
 
 The models are float32: on a CPU, MLX runs fp32 activations and scales far faster than
-bf16 (see shared/GUIDE.md).
+bf16 (see shared/GUIDE.md); `qwen3_moe_bf16` and `qwen3_moe_fp16` are the same model saved
+in half precision, as real checkpoints are.
 
     python scripts/make_test_checkpoints.py OUT [--families qwen3_moe,mixtral,...]
 """
@@ -55,7 +56,12 @@ FAMILIES = {
         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }
+# Real checkpoints are bf16 or fp16: the same small Qwen3-MoE saved in each, so that
+# conversion's casts, bf16 slot storage and half-precision scales are tested exactly.
+FAMILIES["qwen3_moe_bf16"] = dict(FAMILIES["qwen3_moe"], dtype="bfloat16")
+FAMILIES["qwen3_moe_fp16"] = dict(FAMILIES["qwen3_moe"], dtype="float16")
 DEFAULT_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+HALF_FAMILIES = ["qwen3_moe_bf16", "qwen3_moe_fp16"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -89,7 +95,7 @@ def make_tokenizer(out: Path):
     return fast
 
 
-def hub_config(config_path: Path, family: str):
+def hub_config(config_path: Path, family: str, dtype: str = "float32"):
     """Rewrite config.json with the keys the model's authors publish on the hub.
 
     transformers 5 writes `num_local_experts` and `rope_parameters`; real checkpoints
@@ -101,7 +107,7 @@ def hub_config(config_path: Path, family: str):
     cfg["rope_scaling"] = None
     if family.startswith("qwen3_moe") or family == "olmoe":
         cfg["num_experts"] = cfg.pop("num_local_experts", cfg.get("num_experts"))
-    cfg["torch_dtype"] = "float32"
+    cfg["torch_dtype"] = dtype
     config_path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -111,6 +117,7 @@ def make_hf(family: str, out: Path, seed: int = 0):
 
     spec = dict(FAMILIES[family])
     name = spec.pop("cls")
+    dtype = spec.pop("dtype", "float32")
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(out)
     config = getattr(transformers, f"{name}Config")(
@@ -124,8 +131,8 @@ def make_hf(family: str, out: Path, seed: int = 0):
                 p.normal_(0.0, 0.05)  # zeros would hide the correction in group routing
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)  # large enough that the routing varies per token
-    model.save_pretrained(out, max_shard_size="1MB")
-    hub_config(out / "config.json", family)
+    model.to(getattr(torch, dtype)).save_pretrained(out, max_shard_size="1MB")
+    hub_config(out / "config.json", family, dtype)
 
 
 def make_mlx(hf: Path, out: Path):

@@ -13,13 +13,14 @@ import make_test_checkpoints  # noqa: E402
 from edgemoe.convert import convert  # noqa: E402
 
 FAMILIES = make_test_checkpoints.DEFAULT_FAMILIES
+HALF_FAMILIES = make_test_checkpoints.HALF_FAMILIES  # exactness tests only: slow on a CPU
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> (Hugging Face folder, mlx-lm int4 folder)."""
     out = tmp_path_factory.mktemp("checkpoints")
-    return make_test_checkpoints.make_all(out, FAMILIES + ["qwen3_moe_large"])
+    return make_test_checkpoints.make_all(out, FAMILIES + ["qwen3_moe_large"] + HALF_FAMILIES)
 
 
 @pytest.fixture(scope="session")

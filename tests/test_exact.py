@@ -12,7 +12,9 @@ import edgemoe
 from edgemoe.format.pack import Pack
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
-from conftest import FAMILIES
+from conftest import FAMILIES, HALF_FAMILIES
+
+EXACT = FAMILIES + HALF_FAMILIES  # every family, and the half-precision checkpoints
 
 PROMPT_LEN, DECODE = 64, 32
 
@@ -65,7 +67,7 @@ def reference(checkpoints):
 
 
 @pytest.mark.parametrize("budget", ["100%", "50%", "minimum"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EXACT)
 def test_same_tokens_and_logits_as_mlx_lm(family, budget, packs, reference):
     _, ref_tokens, ref_logits, ref_forced = reference(family)
     path = packs[family]["hf"]
@@ -79,7 +81,7 @@ def test_same_tokens_and_logits_as_mlx_lm(family, budget, packs, reference):
         assert stats.evictions > 0, "a small budget must have evicted experts"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EXACT)
 def test_pack_from_mlx_lm_checkpoint_is_exact_too(family, packs, reference):
     _, ref_tokens, ref_logits, _ = reference(family)
     model, _ = edgemoe.load(packs[family]["mlx"], expert_budget=0.5)
@@ -107,7 +109,7 @@ VARIANTS = {  # name -> (source, load options)
 
 @pytest.mark.parametrize("budget", ["50%", "minimum"])
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EXACT)
 def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, reference):
     """Advisory prefetch, O_DIRECT, and an mlx-lm checkpoint read in place change
     where and when experts are read, never the output."""
@@ -126,3 +128,17 @@ def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, 
     assert stats.bytes_read > 0
     if options.get("routing") == "advisory":
         assert stats.predicted > 0 and stats.predicted_used > 0
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe_bf16", "bfloat16"),
+                                          ("qwen3_moe_fp16", "float16")])
+def test_half_precision_checkpoints_stream_half_precision_scales(family, dtype, packs):
+    """The half families are what they say: their expert scales stay in half precision
+    in the pack and in the slots (bf16 slots are uint16 storage viewed as bf16)."""
+    from edgemoe.format.pack import Pack
+
+    pack = Pack.open(packs[family]["hf"])
+    assert {t.dtype for t in pack.layers[0].tensors} == {"uint32", dtype}
+    model, _ = edgemoe.load(pack.path, expert_budget=0.5)
+    pool = model.expert_store.pool(pack.layers[0].index)
+    assert pool.arrays["gate_proj.scales"].dtype == getattr(mx, dtype)
