@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 
+import mlx.core as mx
+
 import edgemoe
 from edgemoe.format.pack import Pack
 
@@ -101,3 +103,25 @@ def test_trace_records_every_token_and_layer(packs, tmp_path):
     assert trace["routed"].min() >= 0 and trace["routed"].max() < 16
     # top-k ids are distinct within a token
     assert all(len(set(row)) == k for row in trace["routed"].reshape(-1, k).tolist())
+
+
+def test_prompt_and_decode_split_before_the_first_decode_step(packs):
+    """`prompt_experts` is the prompt alone (mlx-lm runs a step ahead of what it yields):
+    it equals a fresh model's counters after the same prefill."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = packs["qwen3_moe"]["hf"]
+    model, tokenizer = edgemoe.load(path, expert_budget=0.5)
+    prompt = list(range(3, 23))
+    last = None
+    for last in edgemoe.stream_generate(model, tokenizer, prompt, max_tokens=6):
+        pass
+    fresh, _ = edgemoe.load(path, expert_budget=0.5)
+    cache = make_prompt_cache(fresh)
+    fresh(mx.array(prompt[:-1])[None], cache=cache)  # as mlx-lm prefills
+    fresh(mx.array(prompt[-1:])[None], cache=cache)
+    alone = fresh.expert_store.snapshot()
+    assert last.prompt_experts.requests == alone.requests
+    assert last.prompt_experts.hits == alone.hits
+    assert last.decode_forwards == last.generation_tokens  # each decode step, counted
+    assert last.decode_experts.requests > 0

@@ -12,7 +12,8 @@ from mlx_lm import load as mlx_lm_load
 
 import edgemoe
 from edgemoe.format.pack import Pack, PackError
-from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
+from edgemoe.streaming.budget import minimum_bytes
+from edgemoe.streaming.store import ExpertStore
 
 
 def streaming_modules(model):
@@ -146,3 +147,62 @@ def test_adjacent_records_are_merged_into_one_read(packs):
         if run is not None:
             runs.append([f.expert for f in run])
     assert runs == [[3, 4, 5], [7], [9]]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_read_time_counts_the_reads_alone(packs, monkeypatch):
+    """With a clock that moves 1 s per preadv and 100 s per CRC32 pass, the store's read
+    time is exactly the reads' and its verify time exactly the checks'."""
+    import zlib
+
+    from edgemoe.streaming import reader as reader_module
+
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 1.0, readers=1)
+    clock, counts = FakeClock(), {"read": 0, "crc": 0}
+    store.reader.clock = clock
+    preadv, crc32 = os.preadv, zlib.crc32
+
+    def timed_preadv(*args):
+        counts["read"] += 1
+        clock.t += 1.0
+        return preadv(*args)
+
+    def timed_crc32(*args):
+        counts["crc"] += 1
+        clock.t += 100.0
+        return crc32(*args)
+
+    monkeypatch.setattr(reader_module.os, "preadv", timed_preadv)
+    monkeypatch.setattr(reader_module.zlib, "crc32", timed_crc32)
+    pool = store.pool(pack.layers[0].index)
+    pool.ensure(np.array([0, 5, 9]))  # records apart in the file: separate reads
+    pool.release()
+    s = store.snapshot()
+    assert counts["read"] == 3 and s.read_busy_s == 3.0
+    assert counts["crc"] > 0 and s.verify_s == 100.0 * counts["crc"]
+    assert s.read_gbps == s.bytes_read / 3.0 / 1e9
+    store.close()
+
+
+def test_an_open_read_interval_is_split_at_a_snapshot(packs):
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 1.0, readers=1)
+    reader, clock = store.reader, FakeClock()
+    reader.clock = clock
+    with reader.lock:  # a read in flight since t = 1
+        reader.busy, reader.busy_since = 1, 1.0
+    clock.t = 4.0
+    assert reader.busy_s == 3.0  # counted up to the snapshot, and no further
+    clock.t = 6.0
+    assert reader.busy_s == 5.0
+    with reader.lock:
+        reader.busy = 0
+    store.close()

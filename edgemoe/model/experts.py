@@ -147,12 +147,16 @@ def streaming_class(model_class: type, expert_paths) -> type:
 
     class Streaming(model_class):
         routing = None
+        forward_hook = None  # called with each forward call's inputs (generation's split)
 
         def sanitize(self, weights):
             weights = super().sanitize(weights) if hasattr(super(), "sanitize") else weights
             return {k: v for k, v in weights.items() if not k.startswith(prefixes)}
 
         def __call__(self, inputs, cache=None, **kwargs):
+            if self.forward_hook is not None:
+                self.forward_hook(inputs if inputs is not None
+                                  else kwargs.get("input_embeddings"))
             if self.routing is None:
                 return super().__call__(inputs, cache=cache, **kwargs)
             shape_of = inputs if inputs is not None else kwargs.get("input_embeddings")

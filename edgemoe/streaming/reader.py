@@ -45,6 +45,14 @@ class Fill:
 
 
 class Reader:
+    """Reader threads over a pack's files. `busy_s` is the wall time with at least one
+    `preadv` in flight (an interval still open counts up to now), so bytes over it is the
+    disk's bandwidth while reading; `verify_s` is the time spent checking CRC32s and
+    copying out of the O_DIRECT staging buffer, summed over threads. `clock` can be
+    replaced (tests)."""
+
+    clock = staticmethod(time.perf_counter)
+
     def __init__(self, pack: Pack, threads: int = 2, io: str = "buffered"):
         if io not in ("buffered", "direct"):
             raise ValueError(f"io {io!r}: choose buffered or direct")
@@ -58,7 +66,8 @@ class Reader:
         self.lock = threading.Lock()
         self.busy = 0  # reads in flight
         self.busy_since = 0.0
-        self.busy_s = 0.0  # wall time with at least one read in flight
+        self._busy_s = 0.0  # closed intervals with at least one read in flight
+        self._verify_s = 0.0
         self.threads = [threading.Thread(target=self._run, daemon=True, name=f"edgemoe-reader-{i}")
                         for i in range(threads)]
         for t in self.threads:
@@ -113,7 +122,6 @@ class Reader:
             run = self.queue.get()
             if run is None:
                 return
-            self._started()
             try:
                 for f in run:
                     if f.before_read is not None:
@@ -126,8 +134,6 @@ class Reader:
                 for f in run:
                     if not f.done.is_set():
                         f.on_done(f, 0, _describe(self.pack, f, e))
-            finally:
-                self._stopped()
 
     def _read_buffered(self, run: List[Fill]):
         if all(len(f.record.segments) == 1 for f in run):
@@ -140,7 +146,7 @@ class Reader:
                     if gap:
                         buffers.append(bytearray(gap))
             total = sum(memoryview(b).nbytes for b in buffers)
-            n = os.preadv(self.fds[file_index], buffers, offset)
+            n = self._pread(self.fds[file_index], buffers, offset)
             if n != total:
                 raise PackError(f"short read (expected {total} bytes, got {n}); "
                                 f"the file is truncated")
@@ -149,7 +155,7 @@ class Reader:
         else:  # in place: one read per tensor
             for f in run:
                 for (file_index, offset, length), buf in zip(f.record.segments, f.buffers):
-                    n = os.preadv(self.fds[file_index], [buf], offset)
+                    n = self._pread(self.fds[file_index], [buf], offset)
                     if n != length:
                         raise PackError(f"short read (expected {length} bytes, got {n}); "
                                         f"the file is truncated")
@@ -162,25 +168,29 @@ class Reader:
         length = (end - start + BLOCK - 1) // BLOCK * BLOCK
         if staging is None or len(staging) < length:
             staging = _aligned_buffer(max(length, ALIGNMENT))
-        n = os.preadv(self.direct_fd, [staging[:length]], start)
+        n = self._pread(self.direct_fd, [staging[:length]], start)
         if n < end - start:
             raise PackError(f"short read (expected {end - start} bytes, got {n}); "
                             f"the file is truncated")
         for f in run:
+            tic = self.clock()
             at = f.record.offset - start
             for buf in f.buffers:
                 flat = buf.reshape(-1).view(np.uint8)
                 flat[:] = staging[at:at + flat.nbytes]
                 at += flat.nbytes
+            self._verified(tic)
             self._finish(f)
         return staging
 
     def _finish(self, f: Fill):
         crc = f.record.crc32
         if crc is not None:
+            tic = self.clock()
             found = 0
             for b in f.buffers:
                 found = zlib.crc32(b, found)
+            self._verified(tic)
             if found != crc:
                 f.on_done(f, 0, PackError(
                     f"{self.pack.experts_path}: layer {f.layer_index} expert {f.expert}: "
@@ -188,17 +198,39 @@ class Reader:
                 return
         f.on_done(f, f.record.length, None)
 
-    def _started(self):
+    @property
+    def busy_s(self) -> float:
         with self.lock:
-            if self.busy == 0:
-                self.busy_since = time.perf_counter()
-            self.busy += 1
+            open_s = self.clock() - self.busy_since if self.busy else 0.0
+            return self._busy_s + open_s
 
-    def _stopped(self):
+    @property
+    def verify_s(self) -> float:
         with self.lock:
-            self.busy -= 1
+            return self._verify_s
+
+    def _pread(self, fd: int, buffers, offset: int) -> int:
+        """`os.preadv`, timed: only the read itself counts as busy."""
+        with self.lock:
+            now = self.clock()
             if self.busy == 0:
-                self.busy_s += time.perf_counter() - self.busy_since
+                self.busy_since = now
+            elif now > self.busy_since:  # close the part before now, so snapshots split it
+                self._busy_s += now - self.busy_since
+                self.busy_since = now
+            self.busy += 1
+        try:
+            return os.preadv(fd, buffers, offset)
+        finally:
+            with self.lock:
+                now = self.clock()
+                self._busy_s += now - self.busy_since
+                self.busy_since = now
+                self.busy -= 1
+
+    def _verified(self, since: float):
+        with self.lock:
+            self._verify_s += self.clock() - since
 
 
 def _adjacent(a, b) -> bool:

@@ -28,7 +28,8 @@ class ExpertStats:
     predicted: int = 0  # experts predicted for layer calls that then ran
     predicted_used: int = 0  # ... of which the call requested
     needed: int = 0  # experts requested by calls that had a prediction
-    read_busy_s: float = 0.0  # wall time with a read in flight
+    read_busy_s: float = 0.0  # wall time with a preadv in flight
+    verify_s: float = 0.0  # CRC32 checks and O_DIRECT staging copies, summed over threads
 
     @property
     def requests(self) -> int:
@@ -48,7 +49,8 @@ class ExpertStats:
 
     @property
     def read_gbps(self) -> float:
-        """Bandwidth while reading: bytes over the time a read was in flight."""
+        """The disk's bandwidth while reading: bytes over the time a preadv was in flight
+        (checksums and copies are not in it: see verify_s)."""
         return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
 
     def __sub__(self, other: "ExpertStats") -> "ExpertStats":

@@ -100,6 +100,7 @@ class ExpertStore:
         with self.lock:
             stats = self.stats.copy()
         stats.read_busy_s = getattr(self.reader, "busy_s", 0.0)
+        stats.verify_s = getattr(self.reader, "verify_s", 0.0)
         return stats
 
     def on_demand_by_layer(self) -> Dict[int, int]:
