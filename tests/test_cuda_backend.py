@@ -185,10 +185,31 @@ def test_slots_hold_the_records_bytes_and_tensor_views(small):
     store.close()
 
 
+def lru_reference(calls, slots):
+    """(hits, loads, evictions) of an LRU pool of `slots`, written out independently: each
+    call touches its experts in order, then loads its misses last first (each a touch)."""
+    order, hits, loads, evictions = [], 0, 0, 0
+    for experts in calls:
+        wanted = sorted(int(e) for e in experts)
+        missing = [e for e in wanted if e not in order]
+        hits += len(wanted) - len(missing)
+        order = [e for e in order if e not in wanted] + wanted
+        for e in reversed(missing):
+            if len(order) > slots:  # evict the least recent expert this call does not need
+                victim = next(v for v in order if v not in wanted)
+                order.remove(victim)
+                evictions += 1
+            loads += 1
+            order.remove(e)
+            order.append(e)
+    return hits, loads, evictions
+
+
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"learned"}) + ["learned"])
 def test_same_evictions_as_the_mlx_backend(small, policy):
-    """One state machine: under any cache policy, the device slot memory sees the same
-    slot tables, hits, loads and evictions as the MLX backend."""
+    """The device slot memory leaves the state machine's decisions alone: the same slot
+    tables, hits, loads and evictions as over MLX memory; under LRU both also match a
+    reference LRU written out here."""
     pack, budget = small
     rng = np.random.default_rng(3)
     calls = [rng.choice(16, size=2, replace=False) for _ in range(40)]
@@ -207,6 +228,8 @@ def test_same_evictions_as_the_mlx_backend(small, policy):
     assert device_result[3] > 10, "the routing must evict"
     assert all(np.array_equal(a, b) for a, b in zip(mlx_result[0], device_result[0]))
     assert mlx_result[1:] == device_result[1:]
+    if policy == "lru":
+        assert device_result[1:] == lru_reference(calls, 3)
 
 
 def test_lru_never_evicts_an_expert_in_use(small):
@@ -303,7 +326,9 @@ def test_a_fill_racing_its_prefetch_is_read_once_and_waited_for(small):
     done = threading.Event()
     thread = threading.Thread(target=lambda: (slots.ensure(np.array([7, 8])), done.set()))
     thread.start()
-    time.sleep(0.1)
+    while store.snapshot().late_fills == 0:  # ensure found 7 still filling, and waits
+        assert thread.is_alive(), "compute must wait for the prefetched fill"
+        time.sleep(0.001)
     assert not done.is_set(), "compute must wait for the prefetched fill"
     gate.set()
     thread.join(5)

@@ -62,7 +62,8 @@ def test_prediction_adds_compute_and_reads(pack):
 
 def test_resident_step_calibration_times_the_real_model_class(pack):
     per_layer, outside = doctor.decoder_layer_seconds(pack, steps=3)
-    assert per_layer > 0 and outside >= 0
+    # the per-layer share is a difference of two medians: noise may make it 0, never less
+    assert per_layer >= 0 and outside >= 0 and per_layer + outside > 0
 
 
 def test_doctor_errors_are_one_line(tmp_path, capsys):

@@ -50,7 +50,8 @@ def test_random_routing_at_a_tight_budget_never_reads_a_stale_slot(packs, checkp
                                 for t in slots.layer.tensors)
                 assert held == data[record.offset:record.offset + record.length]
     stats = store.snapshot()
-    assert stats.evictions > 500 and stats.prefetches > 100 and stats.late_fills >= 0
+    # late fills are pinned by value in test_store's counters test; here they may or not occur
+    assert stats.evictions > 500 and stats.prefetches > 100
 
 
 @pytest.fixture
