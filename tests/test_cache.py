@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 import edgemoe
 from edgemoe.streaming import cache
 from edgemoe.streaming.cache import POLICIES, LearnedPolicy, NextUseModel, make_policy
-from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests,
+from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests, run,
                                replay, simulate, train_learned)
 from edgemoe.format.pack import Pack
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
@@ -254,3 +254,27 @@ def test_lru_evicts_the_least_recent_not_the_most():
     for e in (0, 1, 2, 0):
         lru.touch(e)
     assert lru.victim([]) == 1 and lru.victim([1]) == 2 and lru.victim([1, 2]) == 0
+
+
+def test_the_readmes_policy_ranking_holds_on_the_shipped_traces():
+    """README: LFU, the default, beats LRU, LFU-DA and S3-FIFO on the reference model's
+    traces, and the learned policy (fitted on other traces) leads it by at most 1 point."""
+    from pathlib import Path
+
+    from edgemoe.format.source import BUNDLED_MODEL
+    from edgemoe.streaming.trace import check_trace_matches, load_trace
+
+    folder = Path(__file__).parent / "data" / "reference_traces"
+    traces = [load_trace(p) for p in sorted(folder.glob("r*.npz"))]
+    pack = Pack.open(BUNDLED_MODEL)
+    for trace in traces:
+        check_trace_matches(trace, pack, "a shipped trace")  # of the bundled model
+    assert len(traces) == 8
+    for budget in ("0.1", "0.25"):
+        rates = {r.policy: r.decode_hit_rate for r in run(
+            traces, [budget], ["lfu", "lru", "lfuda", "s3fifo", "learned", "belady"],
+            learned=BUNDLED_MODEL / "cache_policy.npz",
+            model=NextUseModel.load(BUNDLED_MODEL / "cache_policy.npz"))}
+        assert all(rates["lfu"] > rates[p] for p in ("lru", "lfuda", "s3fifo")), rates
+        assert rates["learned"] - rates["lfu"] <= 0.011, rates
+        assert rates["belady"] >= max(rates.values()), rates
