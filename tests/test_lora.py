@@ -134,7 +134,7 @@ def test_distillation_closes_part_of_the_gap_and_merging_loses_it(checkpoints, p
 
 
 def test_an_interrupted_run_resumes_to_the_same_adapter(checkpoints, packs, tmp_path,
-                                                        monkeypatch):
+                                                        monkeypatch, capsys):
     steps = ("--routing", "native", "--steps", "10")
     distil(tmp_path, checkpoints, packs, tmp_path / "whole", *steps)
     save = train_lora.TrainState.save
@@ -148,7 +148,13 @@ def test_an_interrupted_run_resumes_to_the_same_adapter(checkpoints, packs, tmp_
     with pytest.raises(KeyboardInterrupt):
         distil(tmp_path, checkpoints, packs, tmp_path / "resumed", *steps)
     monkeypatch.undo()
+    capsys.readouterr()
+    saved_steps = []
+    monkeypatch.setattr(train_lora.TrainState, "save",
+                        lambda self, *args: (saved_steps.append(self.step), save(self, *args)))
     distil(tmp_path, checkpoints, packs, tmp_path / "resumed", *steps)
+    # it went on from step 5 (a run from scratch, being seeded, would end the same)
+    assert "step 5" in capsys.readouterr().out and saved_steps == [10]
     whole = mx.load(str(tmp_path / "whole" / "adapters.safetensors"))
     resumed = mx.load(str(tmp_path / "resumed" / "adapters.safetensors"))
     assert whole.keys() == resumed.keys()

@@ -396,3 +396,30 @@ def test_server_serves_prerouted_routing_per_request(mode):
             got = list(pool.map(lambda p: completion(url, p, max_tokens=10)[0], ps))
         assert metrics(url)["batch"]["max_size_seen"] > 1  # they really shared steps
     assert got == alone
+
+
+def test_metrics_count_experts_as_the_store_does(packs):
+    """Under advisory prefetch, /metrics' expert figures are the store's own counters
+    (a prefetched expert later used is one load and one hit, not a miss)."""
+    from edgemoe.serving.engine import Engine, Job
+
+    engine = Engine(lambda: edgemoe.load(packs[FAMILY]["hf"], expert_budget=0.25,
+                                         routing="advisory", return_config=True),
+                    max_batch=4)
+    engine.start(timeout=60)
+    try:
+        done = [threading.Event() for _ in range(4)]
+        for i, p in enumerate(prompts(4)):
+            engine.submit(Job(id=str(i), prompt=p, max_tokens=8,
+                              emit=lambda e, d=done[i]: e["type"] != "token" and d.set()))
+        assert all(d.wait(60) for d in done)
+        got = engine.snapshot()["experts"]
+        s = engine.model.expert_store.snapshot()
+    finally:
+        engine.stop()
+    assert s.prefetches > 0 and s.hits > 0
+    assert got["hit_rate"] == round(s.hit_rate, 4) == round(s.hits / s.requests, 4)
+    assert (got["requests"], got["hits"], got["loads"], got["prefetches"]) == \
+        (s.requests, s.hits, s.loads, s.prefetches)
+    assert got["bytes_used"] == s.bytes_used and got["bytes_reused"] == s.bytes_hit
+    assert got["loads"] == got["on_demand"] + got["prefetches"]
