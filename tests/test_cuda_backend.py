@@ -299,8 +299,10 @@ def test_reader_does_not_overwrite_a_host_row_before_its_copy_ran(small):
     slots.prefetch(np.array([2, 3]))  # copies queued behind the compute
     wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
     held = {int(s): host_bytes(slots, s) for s in slots.slot_of[[2, 3]]}
+    mark = len(device.log)
     slots.prefetch(np.array([4, 5]))  # evicts 2 and 3 before their copies ran
-    time.sleep(0.2)
+    # the reader thread stops at rule 3, before it writes a row
+    wait_for(lambda: any(op == "host_wait" for op, _ in device.log[mark:]))
     assert all(host_bytes(slots, s) == data for s, data in held.items()), "row overwritten"
     assert (slots.state == FILLING).sum() == 2
     device.finish_compute()
