@@ -15,35 +15,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 
 from ..format.pack import PackError, PackLayer
 from ..streaming.calls import run_call
-from ..streaming.slots import LayerSlots, UnorderedMemory
+from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
-
-
-class MLXSlotMemory(UnorderedMemory):
-    """A layer's slots as MLX arrays in unified memory, filled in place: the reader's
-    rows are numpy views of the arrays. Compute evaluates before it releases slots
-    (StreamingExperts), so no device ordering is needed here."""
-
-    arrays: Dict[str, mx.array]
-
-    def __init__(self, layer: PackLayer, num_slots: int):
-        self.arrays, self._rows = {}, {}
-        for t in layer.tensors:
-            self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
-        self._names = [t.name for t in layer.tensors]
-
-    def rows(self, slot: int):
-        return [self._rows[name][slot] for name in self._names]
-
-
-def _slot_array(num_slots: int, shape, dtype: str):
-    """An MLX array of (num_slots, *shape) and a writable numpy view of its memory."""
-    storage = {"bfloat16": np.uint16}.get(dtype, dtype)
-    host = mx.array(np.zeros((num_slots, *shape), dtype=storage))
-    mx.eval(host)
-    view = np.asarray(host)  # shares the MLX buffer: preadv into it fills the array
-    array = host.view(mx.bfloat16) if dtype == "bfloat16" else host
-    return array, view
 
 
 class StreamingExperts(nn.Module):

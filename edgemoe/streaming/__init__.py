@@ -12,6 +12,6 @@
     telemetry  peak RSS, page cache held by a file
 
 Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
-(edgemoe.cuda). Nothing here imports MLX, except the MLX slot memory that ExpertStore
-uses by default, imported when a store is made without one.
+(edgemoe.cuda). Nothing here imports MLX, except the MLX slot memory (edgemoe.model.slots)
+that ExpertStore makes by default, imported when a store is made without one.
 """

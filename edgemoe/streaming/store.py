@@ -68,7 +68,7 @@ class ExpertStore:
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
         if memory is None:
-            from ..model.experts import MLXSlotMemory as memory  # imports MLX only when used
+            from ..model.slots import MLXSlotMemory as memory  # imports MLX only when used
         if not callable(cache_policy):  # a bad name or file fails before threads start
             make_policy(cache_policy, learned_policy)
         self.reader = reader if reader is not None else Reader(pack, readers, io)
