@@ -423,3 +423,57 @@ def test_metrics_count_experts_as_the_store_does(packs):
         (s.requests, s.hits, s.loads, s.prefetches)
     assert got["bytes_used"] == s.bytes_used and got["bytes_reused"] == s.bytes_hit
     assert got["loads"] == got["on_demand"] + got["prefetches"]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"top_k": 5000, "temperature": 1}, "top_k"),  # at least the vocabulary
+    ({"min_p": float("nan"), "temperature": 1}, "min_p"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"seed": -1, "temperature": 1}, "seed"),
+    ({"seed": 2**64, "temperature": 1}, "seed"),
+])
+def test_sampling_parameters_are_checked_before_a_request_joins_a_batch(server, body, field):
+    raw = json.dumps({"prompt": "x", "max_tokens": 4, **body})  # NaN and Infinity as JSON has them
+    r = httpx.post(f"{server}/v1/completions", content=raw, timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_request_whose_sampling_fails_fails_alone(packs):
+    """A poisoned row beside innocent ones: it gets its own error, they go on and give
+    their outputs alone."""
+    from edgemoe.serving.engine import Engine, Job
+
+    engine = Engine(lambda: edgemoe.load(packs[FAMILY]["hf"], expert_budget=0.5,
+                                         return_config=True), max_batch=4)
+    engine.start(timeout=60)
+    try:
+        def submit(prompt, sampling=None):
+            out, done = [], threading.Event()
+
+            def emit(event):
+                out.append(event)
+                if event["type"] != "token":
+                    done.set()
+            job = Job(id="t", prompt=prompt, max_tokens=10, emit=emit, sampling=sampling)
+            assert engine.submit(job)
+            return out, done
+
+        def finish(pending):
+            out, done = pending
+            assert done.wait(60)
+            return out
+
+        ps = prompts(3)
+        alone = [finish(submit(p)) for p in ps]
+        # top_k beyond the vocabulary: passes the engine, raises when the row samples
+        together = [submit(ps[0]), submit(ps[1], dict(temp=1.0, top_k=10**6)), submit(ps[2])]
+        outs = [finish(x) for x in together]
+        assert outs[0] == alone[0] and outs[2] == alone[2]
+        assert outs[1][-1]["type"] == "error" and "top_k" in outs[1][-1]["message"]
+        m = engine.snapshot()
+        assert m["requests"]["failed"] == 1 and m["batch"]["max_size_seen"] >= 2
+    finally:
+        engine.stop()

@@ -320,17 +320,19 @@ class Engine:
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if all(j.sampler is None for j in self.active):
-            tokens = mx.argmax(logprobs, axis=-1)
-        else:
-            tokens = mx.concatenate([
-                (j.sampler(logprobs[i:i + 1]) if j.sampler else
-                 mx.argmax(logprobs[i:i + 1], axis=-1)).reshape(1)
-                for i, j in enumerate(self.active)])
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        mx.eval(tokens, chosen, [c.state for c in self.batch_cache])
+        greedy = mx.argmax(logprobs, axis=-1)
+        mx.eval(greedy, logprobs, [c.state for c in self.batch_cache])
+        tokens, failed = greedy.tolist(), {}
+        for i, job in enumerate(self.active):
+            if job.sampler is None:
+                continue
+            try:  # a request's own sampling fails that request alone
+                tokens[i] = job.sampler(logprobs[i:i + 1]).reshape(-1).item()
+            except Exception as e:
+                log.exception("request %s: sampling failed", job.id)
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+        chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
         now = time.perf_counter()
-        tokens, chosen = tokens.tolist(), chosen.tolist()
         after = self.metrics.store_stats()
         with self.metrics.lock:
             delta = after - before
@@ -340,15 +342,25 @@ class Engine:
             self.metrics.steps += 1
             self.metrics.step_rows += len(self.active)
             self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, len(self.active))
-            self.metrics.generated_tokens += len(self.active)
+            self.metrics.generated_tokens += len(self.active) - len(failed)
         keep = []
         for i, job in enumerate(self.active):
+            if i in failed:
+                self._fail_row(job, failed[i])
+                continue
             if job.first_token_at is None:
                 job.first_token_at = now
             if not self._advance(job, tokens[i], chosen[i]):
                 keep.append(i)
         if len(keep) < len(self.active):
             self._keep_rows(keep)
+
+    def _fail_row(self, job: Job, message: str):
+        """One row's own failure: its request ends with an error, the batch goes on
+        (the caller drops the row)."""
+        with self.metrics.lock:
+            self.metrics.failed += 1
+        job.emit({"type": "error", "message": message})
 
     def _advance(self, job: Job, token: int, logprob: float) -> bool:
         """Give `job` its next token; True when the job has finished."""

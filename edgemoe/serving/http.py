@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -63,6 +64,8 @@ def _field(body: dict, name: str, types, default=None, lo=None, hi=None, nullabl
         raise BadRequest(f"'{name}' must be {'an' if expected[0] in 'aeiou' else 'a'} "
                          f"{expected}, got {type(value).__name__} {json.dumps(value)[:60]}",
                          name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a finite number, got {value}", name)
     if lo is not None and value < lo:
         raise BadRequest(f"'{name}' must be at least {lo}, got {value}", name)
     if hi is not None and value > hi:
@@ -160,9 +163,10 @@ class Server:
             raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
         temperature = _field(body, "temperature", _NUMBER, 0.0, lo=0)
         top_p = _field(body, "top_p", _NUMBER, 1.0, lo=0, hi=1)
-        top_k = _field(body, "top_k", int, 0, lo=0)
+        vocab = self.vocab_size
+        top_k = _field(body, "top_k", int, 0, lo=0, hi=vocab - 1 if vocab else None)
         min_p = _field(body, "min_p", _NUMBER, 0.0, lo=0, hi=1)
-        seed = _field(body, "seed", int)
+        seed = _field(body, "seed", int, lo=0, hi=2**63 - 1)  # a random key takes 63 bits
         logprobs = _field(body, "logprobs", (bool, int) if not chat else bool, False)
         stop = body.get("stop") or []
         if isinstance(stop, str):
