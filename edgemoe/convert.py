@@ -24,8 +24,9 @@ from tqdm import tqdm
 
 from .format.families import check_supported, layer_index, top_k
 from .model.experts import expert_modules
-from .format.pack import (RESIDENT_FILE, EXPERTS_FILE, ExpertsWriter, PackLayer,
-                   record_layout, write_manifest)
+from .format.pack import FORMAT as PACK_FORMAT
+from .format.pack import (EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter, PackLayer,
+                          record_layout, write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -37,8 +38,7 @@ def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
         raise FileNotFoundError(f"{src}: no checkpoint here (config.json not found)")
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst}: already exists; pass --overwrite to replace it")
+    check_destination(src, dst, overwrite)
 
     model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
     if "quantization" in config:
@@ -50,8 +50,9 @@ def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
         model, config = quantize_model(model, config, q_group_size, q_bits)
 
     tmp = dst.parent / f".{dst.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_ours(tmp, "an interrupted conversion's leftovers")
     tmp.mkdir(parents=True)
+    (tmp / OURS).touch()  # what we write, we may remove
     try:
         _write_pack(tmp, model, config)
         save_config(config, config_path=tmp / "config.json")
@@ -132,14 +133,58 @@ def _quantization(module) -> dict:
     return quant
 
 
+OURS = ".edgemoe-partial"  # marks a folder this tool is writing
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool):
+    """Refuse a destination that would destroy what convert did not write: the source,
+    a folder holding it or inside it, a file, or a folder that is not an edgemoe pack."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents or d in s.parents:
+        where = ("is the source" if d == s else "is inside the source" if s in d.parents
+                 else "contains the source")
+        raise ValueError(f"--mlx-path {dst}: {where} {src}; write the pack elsewhere")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{dst}: already exists; pass --overwrite to replace it")
+    if not dst.is_dir() or dst.is_symlink():
+        raise FileExistsError(f"--overwrite {dst}: not a folder; --overwrite replaces only "
+                              f"an edgemoe pack or an empty folder")
+    if any(dst.iterdir()) and not _is_pack(dst):
+        raise FileExistsError(f"--overwrite {dst}: not an edgemoe pack (no edgemoe "
+                              f"manifest.json); --overwrite replaces only an edgemoe pack or "
+                              f"an empty folder")
+
+
+def _is_pack(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == PACK_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_ours(path: Path, what: str):
+    """Remove a folder this tool left (marked, or a pack), and say so; refuse any other."""
+    if not path.exists():
+        return
+    if not (path / OURS).exists() and not _is_pack(path):
+        raise FileExistsError(f"{path}: in the way, and not written by edgemoe.convert; "
+                              f"move it")
+    print(f"[edgemoe] removing {what}: {path}", file=sys.stderr)
+    shutil.rmtree(path)
+
+
 def _replace(tmp: Path, dst: Path):
     """Move the finished pack into place; an old DST goes only once the new one is whole."""
     old = dst.parent / f".{dst.name}.old"
+    _remove_ours(old, "the pack an interrupted --overwrite replaced")
+    (tmp / OURS).unlink()
     if dst.exists():
-        shutil.rmtree(old, ignore_errors=True)
         dst.rename(old)
     tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def main(argv=None):

@@ -93,3 +93,49 @@ def test_unsupported_model_type_lists_the_supported_ones(checkpoints, tmp_path):
 def test_missing_source(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         convert(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_convert_never_destroys_what_it_did_not_write(checkpoints, tmp_path):
+    """The source, a folder around or inside it, a file, a folder that is not a pack:
+    refused with the reason, and left as they were, even with --overwrite."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["mixtral"][0], src)
+    before = sorted(p.name for p in src.iterdir())
+    for dst, reason in ((src, "is the source"), (src / "pack", "is inside the source"),
+                        (tmp_path, "contains the source")):
+        with pytest.raises(ValueError, match=f"--mlx-path {dst}: {reason}"):
+            convert(src, dst, overwrite=True)
+    assert sorted(p.name for p in src.iterdir()) == before
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not an edgemoe pack"):
+        convert(src, notes, overwrite=True)
+    afile = tmp_path / "afile"
+    afile.write_text("keep me too")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        convert(src, afile, overwrite=True)
+    assert (notes / "mine.txt").read_text() == "keep me" and afile.read_text() == "keep me too"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Pack.open(convert(src, empty, overwrite=True))  # an empty folder may be filled
+
+
+def test_leftovers_of_an_interrupted_run_are_reported_and_ours_only_removed(
+        checkpoints, tmp_path, capsys):
+    src = checkpoints["mixtral"][0]
+    dst = tmp_path / "pack"
+    partial = tmp_path / ".pack.partial"
+    partial.mkdir()
+    (partial / ".edgemoe-partial").touch()  # a run killed while writing
+    Pack.open(convert(src, dst))
+    assert "removing an interrupted conversion's leftovers" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+    someone = tmp_path / ".other.partial"
+    someone.mkdir()
+    (someone / "theirs.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not written by edgemoe.convert"):
+        convert(src, tmp_path / "other")
+    assert (someone / "theirs.txt").exists()
