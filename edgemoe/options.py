@@ -18,6 +18,17 @@ from .streaming.cache import DEFAULT_POLICY, POLICIES
 IO_MODES = ("buffered", "direct")
 
 
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 @dataclass
 class StreamOptions:
     """How a model streams its experts (the keyword arguments of `edgemoe.load`)."""
@@ -29,11 +40,13 @@ class StreamOptions:
     prerouter: Optional[str] = None  # heads folder, or "pack"
     adapter: Optional[str] = None  # adapter folder, or "pack"
     readers: int = 2
+    read_timeout: float = 30.0  # seconds a compute may wait for one read
 
     def load_kwargs(self) -> dict:
         return dict(expert_budget=self.expert_budget, cache_policy=self.cache_policy,
                     io=self.io, routing=self.routing, prerouter_path=self.prerouter,
-                    adapter_path=self.adapter, readers=self.readers)
+                    adapter_path=self.adapter, readers=self.readers,
+                    read_timeout=self.read_timeout)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "StreamOptions":
@@ -78,8 +91,12 @@ class StreamOptions:
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
                      "model folder carries (PACK/adapter)")),
             "readers": (("--readers",), dict(
-                type=int, default=2, help="Reader threads filling expert slots "
-                                          "(default: %(default)s)")),
+                type=_positive(int), default=2, help="Reader threads filling expert slots "
+                                                     "(default: %(default)s)")),
+            "read_timeout": (("--read-timeout",), dict(
+                type=_positive(float), default=30.0, metavar="SECONDS",
+                help="A read that keeps compute waiting longer fails the request with a "
+                     "clear error (default: %(default)s)")),
         }
         for name, (names, kwargs) in flags.items():
             if name in wanted:

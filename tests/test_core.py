@@ -2,7 +2,9 @@
 sequence, and the trace replay runs the store's own state machine."""
 
 import contextlib
+import os
 import signal
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -194,3 +196,30 @@ def test_the_layers_import_downwards_only():
     model_slots = ast.parse((root / "model" / "slots.py").read_text())
     assert not any(isinstance(n, ast.ImportFrom) and n.module and "store" in n.module
                    for n in ast.walk(model_slots))
+
+
+def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkeypatch):
+    from edgemoe.streaming import reader as reader_module
+
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=minimum_bytes(open_source(path)),
+                            read_timeout=0.3)
+    expected = model(OTHER)
+    mx.eval(expected)
+    store, unstuck, preadv = model.expert_store, threading.Event(), os.preadv
+
+    def stuck_preadv(*args):
+        unstuck.wait(30)
+        return preadv(*args)
+
+    monkeypatch.setattr(reader_module.os, "preadv", stuck_preadv)
+    with deadline(5.0), pytest.raises(PackError, match=r"did not finish within 0.3 s "
+                                                         r"\(--read-timeout\)"):
+        model(TOKENS)
+    assert not store.healthy()  # a read has been in flight past the timeout
+    monkeypatch.setattr(reader_module.os, "preadv", preadv)
+    unstuck.set()
+    with deadline(5.0):
+        again = model(OTHER)
+        mx.eval(again)
+    assert mx.array_equal(again, expected) and store.healthy()

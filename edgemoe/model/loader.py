@@ -32,6 +32,7 @@ def load(
     io: str = "buffered",
     prerouter_path: Optional[str] = None,
     readers: int = 2,
+    read_timeout: Optional[float] = 30.0,
 ):
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
@@ -45,7 +46,8 @@ def load(
     trained heads (edgemoe.train_prerouter); the prerouted modes default to the heads
     the pack carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
     adapter folder, or "pack" for the one the pack carries (PACK/adapter). A pack's own
-    cache_policy.npz serves `cache_policy="learned"`.
+    cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
+    over `read_timeout` seconds fails the call with a PackError.
 
     The model is mlx-lm's own class for the family with each MoE block's expert
     module streaming from disk; it works with mlx-lm's generate_step, samplers and
@@ -59,7 +61,8 @@ def load(
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
     store = ExpertStore(source, expert_budget, cache_policy, io, readers,
-                        learned_policy=pack_asset(path, "cache_policy"))
+                        learned_policy=pack_asset(path, "cache_policy"),
+                        read_timeout_s=read_timeout)
     experts = {}
 
     def streaming_classes(config):

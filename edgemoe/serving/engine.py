@@ -179,6 +179,11 @@ class Engine:
     def alive(self) -> bool:
         return self.thread.is_alive() and self.ready.is_set() and self.load_error is None
 
+    def store_healthy(self) -> bool:
+        """False while an expert read is stuck past the read timeout (any thread may ask)."""
+        store = getattr(self.model, "expert_store", None)
+        return store is None or store.healthy()
+
     def waiting(self) -> int:
         return self.inbox.qsize() + len(self.pending)
 

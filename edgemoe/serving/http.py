@@ -342,7 +342,7 @@ class Server:
              "owned_by": "edgemoe"}]})
 
     async def health(self, request: Request):
-        ok = self.engine.alive
+        ok = self.engine.alive and self.engine.store_healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable"},
                             status_code=200 if ok else 503)
 

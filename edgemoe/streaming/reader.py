@@ -68,6 +68,7 @@ class Reader:
         self.busy_since = 0.0
         self._busy_s = 0.0  # closed intervals with at least one read in flight
         self._verify_s = 0.0
+        self._in_flight = {}  # thread id -> when its preadv started
         self.threads = [threading.Thread(target=self._run, daemon=True, name=f"edgemoe-reader-{i}")
                         for i in range(threads)]
         for t in self.threads:
@@ -204,6 +205,11 @@ class Reader:
             open_s = self.clock() - self.busy_since if self.busy else 0.0
             return self._busy_s + open_s
 
+    def oldest_read_s(self) -> float:
+        """How long the oldest read still in flight has taken (0 with none)."""
+        with self.lock:
+            return self.clock() - min(self._in_flight.values()) if self._in_flight else 0.0
+
     @property
     def verify_s(self) -> float:
         with self.lock:
@@ -219,10 +225,12 @@ class Reader:
                 self._busy_s += now - self.busy_since
                 self.busy_since = now
             self.busy += 1
+            self._in_flight[threading.get_ident()] = now
         try:
             return os.preadv(fd, buffers, offset)
         finally:
             with self.lock:
+                self._in_flight.pop(threading.get_ident(), None)
                 now = self.clock()
                 self._busy_s += now - self.busy_since
                 self.busy_since = now

@@ -16,12 +16,12 @@ from typing import Callable, Dict, List, Optional, Protocol
 
 import numpy as np
 
-from ..format.pack import PackLayer
+from ..format.pack import PackError, PackLayer
 from .reader import Fill
 from .stats import ExpertStats
 
 FREE, FILLING, READY, IN_USE = range(4)
-WAIT_POLL_S = 0.1  # how often a waiting compute checks that the reader is alive
+WAIT_POLL_S = 0.05  # how often a waiting compute checks the reader and its deadline
 
 
 class SlotPool(Protocol):
@@ -115,6 +115,7 @@ class LayerSlots:
         self.next_prediction: Optional[set] = None  # for the call after
         self.on_demand = 0  # this layer's share of stats.on_demand
         self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
+        self.read_timeout_s: Optional[float] = None  # a wait for a fill longer than this fails
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -225,13 +226,21 @@ class LayerSlots:
 
     def _wait(self, fills, raise_errors=True):
         tic = time.perf_counter()
-        for f in fills:
-            while not f.done.wait(WAIT_POLL_S):
-                if not self.reader.alive():
-                    raise RuntimeError("edgemoe: the expert reader thread died")
-        if fills:
-            with self.lock:
-                self.stats.blocked_s += time.perf_counter() - tic
+        try:
+            for f in fills:
+                while not f.done.wait(WAIT_POLL_S):
+                    if not self.reader.alive():
+                        raise RuntimeError("edgemoe: the expert reader thread died")
+                    waited = time.perf_counter() - tic
+                    if self.read_timeout_s is not None and waited > self.read_timeout_s:
+                        raise PackError(
+                            f"layer {self.layer.index} expert {f.expert}: the read did not "
+                            f"finish within {self.read_timeout_s:g} s (--read-timeout); "
+                            f"the disk may be stuck")
+        finally:
+            if fills:
+                with self.lock:
+                    self.stats.blocked_s += time.perf_counter() - tic
         for f in fills:
             if f.error is not None and raise_errors:
                 raise f.error

@@ -55,10 +55,13 @@ class ExpertStore:
     def __init__(self, pack: Pack, expert_budget: Budget = 1.0,
                  cache_policy: str = DEFAULT_POLICY, io: str = "buffered", readers: int = 2,
                  memory: Optional[MemoryFactory] = None, reader=None,
-                 learned_policy: Optional[Path] = None):
+                 learned_policy: Optional[Path] = None, read_timeout_s: Optional[float] = 30.0):
         """`memory` makes each layer's SlotMemory (default: MLX arrays); `reader` fills
         slots (default: `readers` threads of edgemoe.streaming.reader); `learned_policy`
-        holds the learned cache policy's weights (default: the bundled ones)."""
+        holds the learned cache policy's weights (default: the bundled ones). A compute
+        that waits longer than `read_timeout_s` for a read fails with a PackError, and
+        the store reports itself unhealthy while a read takes that long."""
+        self.read_timeout_s = read_timeout_s
         self.reader = None
         self.pack = pack
         self.plan = SlotPlan.of(pack)
@@ -80,6 +83,8 @@ class ExpertStore:
             for l in pack.layers
         }
         self._by_index = {s.layer.index: s for s in self.layers.values()}
+        for slots in self.layers.values():
+            slots.read_timeout_s = read_timeout_s
 
     def pool(self, layer_index: int) -> LayerSlots:
         """The slot pool of a decoder layer (by its index in the model)."""
@@ -102,6 +107,13 @@ class ExpertStore:
         stats.read_busy_s = getattr(self.reader, "busy_s", 0.0)
         stats.verify_s = getattr(self.reader, "verify_s", 0.0)
         return stats
+
+    def healthy(self) -> bool:
+        """False while a read has been in flight longer than the read timeout."""
+        if self.reader is None:
+            return False
+        oldest = getattr(self.reader, "oldest_read_s", lambda: 0.0)()
+        return self.read_timeout_s is None or oldest <= self.read_timeout_s
 
     def on_demand_by_layer(self) -> Dict[int, int]:
         """Experts read only when a call asked for them, per decoder layer."""
