@@ -14,7 +14,7 @@ from typing import Tuple
 
 from .options import StreamOptions
 from .serving.engine import Engine
-from .serving.http import DEFAULT_MAX_TOKENS, Server, make_app
+from .serving.http import DEFAULT_MAX_TOKENS, LOCAL_HOSTS, Server, make_app
 
 log = logging.getLogger("edgemoe.server")
 
@@ -27,6 +27,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(default: the bundled reference MoE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--allowed-host", action="append", default=None,
+                   help="A Host header name requests may carry, beside the bound host and "
+                        "localhost names (repeat it; '*' allows any). Bound to 0.0.0.0 or "
+                        "::, any is allowed")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="Connections served at once; more get 503 (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="Most requests decoded together; more wait their turn (FIFO)")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -56,8 +62,16 @@ def build(args) -> Tuple[Engine, Server]:
     context = int(config.get("max_position_embeddings") or 4096)
     server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
                     context_length=context,
-                    vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens)
+                    vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens,
+                    allowed_hosts=allowed_hosts(args.host, args.allowed_host))
     return engine, server
+
+
+def allowed_hosts(host: str, extra):
+    """The Host names a server bound to `host` answers: None (any) for a wildcard bind."""
+    if host in ("0.0.0.0", "::") or "*" in (extra or ()):
+        return None
+    return sorted({host, *LOCAL_HOSTS, *(extra or ())})
 
 
 def main(argv=None):
@@ -77,7 +91,8 @@ def main(argv=None):
              args.routing, server.context_length, args.host, args.port)
     try:
         uvicorn.run(make_app(server), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
+                    limit_concurrency=args.max_connections, timeout_keep_alive=5)
     finally:
         engine.stop()
 

@@ -477,3 +477,57 @@ def test_a_request_whose_sampling_fails_fails_alone(packs):
         assert m["requests"]["failed"] == 1 and m["batch"]["max_size_seen"] >= 2
     finally:
         engine.stop()
+
+
+def test_only_json_from_this_servers_own_names_is_taken(server):
+    """A web page can post text/plain or forms without asking, and DNS rebinding sends
+    another Host: both are refused; a JSON body from a local name is served."""
+    body = json.dumps({"prompt": "x", "max_tokens": 2})
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
+                       headers={"content-type": kind})
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
+                   headers={"content-type": "application/json", "host": "evil.example:80"})
+    assert r.status_code == 400 and "evil.example" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/health", headers={"host": "evil.example"}, timeout=TIMEOUT)
+    assert r.status_code == 400
+    port = server.rsplit(":", 1)[1]
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
+                   headers={"content-type": "application/json", "host": f"localhost:{port}"})
+    assert r.status_code == 200
+
+
+def test_oversized_bodies_and_stop_lists_are_refused(server):
+    from edgemoe.serving.http import MAX_BODY_BYTES, MAX_STOP_STRINGS
+
+    big = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1), "max_tokens": 2})
+    r = httpx.post(f"{server}/v1/completions", content=big, timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                         "stop": ["s"] * (MAX_STOP_STRINGS + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    deep = "[" * 100000 + "]" * 100000
+    r = httpx.post(f"{server}/v1/completions", content=deep, timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """While a 3 MB prompt is tokenized (seconds here), /health, polled all along, keeps
+    answering: the slowest answer is far from the tokenizing time (it was 9 s)."""
+    prompt = "def f(x):\n    return x\n" * 130000  # about 3 MB, under the body limit
+    latencies = []
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, server, "/v1/completions",
+                              {"prompt": prompt, "max_tokens": 1})
+        tic = time.perf_counter()
+        while not pending.done():
+            start = time.perf_counter()
+            assert httpx.get(f"{server}/health", timeout=TIMEOUT).status_code == 200
+            latencies.append(time.perf_counter() - start)
+        total = time.perf_counter() - tic
+        r = pending.result()
+    assert r.status_code == 400  # longer than the model's context
+    assert len(latencies) >= 3 and max(latencies) < total / 2, (latencies, total)

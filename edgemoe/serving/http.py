@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -31,6 +32,9 @@ from .engine import Engine, Job
 log = logging.getLogger("edgemoe.server")
 
 DEFAULT_MAX_TOKENS = 512
+MAX_BODY_BYTES = 4 * 2**20  # a request body larger than this gets a 413
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class BadRequest(Exception):
@@ -95,8 +99,12 @@ class Server:
 
     def __init__(self, engine: Engine, model_id: str, context_length: int,
                  vocab_size: Optional[int] = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 allowed_hosts: Optional[List[str]] = None):
+        """`allowed_hosts`: the Host header names requests may carry (None: any), so
+        that a web page cannot reach a local server by DNS rebinding."""
         self.engine = engine
+        self.allowed_hosts = allowed_hosts
         self.vocab_size = vocab_size
         self.model_id = model_id
         self.context_length = context_length
@@ -174,6 +182,10 @@ class Server:
         if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise BadRequest("'stop' must be a string or an array of non-empty strings",
                              "stop")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise BadRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters, got {len(stop)} (longest "
+                             f"{max(map(len, stop))})", "stop")
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
         max_tokens = _field(body, name, int, None, lo=1)
@@ -237,16 +249,46 @@ class Server:
     async def chat_completions(self, request: Request):
         return await self._complete(request, chat=True)
 
-    async def _complete(self, request: Request, chat: bool):
-        raw = await request.body()
+    def refused(self, request: Request) -> Optional[JSONResponse]:
+        """A response for a request from where none may come, or None."""
+        host = request.headers.get("host", "")
+        name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:host.find("]")]
+        if self.allowed_hosts is not None and name not in self.allowed_hosts:
+            return error_response(f"Host {host!r} is not a name of this server (allowed: "
+                                  f"{', '.join(self.allowed_hosts)}; see --allowed-host)", 400)
+        return None
+
+    async def _body(self, request: Request):
+        """The JSON body, or an error response: JSON only (a web page cannot send that
+        without the browser asking first), and at most MAX_BODY_BYTES."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return None, error_response(f"the request body must be JSON sent as "
+                                        f"Content-Type: application/json, got {kind!r}", 415)
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return None, error_response(f"the request body is {declared} bytes; at most "
+                                        f"{MAX_BODY_BYTES} are taken", 413)
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                return None, error_response(f"the request body is over {MAX_BODY_BYTES} "
+                                            f"bytes", 413)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(f"invalid JSON in the request body: {e}")
+            return json.loads(bytes(raw)), None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            return None, error_response(f"invalid JSON in the request body: "
+                                        f"{str(e)[:200] or type(e).__name__}")
+
+    async def _complete(self, request: Request, chat: bool):
+        body, error = await self._body(request)
+        if error is not None:
+            return error
         if not self.engine.alive:
             return error_response("the model is not loaded", 503, kind="server_error")
-        try:
-            job, opts = self.parse(body, chat)
+        try:  # tokenizing a long prompt must not hold up the event loop
+            job, opts = await asyncio.to_thread(self.parse, body, chat)
         except BadRequest as e:
             return error_response(e.message, e.status, e.param)
         loop = asyncio.get_running_loop()
@@ -369,8 +411,22 @@ def make_app(server: Server) -> Starlette:
         # so its thread frees the model and its MLX streams before the process ends.
         await asyncio.to_thread(server.engine.stop)
 
+    class CheckHost:
+        """Refuses requests whose Host header is not this server's, before any route."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                refused = server.refused(Request(scope))
+                if refused is not None:
+                    return await refused(scope, receive, send)
+            await self.app(scope, receive, send)
+
     return Starlette(
         lifespan=lifespan,
+        middleware=[Middleware(CheckHost)],
         routes=[
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
