@@ -157,3 +157,13 @@ def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
     for asset in ("prerouter/prerouter.safetensors", "adapter/adapters.safetensors",
                   "cache_policy.npz"):
         assert (installed / asset).exists(), asset
+
+
+@pytest.mark.parametrize("flag,value", [("--temp", "-1"), ("--temp", "nan"), ("--temp", "inf"),
+                                        ("--top-p", "1.5"), ("--max-tokens", "0")])
+def test_generate_refuses_bad_sampling_flags_in_one_line(flag, value):
+    from edgemoe.generate import setup_arg_parser
+
+    with pytest.raises(SystemExit) as e:
+        setup_arg_parser().parse_args([flag, value])
+    assert e.value.code == 2  # argparse's usage error: one line, no traceback
