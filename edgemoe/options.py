@@ -41,12 +41,13 @@ class StreamOptions:
     adapter: Optional[str] = None  # adapter folder, or "pack"
     readers: int = 2
     read_timeout: float = 30.0  # seconds a compute may wait for one read
+    verify: bool = True  # checksums must be present, and are checked
 
     def load_kwargs(self) -> dict:
         return dict(expert_budget=self.expert_budget, cache_policy=self.cache_policy,
                     io=self.io, routing=self.routing, prerouter_path=self.prerouter,
                     adapter_path=self.adapter, readers=self.readers,
-                    read_timeout=self.read_timeout)
+                    read_timeout=self.read_timeout, verify=self.verify)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "StreamOptions":
@@ -97,6 +98,11 @@ class StreamOptions:
                 type=_positive(float), default=30.0, metavar="SECONDS",
                 help="A read that keeps compute waiting longer fails the request with a "
                      "clear error (default: %(default)s)")),
+            "verify": (("--no-verify",), dict(
+                dest="verify", action="store_false",
+                help="Read a pack whose checksums are missing, and skip checking its "
+                     "resident weights at load (expert records with a checksum are still "
+                     "checked as they are read)")),
         }
         for name, (names, kwargs) in flags.items():
             if name in wanted:

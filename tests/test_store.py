@@ -174,3 +174,50 @@ def test_counters_by_value_at_the_minimum_budget(packs):
     assert s.blocked_s > 0  # waited for the late fill at least
     assert (s.predicted, s.predicted_used, s.needed) == (2, 2, 3)  # both predictions used
     store.close()
+
+
+def test_a_flipped_resident_byte_fails_at_load(pack_copy):
+    from edgemoe.format.inplace import safetensors_header
+
+    header, start = safetensors_header(pack_copy / "model.safetensors")
+    begin, _ = header["lm_head.scales"]["data_offsets"]
+    with open(pack_copy / "model.safetensors", "r+b") as f:
+        f.seek(start + begin + 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))  # an exponent bit of one scale
+    with pytest.raises(PackError, match=r"model.safetensors: tensor lm_head.scales: checksum "
+                                        r"mismatch \(expected [0-9a-f]{8}, found [0-9a-f]{8}\)"):
+        edgemoe.load(pack_copy)
+    edgemoe.load(pack_copy, verify=False)  # --no-verify: the user's choice
+
+
+@pytest.mark.parametrize("what", ["record", "resident"])
+def test_a_missing_checksum_is_an_error_not_a_silent_skip(pack_copy, what):
+    manifest = json.loads((pack_copy / "manifest.json").read_text())
+    if what == "record":
+        manifest["layers"][1]["records"][3][2] = None
+        expected = r"layer \d+ expert 3 has no checksum.*--no-verify"
+    else:
+        manifest["resident"]["crc32"] = None
+        expected = r"no checksums for model.safetensors.*--no-verify"
+    (pack_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackError, match=expected):
+        edgemoe.load(pack_copy)
+    model, _ = edgemoe.load(pack_copy, verify=False)
+    assert model.expert_store.info().moe_layers == 4
+
+
+def test_the_generate_cli_says_no_verify_in_one_line(pack_copy):
+    import subprocess
+    import sys
+
+    manifest = json.loads((pack_copy / "manifest.json").read_text())
+    manifest["resident"]["crc32"] = None
+    (pack_copy / "manifest.json").write_text(json.dumps(manifest))
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model", str(pack_copy),
+                        "--max-tokens", "2"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--no-verify" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model", str(pack_copy),
+                        "--max-tokens", "2", "--no-verify"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

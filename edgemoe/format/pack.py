@@ -120,6 +120,7 @@ class Pack:
     experts_file_size: int
     files: List[Path] = field(default_factory=list)  # what records' segments index
     in_place: bool = False  # an mlx-lm checkpoint read as it is, not a repacked pack
+    resident_crc32: Optional[Dict[str, int]] = None  # tensor of model.safetensors -> CRC32
 
     def __post_init__(self):
         self.files = self.files or [self.path / EXPERTS_FILE]
@@ -139,8 +140,10 @@ class Pack:
         return sum(f.stat().st_size for f in files) - (self.expert_bytes if self.in_place else 0)
 
     @classmethod
-    def open(cls, path) -> "Pack":
-        """Read and check a pack's manifest; the experts file must be whole."""
+    def open(cls, path, verify: bool = True) -> "Pack":
+        """Read and check a pack's manifest; the experts file must be whole. With `verify`
+        every expert record and every resident tensor must have a checksum (the records'
+        are checked as they are read, the resident ones by `verify_resident`)."""
         path = Path(path)
         manifest_path = path / MANIFEST
         if not manifest_path.exists():
@@ -165,9 +168,36 @@ class Pack:
             top_k=m["top_k"],
             layers=[PackLayer.from_json(l) for l in m["layers"]],
             experts_file_size=m["experts_file_size"],
+            resident_crc32=(m.get("resident") or {}).get("crc32"),
         )
         pack._check_experts_file()
+        if verify:
+            pack._check_checksums_present(manifest_path)
         return pack
+
+    def _check_checksums_present(self, manifest_path: Path):
+        fix = "convert the checkpoint again, or pass --no-verify to read it unchecked"
+        for layer in self.layers:
+            for e, record in enumerate(layer.records):
+                if record.crc32 is None:
+                    raise PackError(f"{manifest_path}: layer {layer.index} expert {e} has no "
+                                    f"checksum; {fix}")
+        if not self.resident_crc32:
+            raise PackError(f"{manifest_path}: no checksums for {RESIDENT_FILE}; {fix}")
+
+    def verify_resident(self):
+        """Check every resident tensor against its CRC32: a PackError names the first that
+        differs. Reads the whole resident file."""
+        found = resident_checksums(self.path / RESIDENT_FILE)
+        for name, crc in sorted(self.resident_crc32.items()):
+            if found.get(name) != crc:
+                got = "missing" if name not in found else f"{found[name]:08x}"
+                raise PackError(f"{self.path / RESIDENT_FILE}: tensor {name}: checksum "
+                                f"mismatch (expected {crc:08x}, found {got})")
+        extra = sorted(set(found) - set(self.resident_crc32))
+        if extra:
+            raise PackError(f"{self.path / RESIDENT_FILE}: tensors the manifest does not "
+                            f"list: {', '.join(extra[:5])}")
 
     def _check_experts_file(self):
         if not self.experts_path.exists():
@@ -237,8 +267,34 @@ class ExpertsWriter:
         return self.offset
 
 
+def resident_checksums(path: Path, chunk: int = 16 * 2**20) -> Dict[str, int]:
+    """CRC32 of every tensor's bytes in a safetensors file, read in chunks."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise PackError(f"{path}: not a safetensors file (too short)")
+        header = json.loads(f.read(int.from_bytes(raw, "little")))
+        start = 8 + int.from_bytes(raw, "little")
+        header.pop("__metadata__", None)
+        crcs = {}
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            f.seek(start + begin)
+            crc, left = 0, end - begin
+            while left:
+                data = f.read(min(chunk, left))
+                if not data:
+                    raise PackError(f"{path}: truncated inside tensor {name}")
+                crc, left = zlib.crc32(data, crc), left - len(data)
+            crcs[name] = crc
+    return crcs
+
+
 def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
-                   experts_file_size: int):
+                   experts_file_size: int, resident_crc32: Optional[Dict[str, int]] = None):
+    """`resident_crc32` defaults to the checksums of path/model.safetensors as it is."""
+    if resident_crc32 is None:
+        resident_crc32 = resident_checksums(path / RESIDENT_FILE)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -248,6 +304,7 @@ def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLay
         "experts_file": EXPERTS_FILE,
         "experts_file_size": experts_file_size,
         "layers": [l.to_json() for l in layers],
+        "resident": {"file": RESIDENT_FILE, "crc32": resident_crc32},
     }
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))

@@ -48,13 +48,14 @@ def source_kind(path) -> str:
     return "mlx-lm" if "quantization" in config else "hf"
 
 
-def open_source(path=None) -> Pack:
+def open_source(path=None, verify: bool = True) -> Pack:
     """The routed experts of a model folder: a pack's records, or an mlx-lm checkpoint's
-    tensor slices read in place."""
+    tensor slices read in place (which carry no checksums). `verify`: a pack must have
+    every checksum (Pack.open)."""
     path = model_path(path)
     check_supported(json.loads((path / "config.json").read_text()), path / "config.json")
     if source_kind(path) == "pack":
-        return Pack.open(path)
+        return Pack.open(path, verify)
     return open_mlx_lm(path)
 
 

@@ -33,6 +33,7 @@ def load(
     prerouter_path: Optional[str] = None,
     readers: int = 2,
     read_timeout: Optional[float] = 30.0,
+    verify: bool = True,
 ):
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
@@ -47,7 +48,10 @@ def load(
     the pack carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
     adapter folder, or "pack" for the one the pack carries (PACK/adapter). A pack's own
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
-    over `read_timeout` seconds fails the call with a PackError.
+    over `read_timeout` seconds fails the call with a PackError. With `verify` (the
+    default) a pack's resident tensors are checked against their CRC32s before loading, and
+    every expert record as it is read; experts read in place are not checksummed (said on
+    stderr).
 
     The model is mlx-lm's own class for the family with each MoE block's expert
     module streaming from disk; it works with mlx-lm's generate_step, samplers and
@@ -57,7 +61,12 @@ def load(
     if routing not in ROUTING_MODES:
         raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
     path = model_path(path_or_hf_repo)
-    source = open_source(path)
+    source = open_source(path, verify)
+    if verify and source.in_place:
+        print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
+              f"its experts are not verified (convert it to a pack for that)", file=sys.stderr)
+    elif verify:
+        source.verify_resident()
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
     store = ExpertStore(source, expert_budget, cache_policy, io, readers,
