@@ -212,11 +212,9 @@ def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
     return Prediction(compute, read)
 
 
-def replay_hit_rate(trace_path: str, pack: Pack, budget_bytes: int) -> float:
+def replay_hit_rate(trace: dict, pack: Pack, budget_bytes: int) -> float:
     from .cache_sim import simulate
-    from .streaming.trace import load_trace
 
-    trace = load_trace(trace_path)
     return simulate(trace, budget_bytes, DEFAULT_POLICY, pack.layers[0].num_experts,
                     learned=pack_asset(pack.path, "cache_policy")).decode_hit_rate
 
@@ -241,16 +239,18 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         pack = open_source(args.model)
+        trace = None
         if args.trace:
             from .streaming.trace import check_trace_matches, load_trace
 
-            check_trace_matches(load_trace(args.trace), pack, args.trace)
-        report(pack, args)
+            trace = load_trace(args.trace)
+            check_trace_matches(trace, pack, args.trace)
+        report(pack, args, trace)
     except (FileNotFoundError, ValueError) as e:  # PackError and BudgetError too
         sys.exit(f"edgemoe.doctor: error: {e}")
 
 
-def report(pack: Pack, args):
+def report(pack: Pack, args, trace=None):
     layers, k = pack.layers, pack.top_k
     resident, experts = pack.resident_bytes, pack.expert_bytes
     plan = SlotPlan.of(pack)
@@ -313,7 +313,7 @@ def report(pack: Pack, args):
             print(f"  {str(b):>10} below the minimum budget")
             continue
         slot_bytes = plan.memory(slots)
-        hit = (replay_hit_rate(args.trace, pack, budget_bytes) if args.trace
+        hit = (replay_hit_rate(trace, pack, budget_bytes) if trace is not None
                else slots / layers[0].num_experts)
         pred = predict(pack, step_s, disk.cold_rate, hit, overhead_s)
         label = b if isinstance(b, str) else fmt_bytes(b)

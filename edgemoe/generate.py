@@ -12,28 +12,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from .format.pack import PackError
 from .model.generation import generate
-from .options import StreamOptions
+from .options import StreamOptions, number
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
-
-
-def in_range(kind, lo, hi=None):
-    """An argparse type: a finite `kind` in [lo, hi]."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not lo <= value <= (hi if hi is not None else value) or value != value:
-            bounds = f"in [{lo}, {hi}]" if hi is not None else f"at least {lo}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
-        if value in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -43,10 +25,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(default: the reference MoE bundled with edgemoe)")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                    help="Message to be processed by the model ('-' reads from stdin)")
-    p.add_argument("--max-tokens", "-m", type=in_range(int, 1), default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=in_range(float, 0), default=0.0,
+    p.add_argument("--max-tokens", "-m", type=number(int, 1), default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=number(float, 0), default=0.0,
                    help="Sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=in_range(float, 0, 1), default=1.0, help="Sampling top-p")
+    p.add_argument("--top-p", type=number(float, 0, 1), default=1.0, help="Sampling top-p")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="Use the raw prompt without the tokenizer's chat template")

@@ -18,11 +18,21 @@ from .streaming.cache import DEFAULT_POLICY, POLICIES
 IO_MODES = ("buffered", "direct")
 
 
-def _positive(kind):
+def number(kind, lo, hi=None, above=False):
+    """An argparse type: a finite `kind` at least `lo` (above it, with `above`), at most
+    `hi`; anything else, NaN and infinities included, is one usage error."""
     def parse(text: str):
-        value = kind(text)
-        if not value > 0:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value > lo if above else value >= lo  # False for NaN
+        if not low_ok or (hi is not None and not value <= hi):
+            bounds = (f"in [{lo}, {hi}]" if hi is not None else
+                      f"above {lo}" if above else f"at least {lo}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        if value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -92,10 +102,10 @@ class StreamOptions:
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
                      "model folder carries (PACK/adapter)")),
             "readers": (("--readers",), dict(
-                type=_positive(int), default=2, help="Reader threads filling expert slots "
+                type=number(int, 1), default=2, help="Reader threads filling expert slots "
                                                      "(default: %(default)s)")),
             "read_timeout": (("--read-timeout",), dict(
-                type=_positive(float), default=30.0, metavar="SECONDS",
+                type=number(float, 0, above=True), default=30.0, metavar="SECONDS",
                 help="A read that keeps compute waiting longer fails the request with a "
                      "clear error (default: %(default)s)")),
             "verify": (("--no-verify",), dict(

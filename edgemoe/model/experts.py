@@ -39,15 +39,13 @@ class StreamingExperts(nn.Module):
         layer = self.slots.layer.index
         routed = None if self.routing is None else (
             lambda: self.routing.observe(layer, x, ids))  # its prefetches overlap compute
-        k = ids.shape[-1]
-        tokens = x.reshape(-1, x.shape[-1])
 
         def compute(rows, slot_ids):
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
                 out = self.pool(x, mx.array(slot_ids.astype(np.uint32)))
             else:  # (token, k) rows of this pass
-                slots = mx.array(slot_ids.astype(np.uint32)[:, None])
-                out = self.pool(tokens[mx.array(rows // k)], slots)[:, 0]
+                tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
+                out = self.pool(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
             mx.eval(out)  # every read of the slots is done before any can be refilled
             return out
 
@@ -127,13 +125,12 @@ def streaming_class(model_class: type, expert_paths) -> type:
             return {k: v for k, v in weights.items() if not k.startswith(prefixes)}
 
         def __call__(self, inputs, cache=None, **kwargs):
+            given = inputs if inputs is not None else kwargs.get("input_embeddings")
             if self.forward_hook is not None:
-                self.forward_hook(inputs if inputs is not None
-                                  else kwargs.get("input_embeddings"))
+                self.forward_hook(given)
             if self.routing is None:
                 return super().__call__(inputs, cache=cache, **kwargs)
-            shape_of = inputs if inputs is not None else kwargs.get("input_embeddings")
-            with self.routing.sequence(shape_of, cache):
+            with self.routing.sequence(given, cache):
                 return super().__call__(inputs, cache=cache, **kwargs)
 
     Streaming.__name__ = Streaming.__qualname__ = model_class.__name__

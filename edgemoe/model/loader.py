@@ -6,8 +6,7 @@ from typing import Any, Dict, Optional
 
 from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 
-from ..format.source import (BUNDLED_MODEL, model_path, open_source, pack_asset,
-                             resolve_asset)
+from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
 from ..routing.predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
@@ -15,8 +14,6 @@ from ..routing.prerouter import load_prerouter
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from .experts import install, streaming_class
-
-DEFAULT_MODEL = BUNDLED_MODEL
 
 
 def load(
