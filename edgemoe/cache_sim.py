@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from .cli import add_debug_flag, tool
 from .format.pack import Pack, PackLayer, Record, TensorLayout
 from .streaming.budget import SlotPlan
 from .streaming.cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
@@ -425,6 +426,7 @@ def print_table(results: List[Result]):
               f"{r.decode_hit_rate:>10.1%} {per_token:>21.3f} {gap:>10}")
 
 
+@tool("cache_sim")
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-learned"]:
@@ -447,24 +449,22 @@ def main(argv=None):
     p.add_argument("--png", default=None, help="Plot decode hit rate against budget here "
                                                "(needs matplotlib: pip install 'edgemoe[bench]')")
     p.add_argument("--json", default=None, help="Write the results here")
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    try:
-        traces = [load_trace(t) for t in args.traces]
-        if args.policies:
-            policies = args.policies.split(",")
-        else:
-            policies = [n for n in POLICIES if n != "learned" or Path(args.learned).exists()]
-            if not args.prefetch:
-                policies.append("belady")
-        unknown = set(policies) - set(POLICIES) - {"belady"}
-        if unknown:
-            raise ValueError(f"cache policy {', '.join(sorted(unknown))}: choose from "
-                             f"{', '.join(POLICIES)}, belady")
-        model = NextUseModel.load(args.learned) if "learned" in policies else None
-        results = run(traces, args.budget.split(","), policies, args.num_experts, model,
-                      args.prefetch)
-    except (FileNotFoundError, ValueError) as e:  # BudgetError is a ValueError
-        sys.exit(f"edgemoe.cache_sim: error: {e}")
+    traces = [load_trace(t) for t in args.traces]
+    if args.policies:
+        policies = args.policies.split(",")
+    else:
+        policies = [n for n in POLICIES if n != "learned" or Path(args.learned).exists()]
+        if not args.prefetch:
+            policies.append("belady")
+    unknown = set(policies) - set(POLICIES) - {"belady"}
+    if unknown:
+        raise ValueError(f"cache policy {', '.join(sorted(unknown))}: choose from "
+                         f"{', '.join(POLICIES)}, belady")
+    model = NextUseModel.load(args.learned) if "learned" in policies else None
+    results = run(traces, args.budget.split(","), policies, args.num_experts, model,
+                  args.prefetch)
     n = sum(len(t["routed"]) for t in traces)
     d = sum(int(t["decode"].sum()) for t in traces)
     experts = args.num_experts or max(trace_experts(t) for t in traces)
@@ -494,11 +494,9 @@ def main_train(argv):
     p.add_argument("--out", default=str(DEFAULT_LEARNED))
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--steps", type=int, default=2000)
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    try:
-        traces = [load_trace(t) for t in args.traces]
-    except FileNotFoundError as e:
-        sys.exit(f"edgemoe.cache_sim: error: {e}")
+    traces = [load_trace(t) for t in args.traces]
     model = train_learned(traces, hidden=args.hidden, steps=args.steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)

@@ -22,6 +22,8 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import quantize_model, save_config
 from tqdm import tqdm
 
+from .cli import add_debug_flag, tool
+from .format.source import model_path
 from .format.families import check_supported, layer_index, top_k
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
@@ -33,9 +35,7 @@ CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 
 def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
             overwrite: bool = False) -> Path:
-    src, dst = Path(hf_path), Path(mlx_path)
-    if not (src / "config.json").exists():
-        raise FileNotFoundError(f"{src}: no checkpoint here (config.json not found)")
+    src, dst = model_path(hf_path), Path(mlx_path)
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
     check_destination(src, dst, overwrite)
@@ -187,6 +187,7 @@ def _replace(tmp: Path, dst: Path):
         shutil.rmtree(old)
 
 
+@tool("convert")
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Convert an MoE checkpoint to an edgemoe pack.")
     parser.add_argument("--hf-path", "--model", required=True,
@@ -195,12 +196,9 @@ def main(argv=None):
     parser.add_argument("--q-bits", type=int, default=4)
     parser.add_argument("--q-group-size", type=int, default=64)
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing DST")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
-        dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size,
-                      args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        sys.exit(f"edgemoe.convert: error: {e}")
+    dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.overwrite)
     print(f"[edgemoe] wrote {dst}")
 
 

@@ -19,7 +19,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cli import add_debug_flag, tool
 from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
 from .options import StreamOptions
@@ -225,6 +225,7 @@ def parse_memory(text: str) -> int:
     return parse_budget(text, 0)
 
 
+@tool("doctor")
 def main(argv=None):
     p = argparse.ArgumentParser(description="Will a pack fit, and how fast will it decode?")
     p.add_argument("--model", default=str(BUNDLED_MODEL),
@@ -236,18 +237,16 @@ def main(argv=None):
     p.add_argument("--budget", dest="expert_budget", help=argparse.SUPPRESS)  # older name
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    try:
-        pack = open_source(args.model)
-        trace = None
-        if args.trace:
-            from .streaming.trace import check_trace_matches, load_trace
+    pack = open_source(args.model)
+    trace = None
+    if args.trace:
+        from .streaming.trace import check_trace_matches, load_trace
 
-            trace = load_trace(args.trace)
-            check_trace_matches(trace, pack, args.trace)
-        report(pack, args, trace)
-    except (FileNotFoundError, ValueError) as e:  # PackError and BudgetError too
-        sys.exit(f"edgemoe.doctor: error: {e}")
+        trace = load_trace(args.trace)
+        check_trace_matches(trace, pack, args.trace)
+    report(pack, args, trace)
 
 
 def report(pack: Pack, args, trace=None):

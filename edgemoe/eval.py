@@ -16,7 +16,6 @@ windows, top-1 agreement and mean KL(first || second) of the next-token distribu
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -25,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from .cli import add_debug_flag, tool
 from .format.source import BUNDLED_MODEL, source_kind
 from .options import StreamOptions
 from .streaming.trace import routing_stats as trace_routing_stats
@@ -136,6 +136,7 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
     return result
 
 
+@tool("eval")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", required=True, help="A UTF-8 text file")
@@ -148,17 +149,15 @@ def main(argv=None):
                    help="Per-layer expert usage and routing entropy of the first model")
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p)
+    add_debug_flag(p)
     args = p.parse_args(argv)
     args.model = args.model or [str(BUNDLED_MODEL)]
     if len(args.model) > 2:
         p.error("give one --model, or two to compare")
-    try:
-        configs = [ModelConfig.parse(s) for s in args.model]
-        text = Path(args.text).read_text()
-        result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats,
-                          StreamOptions.from_args(args))
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"edgemoe.eval: error: {e}")
+    configs = [ModelConfig.parse(s) for s in args.model]
+    text = Path(args.text).read_text()
+    result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats,
+                      StreamOptions.from_args(args))
     for c in result["configs"]:
         print(f"{c['model']}: perplexity {c['perplexity']:.3f} (nll {c['nll']:.4f} nats/token)")
     if "mean_kl" in result:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.generate import str2bool
 from mlx_lm.sample_utils import make_sampler
 
-from .format.pack import PackError
+from .cli import add_debug_flag, tool
 from .model.generation import generate
 from .options import StreamOptions, number
 
@@ -38,20 +38,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "print the response when 'False' or 'F' (as mlx_lm.generate)")
     p.add_argument("--trace", default=None,
                    help="Write the routing of every token and layer to this .npz file")
+    add_debug_flag(p)
     StreamOptions.add_arguments(p)
     return p
 
 
+@tool("generate")
 def main(argv=None):
     from .model.loader import load
+
 
     args = setup_arg_parser().parse_args(argv)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    try:
-        model, tokenizer = load(args.model, **StreamOptions.from_args(args).load_kwargs())
-    except (FileNotFoundError, ValueError) as e:  # PackError and BudgetError too
-        sys.exit(f"edgemoe.generate: error: {e}")
+    model, tokenizer = load(args.model, **StreamOptions.from_args(args).load_kwargs())
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -65,11 +65,8 @@ def main(argv=None):
     sampler = make_sampler(args.temp, args.top_p)
     store = model.expert_store
     trace = store.start_trace() if args.trace else None
-    try:
-        text = generate(model, tokenizer, tokens, verbose=args.verbose,
-                        max_tokens=args.max_tokens, sampler=sampler)
-    except PackError as e:  # a record found corrupt or unreadable mid-decode
-        sys.exit(f"edgemoe.generate: error: {e}")
+    text = generate(model, tokenizer, tokens, verbose=args.verbose,
+                    max_tokens=args.max_tokens, sampler=sampler)
     if trace is not None:
         trace.save(args.trace)
     if args.verbose:

@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from .cli import add_debug_flag, tool
 from .eval import compare
 from .model.loader import load
 from .options import StreamOptions
@@ -214,6 +215,7 @@ def report_lines(report: dict) -> list:
     return lines
 
 
+@tool("train_lora")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="the int4 edgemoe pack (the student)")
@@ -237,15 +239,13 @@ def main(argv=None):
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "routing",
                                          "prerouter", "readers"])
     p.set_defaults(routing="prerouted")  # the student as it will be served
+    add_debug_flag(p)
     args = p.parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG
     if existing.exists() and not (Path(args.out) / STATE).exists():
         sys.exit(f"edgemoe.train_lora: error: {args.out} holds an adapter that is not a "
                  f"resumable run; choose another --out")
-    try:
-        report = train(args)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"edgemoe.train_lora: error: {e}")
+    report = train(args)
     print("\n".join(report_lines(report)))
 
 

@@ -22,7 +22,6 @@ PATH is an mlx-lm checkpoint (loaded fully resident) or an edgemoe pack.
 import argparse
 import json
 import shutil
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -34,6 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from .cli import add_debug_flag, tool
 from .format.source import source_kind
 from .options import StreamOptions
 from .routing.gates import gate_logits, moe_blocks, routing_from_logits, uses_sigmoid
@@ -308,6 +308,7 @@ def print_table(report: dict):
                                              for c in cells))
 
 
+@tool("train_prerouter")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="mlx-lm checkpoint or edgemoe pack")
@@ -330,11 +331,9 @@ def main(argv=None):
     p.add_argument("--max-train-tokens", type=int, default=0)
     p.add_argument("--max-eval-tokens", type=int, default=0)
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "readers"])
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    try:
-        report = run(args)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"edgemoe.train_prerouter: error: {e}")
+    report = run(args)
     print_table(report)
 
 

@@ -146,6 +146,9 @@ class Pack:
         are checked as they are read, the resident ones by `verify_resident`)."""
         path = Path(path)
         manifest_path = path / MANIFEST
+        if not manifest_path.exists() and (path / EXPERTS_FILE).exists():
+            raise PackError(f"{path}: an edgemoe pack without its {MANIFEST} (damaged or "
+                            f"unfinished); convert the checkpoint again")
         if not manifest_path.exists():
             raise PackError(
                 f"{path}: not an edgemoe pack (no {MANIFEST}); convert it first with "
@@ -162,18 +165,42 @@ class Pack:
                 f"{manifest_path}: format version {m.get('version')}, this edgemoe reads "
                 f"version {VERSION}; convert the checkpoint again"
             )
-        pack = cls(
-            path=path,
-            model_type=m["model_type"],
-            top_k=m["top_k"],
-            layers=[PackLayer.from_json(l) for l in m["layers"]],
-            experts_file_size=m["experts_file_size"],
-            resident_crc32=(m.get("resident") or {}).get("crc32"),
-        )
+        try:
+            pack = cls(
+                path=path,
+                model_type=m["model_type"],
+                top_k=m["top_k"],
+                layers=[PackLayer.from_json(l) for l in m["layers"]],
+                experts_file_size=m["experts_file_size"],
+                resident_crc32=(m.get("resident") or {}).get("crc32"),
+            )
+        except KeyError as e:
+            raise PackError(f"{manifest_path}: missing field {e}; convert the checkpoint "
+                            f"again") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise PackError(f"{manifest_path}: malformed ({e}); convert the checkpoint "
+                            f"again") from None
+        pack._check_records(manifest_path)
         pack._check_experts_file()
         if verify:
             pack._check_checksums_present(manifest_path)
         return pack
+
+    def _check_records(self, manifest_path: Path):
+        """Every record where convert puts one: aligned, of its layer's size, inside the
+        experts file (a damaged manifest is named here, not as a failed read later)."""
+        for layer in self.layers:
+            for e, record in enumerate(layer.records):
+                where = f"{manifest_path}: layer {layer.index} expert {e}"
+                if record.offset % ALIGNMENT:
+                    raise PackError(f"{where}: record offset {record.offset} is not "
+                                    f"{ALIGNMENT}-byte aligned")
+                if record.length != layer.expert_bytes:
+                    raise PackError(f"{where}: record of {record.length} bytes, its tensors "
+                                    f"take {layer.expert_bytes}")
+                if record.offset + record.length > self.experts_file_size:
+                    raise PackError(f"{where}: record ends at {record.offset + record.length}, "
+                                    f"past the experts file's {self.experts_file_size} bytes")
 
     def _check_checksums_present(self, manifest_path: Path):
         fix = "convert the checkpoint again, or pass --no-verify to read it unchecked"

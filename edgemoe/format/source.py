@@ -15,10 +15,11 @@ from typing import Optional
 
 from .families import check_supported
 from .inplace import open_mlx_lm
-from .pack import MANIFEST, Pack, PackError
+from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
 PACK_ASSETS = {"prerouter": "prerouter", "adapter": "adapter", "cache_policy": "cache_policy.npz"}
+SHARD_INDEX = "model.safetensors.index.json"
 OWN = "pack"  # as a path (--prerouter pack, --adapter-path pack): the model folder's own
 
 
@@ -32,7 +33,25 @@ def model_path(path=None) -> Path:
     if not config.exists():
         raise FileNotFoundError(f"{path}: no config.json: not an edgemoe pack nor an mlx-lm "
                                 f"checkpoint; is this a model folder?")
+    check_shards(path)
     return path
+
+
+def check_shards(path: Path):
+    """Every weight file a sharded checkpoint's index names must be there: a missing one
+    is named, not found later as missing tensors."""
+    index = path / SHARD_INDEX
+    if not index.exists():
+        return
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise PackError(f"{index}: not a safetensors index (no weight_map)") from None
+    missing = sorted(s for s in shards if not (path / s).exists())
+    if missing:
+        raise FileNotFoundError(f"{path / missing[0]}: missing (named by {SHARD_INDEX}"
+                                + (f", with {len(missing) - 1} more)" if len(missing) > 1
+                                   else ")"))
 
 
 def source_kind(path) -> str:
@@ -54,8 +73,8 @@ def open_source(path=None, verify: bool = True) -> Pack:
     every checksum (Pack.open)."""
     path = model_path(path)
     check_supported(json.loads((path / "config.json").read_text()), path / "config.json")
-    if source_kind(path) == "pack":
-        return Pack.open(path, verify)
+    if source_kind(path) == "pack" or (path / EXPERTS_FILE).exists():
+        return Pack.open(path, verify)  # an experts.bin without its manifest is a broken pack
     return open_mlx_lm(path)
 
 

@@ -1,0 +1,163 @@
+"""Every expected failure of a tool is one line naming the file or field, and exit status 1;
+tracebacks are for bugs, or asked for with --debug (edgemoe.cli)."""
+
+import errno
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+import edgemoe
+
+from edgemoe.format.pack import EXPERTS_FILE, MANIFEST, Pack
+from edgemoe.streaming import reader as reader_module
+
+from conftest import corrupt_record
+
+FAMILY = "qwen3_moe"
+
+
+def tool_module(name):
+    """The module `python -m edgemoe.NAME` runs. Importing edgemoe.generate binds the
+    package's `generate` to the module; unbind it, so that `edgemoe.generate` stays the
+    mlx-lm style function (the package's __getattr__) for the other tests."""
+    module = importlib.import_module(f"edgemoe.{name}")
+    if name in edgemoe.__all__:
+        vars(edgemoe).pop(name, None)
+    return module
+
+
+cache_sim, convert, doctor, generate, server = map(
+    tool_module, ("cache_sim", "convert", "doctor", "generate", "server"))
+
+
+def error_line(main, *argv) -> str:
+    """The tool's exit message: it must be one `edgemoe.X: error:` line."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(map(str, argv)))
+    message = exit_.value.code
+    assert isinstance(message, str) and message.startswith("edgemoe."), message
+    assert ": error: " in message and "\n" not in message, message
+    return message
+
+
+@pytest.fixture
+def pack(packs, tmp_path):
+    """A copy of a pack, to damage."""
+    return shutil.copytree(packs[FAMILY]["hf"], tmp_path / "pack")
+
+
+def edit_manifest(pack, change):
+    m = json.loads((pack / MANIFEST).read_text())
+    change(m)
+    (pack / MANIFEST).write_text(json.dumps(m))
+
+
+def test_a_manifest_missing_a_field_is_named_by_every_tool(pack):
+    edit_manifest(pack, lambda m: m.pop("top_k"))
+    for main in (generate.main, doctor.main, server.main):
+        message = error_line(main, "--model", pack)
+        assert f"{pack / MANIFEST}: missing field 'top_k'" in message
+
+
+def test_a_record_out_of_place_is_named_at_load(pack):
+    edit_manifest(pack, lambda m: m["layers"][1]["records"][5].__setitem__(0, 8 + m["layers"][
+        1]["records"][5][0]))
+    message = error_line(generate.main, "--model", pack, "--io", "direct", "-m", 1)
+    assert "layer 1 expert 5: record offset" in message and "not 16384-byte aligned" in message
+    edit_manifest(pack, lambda m: m["layers"][0]["records"][-1].__setitem__(0, m[
+        "experts_file_size"]))
+    assert "past the experts file" in error_line(generate.main, "--model", pack)
+
+
+def test_a_pack_without_its_manifest_is_called_a_broken_pack(pack):
+    (pack / MANIFEST).unlink()
+    message = error_line(generate.main, "--model", pack)
+    assert "an edgemoe pack without its manifest.json" in message
+    assert "switch_mlp" not in message
+
+
+def split_into_shards(src, dst):
+    """An mlx-lm checkpoint whose weights lie in two shards named by an index."""
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / "model.safetensors"))
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, part in halves.items():
+        mx.save_safetensors(str(dst / shard), {n: weights[n] for n in part},
+                            metadata={"format": "mlx"})
+    (dst / "model.safetensors").unlink()
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: s for s, part in halves.items() for n in part}}))
+    return dst
+
+
+def test_a_missing_shard_is_named(checkpoints, tmp_path):
+    hf = shutil.copytree(checkpoints[FAMILY][0], tmp_path / "hf")
+    shard = sorted(hf.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    expected = f"{shard}: missing (named by model.safetensors.index.json)"
+    assert expected in error_line(convert.main, "--hf-path", hf, "--mlx-path", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+    in_place = split_into_shards(checkpoints[FAMILY][1], tmp_path / "mlx")
+    (in_place / "model-00002-of-00002.safetensors").unlink()
+    assert f"{in_place / 'model-00002-of-00002.safetensors'}: missing" in error_line(
+        generate.main, "--model", in_place, "-m", 1)
+
+
+def test_a_sharded_checkpoint_read_in_place_still_streams(checkpoints, tmp_path):
+    """The shard check passes a whole sharded checkpoint (the guard must not refuse it)."""
+    in_place = split_into_shards(checkpoints[FAMILY][1], tmp_path / "mlx")
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model", str(in_place),
+                        "-m", "3", "--verbose", "false"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(checkpoints, tmp_path,
+                                                                   monkeypatch):
+    def full(self, parts):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.file.name))
+
+    monkeypatch.setattr(convert.ExpertsWriter, "write", full)
+    message = error_line(convert.main, "--hf-path", checkpoints[FAMILY][0],
+                         "--mlx-path", tmp_path / "out")
+    assert message.endswith(f"{EXPERTS_FILE}: No space left on device"), message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_permission_error_names_the_file(pack, monkeypatch):
+    opened = reader_module.os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith(EXPERTS_FILE):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module.os, "open", refuse)
+    message = error_line(generate.main, "--model", pack)
+    assert message == f"edgemoe.generate: error: {pack / EXPERTS_FILE}: Permission denied"
+
+
+def test_a_bad_trace_is_one_line(tmp_path):
+    (tmp_path / "t.npz").write_bytes(b"not a trace")
+    assert "not a routing trace" in error_line(cache_sim.main, tmp_path / "t.npz")
+
+
+def test_corruption_found_mid_decode_is_one_line_and_debug_shows_the_traceback(pack):
+    layer = corrupt_record(pack, 0, 0)  # expert 0 of the first MoE layer: soon needed
+    Pack.open(pack)  # the manifest is intact: only reading the record finds it
+    args = [sys.executable, "-m", "edgemoe.generate", "--model", str(pack), "-m", "40",
+            "--expert-budget", "1.0", "--prompt", "tell me a long story about the sea"]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("edgemoe.generate: error: ") and \
+        f"layer {layer.index} expert 0: checksum mismatch" in last, r.stderr
+    r = subprocess.run(args + ["--debug"], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "PackError" in r.stderr
