@@ -9,14 +9,17 @@ every request in flight together is edgemoe.serving.engine.
 
 import argparse
 import logging
-import sys
+import socket
 from typing import Tuple
 
-from .options import StreamOptions
+from .cli import add_debug_flag, tool
+from .options import StreamOptions, number
 from .serving.engine import Engine
-from .serving.http import DEFAULT_MAX_TOKENS, LOCAL_HOSTS, Server, make_app
+from .serving.http import (DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server,
+                           make_app)
 
 log = logging.getLogger("edgemoe.server")
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -33,6 +36,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "::, any is allowed")
     p.add_argument("--max-connections", type=int, default=256,
                    help="Connections served at once; more get 503 (default: %(default)s)")
+    p.add_argument("--send-timeout", type=number(float, 0, above=True),
+                   default=SEND_TIMEOUT_S, metavar="SECONDS",
+                   help="A streamed request whose client reads nothing for this long is "
+                        "cancelled, freeing its batch row (default: %(default)s)")
+    p.add_argument("--send-buffer", type=number(int, 4096), default=SEND_BUFFER_BYTES,
+                   metavar="BYTES", help="Kernel send buffer of each connection "
+                                         "(default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="Most requests decoded together; more wait their turn (FIFO)")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -42,6 +52,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_debug_flag(p)
     StreamOptions.add_arguments(p)  # each batch row keeps its own routing state
     return p
 
@@ -63,7 +74,8 @@ def build(args) -> Tuple[Engine, Server]:
     server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
                     context_length=context,
                     vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens,
-                    allowed_hosts=allowed_hosts(args.host, args.allowed_host))
+                    allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+                    send_timeout_s=args.send_timeout)
     return engine, server
 
 
@@ -74,25 +86,35 @@ def allowed_hosts(host: str, extra):
     return sorted({host, *LOCAL_HOSTS, *(extra or ())})
 
 
+def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
+    """The server's socket. Its send buffer, which the connections it accepts inherit,
+    is fixed (no autotuning to megabytes), so a client that stops reading blocks its
+    stream soon, and --send-timeout can free its batch row."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    return sock
+
+
+@tool("server")
 def main(argv=None):
     import uvicorn
 
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine, server = build(args)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"edgemoe.server: error: {e}")
+    engine, server = build(args)
     info = engine.model.expert_store.info()
     log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts), %s "
              "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,
              info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,
              args.routing, server.context_length, args.host, args.port)
     try:
-        uvicorn.run(make_app(server), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
-                    limit_concurrency=args.max_connections, timeout_keep_alive=5)
+        config = uvicorn.Config(make_app(server), log_level=args.log_level.lower(),
+                                timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                                limit_concurrency=args.max_connections)
+        sock = listening_socket(args.host, args.port, args.send_buffer)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.stop()
 

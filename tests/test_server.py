@@ -6,6 +6,8 @@ every test here; each request has a bounded length and each client call a timeou
 
 import contextlib
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -531,3 +533,106 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
         r = pending.result()
     assert r.status_code == 400  # longer than the model's context
     assert len(latencies) >= 3 and max(latencies) < total / 2, (latencies, total)
+
+
+def test_streams_never_read_are_cancelled_and_free_their_rows(packs):
+    """Two clients send streamed requests and never read (a small receive buffer, so the
+    server's send soon blocks): with --send-timeout 1 both are cancelled, and a normal
+    request, which had no batch row left, is answered as it is alone."""
+    ps = prompts(2)
+    with running_server("--model", str(packs[FAMILY]["hf"]), "--max-batch", "2",
+                        "--send-timeout", "1", "--send-buffer", "16384") as url:
+        alone = completion(url, ps[1], max_tokens=8)
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": ps[0], "max_tokens": 1000, "stream": True,
+                           "temperature": 0, "logprobs": True}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+        silent = []
+        try:
+            for _ in range(2):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                s.sendall(request)
+                silent.append(s)
+            deadline = time.time() + 30
+            while metrics(url)["requests"]["active"] < 2:  # both hold a row
+                assert time.time() < deadline
+                time.sleep(0.05)
+            assert completion(url, ps[1], max_tokens=8) == alone
+            requests = metrics(url)["requests"]
+            assert requests["cancelled"] == 2 and requests["completed"] == 2, requests
+        finally:
+            for s in silent:
+                s.close()
+
+
+@contextlib.contextmanager
+def serving_in_process(*argv):
+    """edgemoe.server's app on a loopback socket, served by uvicorn on a thread of this
+    process (so a test can reach into its reader)."""
+    import uvicorn
+
+    from edgemoe.server import build, setup_arg_parser
+    from edgemoe.serving.http import make_app
+
+    engine, server = build(setup_arg_parser().parse_args(list(argv)))
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=15)
+        engine.stop()
+
+
+def test_a_stuck_read_fails_its_request_and_health_says_so(packs, tmp_path, monkeypatch):
+    """A read that never returns: /health turns 503 while it is stuck, the request gets a
+    JSON 500 naming --read-timeout; a corrupt record then gets a JSON 500 naming the
+    expert, and neither carries the server's folders."""
+    from conftest import corrupt_record
+    from edgemoe.format.pack import Pack
+    from edgemoe.streaming import reader as reader_module
+
+    pack = shutil.copytree(packs[FAMILY]["hf"], tmp_path / "secret-folder" / "pack")
+    for e in range(Pack.open(pack).layers[0].num_experts):
+        corrupt_record(pack, 0, e)  # whatever the routing, the first MoE layer is corrupt
+    unstuck, preadv = threading.Event(), os.preadv
+
+    def stuck_preadv(*args):
+        unstuck.wait(60)
+        return preadv(*args)
+
+    with serving_in_process("--model", str(pack), "--read-timeout", "0.5",
+                            "--log-level", "ERROR") as url:
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        monkeypatch.setattr(reader_module.os, "preadv", stuck_preadv)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, url, "/v1/completions",
+                                  {"prompt": prompts(1)[0], "max_tokens": 4})
+            deadline = time.time() + 30
+            while httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200:
+                assert time.time() < deadline, "health never noticed the stuck read"
+                time.sleep(0.05)
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == \
+                {"status": "unavailable"}
+            r = pending.result(timeout=30)
+        assert r.status_code == 500 and "--read-timeout" in r.json()["error"]["message"]
+        monkeypatch.setattr(reader_module.os, "preadv", preadv)
+        unstuck.set()
+        r = post(url, "/v1/completions", {"prompt": prompts(1)[0], "max_tokens": 4})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 500 and "experts.bin: layer" in message and \
+            "checksum mismatch" in message, message
+        for r_text in (message, r.text):
+            assert "secret-folder" not in r_text and str(tmp_path) not in r_text
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200

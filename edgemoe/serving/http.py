@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,6 +36,10 @@ DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 4 * 2**20  # a request body larger than this gets a 413
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+SEND_TIMEOUT_S = 30.0  # a stream whose client takes nothing for this long is cancelled
+# the folders of a path: absolute, ~ or ./ relative, or relative before a file.ext
+_DIRECTORIES = re.compile(r"(?<![\w.~/-])(?:(?:~|\.{1,2})?/(?:[\w.~-]+/)*(?=[\w.-])"
+                          r"|(?:[\w.~-]+/)+(?=[\w-]+(?:\.[\w-]+)*\.[A-Za-z]\w*\b))")
 
 
 class BadRequest(Exception):
@@ -100,10 +105,15 @@ class Server:
     def __init__(self, engine: Engine, model_id: str, context_length: int,
                  vocab_size: Optional[int] = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 allowed_hosts: Optional[List[str]] = None):
+                 allowed_hosts: Optional[List[str]] = None,
+                 send_timeout_s: float = SEND_TIMEOUT_S):
         """`allowed_hosts`: the Host header names requests may carry (None: any), so
-        that a web page cannot reach a local server by DNS rebinding."""
+        that a web page cannot reach a local server by DNS rebinding. `send_timeout_s`:
+        how long a streamed chunk may wait for its client to read before the request is
+        cancelled and its batch row freed."""
         self.engine = engine
+        self.send_timeout_s = send_timeout_s
+        self.sending: Dict[Job, Tuple[float, asyncio.Queue]] = {}  # chunks not yet taken
         self.allowed_hosts = allowed_hosts
         self.vocab_size = vocab_size
         self.model_id = model_id
@@ -329,7 +339,7 @@ class Server:
                 if event is None:
                     continue
                 if event["type"] == "error":
-                    return error_response(event["message"], 500, kind="server_error")
+                    return error_response(public(event["message"]), 500, kind="server_error")
                 if event["type"] == "token":
                     text.append(event["text"])
                     if job.want_logprobs:
@@ -352,18 +362,22 @@ class Server:
 
     async def _stream(self, job, opts, chat, events):
         finished = False
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 event = await events.get()
                 if event["type"] == "error":
-                    yield _sse({"error": {"message": event["message"], "type": "server_error",
-                                          "param": None, "code": None}})
+                    yield _sse({"error": {"message": public(event["message"]),
+                                          "type": "server_error", "param": None,
+                                          "code": None}})
                     finished = True
                     return
                 if event["type"] == "token":
                     lp = [(event["token"], event["logprob"])] if job.want_logprobs else None
                     if event["text"] or lp:
+                        self.sending[job] = (loop.time(), events)
                         yield _sse(self._chunk(job, opts, chat, event["text"], None, lp))
+                        self.sending.pop(job, None)  # the client took it
                     continue
                 yield _sse(self._chunk(job, opts, chat, "", event["finish_reason"]))
                 if opts["include_usage"]:
@@ -374,9 +388,26 @@ class Server:
                 finished = True
                 return
         finally:  # the client went away (cancelled task or closed generator)
+            self.sending.pop(job, None)
             if not finished:
                 log.info("request %s: client disconnected mid-stream", job.id)
                 self.engine.cancel(job)
+
+    async def watch_sends(self):
+        """Cancel the streams of clients that stopped reading: once the socket's buffers
+        are full a chunk waits in `send`; after `send_timeout_s` its request is cancelled,
+        so its batch row goes to a request whose client is there."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.send_timeout_s / 4))
+            for job, (since, events) in list(self.sending.items()):
+                if loop.time() - since > self.send_timeout_s:
+                    log.warning("request %s: the client read nothing for %.0f s; cancelled",
+                                job.id, self.send_timeout_s)
+                    self.sending.pop(job, None)
+                    self.engine.cancel(job)
+                    events.put_nowait({"type": "error", "message": (
+                        f"cancelled: the client read nothing for {self.send_timeout_s:g} s")})
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [
@@ -392,6 +423,11 @@ class Server:
         return JSONResponse(self.engine.snapshot())
 
 
+def public(message: str) -> str:
+    """An error message as clients see it: file names without the server's folders."""
+    return _DIRECTORIES.sub("", message)
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -403,10 +439,19 @@ async def _http_error(request: Request, exc: HTTPException):
     return error_response(message, exc.status_code)
 
 
+async def _internal_error(request: Request, exc: Exception):
+    """A bug: logged with its traceback; the client gets JSON without server paths."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(f"internal server error: {type(exc).__name__}: "
+                          f"{public(str(exc))[:500]}", 500, kind="server_error")
+
+
 def make_app(server: Server) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        watch = asyncio.create_task(server.watch_sends())
         yield
+        watch.cancel()
         # uvicorn re-raises SIGTERM once the app has shut down: stop the engine here,
         # so its thread frees the model and its MLX streams before the process ends.
         await asyncio.to_thread(server.engine.stop)
@@ -435,5 +480,5 @@ def make_app(server: Server) -> Starlette:
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
