@@ -1,5 +1,6 @@
 """Tiny checkpoints of every supported family, built once per test session."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -48,3 +49,25 @@ def corrupt_record(pack_path, layer: int, expert: int):
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     return pack_layer
+
+
+def tool_module(name):
+    """The module `python -m edgemoe.NAME` runs. Importing edgemoe.generate binds the
+    package's `generate` to the module; unbind it, so that `edgemoe.generate` stays the
+    mlx-lm style function (the package's __getattr__) for the other tests."""
+    import edgemoe
+
+    module = importlib.import_module(f"edgemoe.{name}")
+    if name in edgemoe.__all__:
+        vars(edgemoe).pop(name, None)
+    return module
+
+
+def error_line(main, *argv) -> str:
+    """A tool's exit message for an expected failure: one `edgemoe.X: error:` line."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(map(str, argv)))
+    message = exit_.value.code
+    assert isinstance(message, str) and message.startswith("edgemoe."), message
+    assert ": error: " in message and "\n" not in message, message
+    return message

@@ -2,7 +2,6 @@
 tracebacks are for bugs, or asked for with --debug (edgemoe.cli)."""
 
 import errno
-import importlib
 import json
 import shutil
 import subprocess
@@ -11,38 +10,16 @@ import sys
 import mlx.core as mx
 import pytest
 
-import edgemoe
-
 from edgemoe.format.pack import EXPERTS_FILE, MANIFEST, Pack
 from edgemoe.streaming import reader as reader_module
 
-from conftest import corrupt_record
+from conftest import corrupt_record, error_line, tool_module
 
 FAMILY = "qwen3_moe"
 
 
-def tool_module(name):
-    """The module `python -m edgemoe.NAME` runs. Importing edgemoe.generate binds the
-    package's `generate` to the module; unbind it, so that `edgemoe.generate` stays the
-    mlx-lm style function (the package's __getattr__) for the other tests."""
-    module = importlib.import_module(f"edgemoe.{name}")
-    if name in edgemoe.__all__:
-        vars(edgemoe).pop(name, None)
-    return module
-
-
 cache_sim, convert, doctor, generate, server = map(
     tool_module, ("cache_sim", "convert", "doctor", "generate", "server"))
-
-
-def error_line(main, *argv) -> str:
-    """The tool's exit message: it must be one `edgemoe.X: error:` line."""
-    with pytest.raises(SystemExit) as exit_:
-        main(list(map(str, argv)))
-    message = exit_.value.code
-    assert isinstance(message, str) and message.startswith("edgemoe."), message
-    assert ": error: " in message and "\n" not in message, message
-    return message
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ mlx-lm stores each projection of a layer's experts as one stacked tensor
 (`...switch_mlp.gate_proj.weight` of shape (experts, ...)), so expert e of a tensor is
 one contiguous slice. An expert is then several reads (one per tensor, up to nine),
 found from the safetensors headers alone. For users who cannot afford the disk space
-of a second copy; the repacked pack reads each expert in one.
+of a second copy; the repacked pack reads each expert in one. Its checksums come from
+the index `edgemoe.verify` writes beside it (edgemoe.format.checksums), when there is one.
 """
 
 import json
@@ -12,9 +13,11 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
+from .checksums import load_index, with_index
 from .families import check_supported, layer_index, top_k
 from .pack import Pack, PackError, PackLayer, Record, TensorLayout
 
+EXPERTS_MARKER = ".switch_mlp."  # in the names of routed-expert tensors
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "U8": "uint8", "I32": "int32"}
 
@@ -31,8 +34,14 @@ def safetensors_header(path: Path):
     return header, 8 + n
 
 
-def open_mlx_lm(path) -> Pack:
-    """A Pack whose records point into an mlx-lm quantized checkpoint's shards."""
+def resident_tensor_names(path: Path) -> set:
+    """The tensors of a shard that are not routed experts."""
+    return {name for name in safetensors_header(path)[0] if EXPERTS_MARKER not in name}
+
+
+def open_mlx_lm(path, verify: bool = True) -> Pack:
+    """A Pack whose records point into an mlx-lm quantized checkpoint's shards; with
+    `verify`, carrying the checksums of its index, if it has one."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     check_supported(config, path / "config.json")
@@ -47,7 +56,7 @@ def open_mlx_lm(path) -> Pack:
     for i, f in enumerate(files):
         header, data_start = safetensors_header(f)
         for name, entry in header.items():
-            module, sep, tensor = name.partition(".switch_mlp.")
+            module, sep, tensor = name.partition(EXPERTS_MARKER)
             if sep:
                 tensors[module + ".switch_mlp"][tensor] = (i, data_start, entry)
     if not tensors:
@@ -55,8 +64,10 @@ def open_mlx_lm(path) -> Pack:
     layers = [_layer(module, found, config) for module, found in
               sorted(tensors.items(), key=lambda kv: layer_index(kv[0]))]
     size = sum(f.stat().st_size for f in files)
-    return Pack(path, config["model_type"], top_k(config), layers, size, files=files,
+    pack = Pack(path, config["model_type"], top_k(config), layers, size, files=files,
                 in_place=True)
+    index = load_index(pack) if verify else None
+    return with_index(pack, index) if index is not None else pack
 
 
 def _layer(module: str, found: dict, config: dict) -> PackLayer:

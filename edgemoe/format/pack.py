@@ -214,17 +214,24 @@ class Pack:
 
     def verify_resident(self):
         """Check every resident tensor against its CRC32: a PackError names the first that
-        differs. Reads the whole resident file."""
-        found = resident_checksums(self.path / RESIDENT_FILE)
+        differs. Reads every resident tensor (in place: those of every shard, beside the
+        experts)."""
+        files = self.files if self.in_place else [self.path / RESIDENT_FILE]
+        found = {}  # tensor -> (crc, the file it lies in)
+        for f in files:
+            names = set(self.resident_crc32) if self.in_place else None
+            found.update({n: (crc, f) for n, crc in resident_checksums(f, names=names).items()})
         for name, crc in sorted(self.resident_crc32.items()):
-            if found.get(name) != crc:
-                got = "missing" if name not in found else f"{found[name]:08x}"
-                raise PackError(f"{self.path / RESIDENT_FILE}: tensor {name}: checksum "
-                                f"mismatch (expected {crc:08x}, found {got})")
+            if name not in found:
+                raise PackError(f"{files[0]}: tensor {name}: missing (its checksum is listed)")
+            got, where = found[name]
+            if got != crc:
+                raise PackError(f"{where}: tensor {name}: checksum mismatch (expected "
+                                f"{crc:08x}, found {got:08x})")
         extra = sorted(set(found) - set(self.resident_crc32))
         if extra:
-            raise PackError(f"{self.path / RESIDENT_FILE}: tensors the manifest does not "
-                            f"list: {', '.join(extra[:5])}")
+            raise PackError(f"{files[0]}: tensors the manifest does not list: "
+                            f"{', '.join(extra[:5])}")
 
     def _check_experts_file(self):
         if not self.experts_path.exists():
@@ -294,8 +301,10 @@ class ExpertsWriter:
         return self.offset
 
 
-def resident_checksums(path: Path, chunk: int = 16 * 2**20) -> Dict[str, int]:
-    """CRC32 of every tensor's bytes in a safetensors file, read in chunks."""
+def resident_checksums(path: Path, chunk: int = 16 * 2**20,
+                       names: Optional[set] = None) -> Dict[str, int]:
+    """CRC32 of every tensor's bytes in a safetensors file (of `names` only, if given),
+    read in chunks."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -305,6 +314,8 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20) -> Dict[str, int]:
         header.pop("__metadata__", None)
         crcs = {}
         for name, entry in header.items():
+            if names is not None and name not in names:
+                continue
             begin, end = entry["data_offsets"]
             f.seek(start + begin)
             crc, left = 0, end - begin

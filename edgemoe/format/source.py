@@ -69,13 +69,13 @@ def source_kind(path) -> str:
 
 def open_source(path=None, verify: bool = True) -> Pack:
     """The routed experts of a model folder: a pack's records, or an mlx-lm checkpoint's
-    tensor slices read in place (which carry no checksums). `verify`: a pack must have
-    every checksum (Pack.open)."""
+    tensor slices read in place (checksummed if `edgemoe.verify` indexed them). `verify`:
+    a pack must have every checksum (Pack.open), an index must match its checkpoint."""
     path = model_path(path)
     check_supported(json.loads((path / "config.json").read_text()), path / "config.json")
     if source_kind(path) == "pack" or (path / EXPERTS_FILE).exists():
         return Pack.open(path, verify)  # an experts.bin without its manifest is a broken pack
-    return open_mlx_lm(path)
+    return open_mlx_lm(path, verify)
 
 
 def pack_asset(model: Path, name: str) -> Optional[Path]:

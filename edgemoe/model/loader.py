@@ -47,8 +47,9 @@ def load(
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
     over `read_timeout` seconds fails the call with a PackError. With `verify` (the
     default) a pack's resident tensors are checked against their CRC32s before loading, and
-    every expert record as it is read; experts read in place are not checksummed (said on
-    stderr).
+    every expert record as it is read; so are an mlx-lm checkpoint's read in place once
+    `edgemoe.verify` has indexed its checksums (without an index, stderr says they are not
+    checked).
 
     The model is mlx-lm's own class for the family with each MoE block's expert
     module streaming from disk; it works with mlx-lm's generate_step, samplers and
@@ -59,9 +60,10 @@ def load(
         raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
     path = model_path(path_or_hf_repo)
     source = open_source(path, verify)
-    if verify and source.in_place:
+    if verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
-              f"its experts are not verified (convert it to a pack for that)", file=sys.stderr)
+              f"its weights are not verified (`python -m edgemoe.verify --model {path}` "
+              f"indexes them once)", file=sys.stderr)
     elif verify:
         source.verify_resident()
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights

@@ -194,7 +194,8 @@ class Reader:
             self._verified(tic)
             if found != crc:
                 f.on_done(f, 0, PackError(
-                    f"{self.pack.experts_path}: layer {f.layer_index} expert {f.expert}: "
+                    f"{self.pack.files[f.record.segments[0][0]]}: layer {f.layer_index} "
+                    f"expert {f.expert}: "
                     f"checksum mismatch (expected {crc:08x}, found {found:08x})"))
                 return
         f.on_done(f, f.record.length, None)

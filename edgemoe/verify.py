@@ -1,0 +1,64 @@
+"""Check every weight of a model folder against its checksums, reading it all once.
+
+    python -m edgemoe.verify [--model PATH] [--rebuild]
+
+A pack is checked against its manifest. An mlx-lm checkpoint read in place has no
+checksums of its own: the first run computes them into `edgemoe.checksums.json` beside
+it, after which loads check its weights as a pack's are and later runs check against
+that index (`--rebuild` computes it again, for a checkpoint replaced on purpose).
+"""
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from .cli import add_debug_flag, tool
+from .format.checksums import INDEX_FILE, build_index, expert_crc32s
+from .format.pack import PackError
+from .format.source import open_source
+
+
+def check(pack, bar) -> int:
+    """Verify resident tensors, then every record; the number of records checked."""
+    pack.verify_resident()
+    found = expert_crc32s(pack, bar.update)
+    for layer in pack.layers:
+        for e, (record, crc) in enumerate(zip(layer.records, found[layer.module])):
+            if record.crc32 != crc:
+                where = pack.files[record.segments[0][0]]
+                raise PackError(f"{where}: layer {layer.index} expert {e}: checksum mismatch "
+                                f"(expected {record.crc32:08x}, found {crc:08x})")
+    return sum(l.num_experts for l in pack.layers)
+
+
+@tool("verify")
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None,
+                   help="An edgemoe pack or mlx-lm quantized checkpoint (default: the bundled "
+                        "reference model)")
+    p.add_argument("--rebuild", action="store_true",
+                   help=f"For a checkpoint read in place: compute {INDEX_FILE} anew")
+    add_debug_flag(p)
+    args = p.parse_args(argv)
+    pack = open_source(args.model, verify=not args.rebuild)
+    indexing = pack.in_place and (args.rebuild or pack.resident_crc32 is None)
+    bar = tqdm(total=pack.expert_bytes, unit="B", unit_scale=True,
+               desc="indexing" if indexing else "verifying", file=sys.stderr)
+    with bar:
+        if indexing:
+            written = build_index(pack, bar.update)
+        else:
+            records = check(pack, bar)
+    if indexing:
+        print(f"wrote {written}: checksums of {sum(l.num_experts for l in pack.layers)} "
+              f"experts and {len(open_source(pack.path).resident_crc32)} resident tensors; "
+              f"loads now verify them")
+    else:
+        print(f"{pack.path}: ok ({records} expert records, {len(pack.resident_crc32)} "
+              f"resident tensors)")
+
+
+if __name__ == "__main__":
+    main()
