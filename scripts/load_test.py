@@ -17,6 +17,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -38,18 +39,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args) -> tuple:
+def start_server(model: str, *flags: str, tool: str = "load_test") -> tuple:
+    """`python -m edgemoe.server --model MODEL FLAGS` on a free loopback port, once its
+    /health answers: (process, url). Its log goes to a file (`proc.log`): a pipe nobody
+    reads would fill and stop the server at its next warning."""
     port = free_port()
-    cmd = [sys.executable, "-m", "edgemoe.server", "--model", args.model,
-           "--host", "127.0.0.1", "--port", str(port), "--expert-budget", args.expert_budget,
-           "--max-batch", str(max(CONCURRENCY)), "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [sys.executable, "-m", "edgemoe.server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *flags]
+    log = tempfile.NamedTemporaryFile("w+", prefix="edgemoe-server-", suffix=".log")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"load_test: the server exited: {proc.stderr.read()}")
+            log.seek(0)
+            sys.exit(f"{tool}: the server exited: {log.read()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
@@ -57,7 +62,7 @@ def start_server(args) -> tuple:
             pass
         time.sleep(0.3)
     proc.kill()
-    sys.exit(f"load_test: the server did not start within {START_TIMEOUT_S} s")
+    sys.exit(f"{tool}: the server did not start within {START_TIMEOUT_S} s")
 
 
 def one_request(url: str, prompt, max_tokens: int):
@@ -119,7 +124,8 @@ def main():
             sys.exit("load_test: --url must be a loopback address")
         url = args.url.rstrip("/")
     else:
-        proc, url = start_server(args)
+        proc, url = start_server(args.model, "--expert-budget", args.expert_budget,
+                                 "--max-batch", str(max(CONCURRENCY)))
     try:
         rng = np.random.default_rng(0)
         run_level(url, 1, 4, rng)  # warm up: first loads, MLX kernels

@@ -233,6 +233,9 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "n": 3}, "'n' must be 1"),
     ("/v1/completions", {"prompt": [5] * 1100}, "the model's context is 1024 tokens"),
     ("/v1/completions", {"prompt": [5] * 1000, "max_tokens": 100}, "1100 in all"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "a lone surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     "a lone surrogate"),
 ]
 
 

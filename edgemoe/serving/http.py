@@ -286,10 +286,16 @@ class Server:
                 return None, error_response(f"the request body is over {MAX_BODY_BYTES} "
                                             f"bytes", 413)
         try:
-            return json.loads(bytes(raw)), None
+            body = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             return None, error_response(f"invalid JSON in the request body: "
                                         f"{str(e)[:200] or type(e).__name__}")
+        try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return None, error_response(f"invalid Unicode in the request body: a lone "
+                                        f"surrogate ({e.object[e.start:e.end]!r})")
+        return body, None
 
     async def _complete(self, request: Request, chat: bool):
         body, error = await self._body(request)

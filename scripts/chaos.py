@@ -1,0 +1,319 @@
+"""Chaos against one `edgemoe.server`: good and bad requests, stalled and vanishing clients,
+and file faults at once, for a bounded time, on loopback only.
+
+    python scripts/chaos.py [--model PACK] [--duration 180] [--json chaos.json]
+
+The server serves a copy of the pack (the faults are made in the copy): every
+--fault-every seconds one byte of a random expert record is flipped for --fault-for
+seconds, then restored. Meanwhile:
+  good      greedy completions (plain and streamed), each checked token for token against
+            the same prompt run alone before the chaos began;
+  bad       requests the server must refuse with a 4xx (a poison top_k, NaN, wrong types,
+            an oversized body, a foreign Host, text/plain, a deep or broken JSON, ...);
+  stalled   streamed requests from clients that never read (a 4 KB receive buffer);
+  vanishing streamed requests whose clients hang up after a few chunks;
+  health    /health polled all along (its slowest answer is reported).
+
+A good request may fail only with a 500 that names a corrupt record (a fault it met: the
+server refused to compute on bad bytes); anything else that is not its solo output counts
+as wrong, and one that does not finish within --request-timeout as a hang. The report:
+requests sent by kind, good answered correctly, failed by a fault, wrong, hung; bad
+refused with 4xx; 5xx count; p95 latency of good requests; server RSS before and after;
+rows still active at the end; stalled streams the server cancelled for not reading.
+"""
+
+import argparse
+import json
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import start_server  # noqa: E402
+
+from edgemoe.format.pack import Pack  # noqa: E402
+from edgemoe.format.source import BUNDLED_MODEL  # noqa: E402
+
+PROMPTS = ["def read_lines(path):", "import os\n\n", "class Stack:\n    def push(self, x):",
+           "for i in range(10):", "The module json", "# Copyright", "return sorted(",
+           "with open(path) as f:"]
+MAX_TOKENS = 24
+SERVER_FLAGS = ["--max-batch", "4", "--send-timeout", "2", "--send-buffer", "16384",
+                "--read-timeout", "10", "--expert-budget", "25%"]
+
+
+def bad_requests(url: str):
+    """(name, callable returning a status code): each must be refused with a 4xx."""
+    post = f"{url}/v1/completions"
+
+    def js(body, **kw):
+        return lambda c: c.post(post, json=body, **kw).status_code
+
+    def raw(content, ctype="application/json", **headers):
+        return lambda c: c.post(post, content=content,
+                                headers={"content-type": ctype, **headers}).status_code
+
+    return [
+        ("top_k >= vocabulary", js({"prompt": "x", "max_tokens": 4, "temperature": 1,
+                                    "top_k": 10 ** 6})),
+        ("temperature NaN", raw(b'{"prompt": "x", "max_tokens": 4, "temperature": NaN}')),
+        ("min_p Infinity", raw(b'{"prompt": "x", "max_tokens": 4, "min_p": Infinity}')),
+        ("seed 2**64", js({"prompt": "x", "max_tokens": 4, "seed": 2 ** 64})),
+        ("max_tokens a string", js({"prompt": "x", "max_tokens": "many"})),
+        ("prompt missing", js({"max_tokens": 4})),
+        ("beyond the context", js({"prompt": "x", "max_tokens": 10 ** 6})),
+        ("200 stop strings", js({"prompt": "x", "max_tokens": 4, "stop": ["a"] * 200})),
+        ("5 MB body", raw(b'{"prompt": "' + b"x" * (5 * 2 ** 20) + b'"}')),
+        ("text/plain body", raw(b'{"prompt": "x"}', "text/plain")),
+        ("foreign Host", raw(b'{"prompt": "x"}', host="evil.example")),
+        ("deep JSON", raw(b"[" * 100000 + b"]" * 100000)),
+        ("broken JSON", raw(b'{"prompt": "x",')),
+        ("lone surrogate", raw(b'{"prompt": "\\ud800", "max_tokens": 2}')),
+        ("chat without messages", lambda c: c.post(f"{url}/v1/chat/completions",
+                                                   json={"max_tokens": 2}).status_code),
+    ]
+
+
+class Chaos:
+    def __init__(self, url: str, pack: Path, args):
+        self.url, self.pack, self.args = url, pack, args
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.counts = Counter()
+        self.latencies, self.health_s, self.wrong = [], [], []
+        self.reference = {}
+        self.fault_changes = 0  # flips and restores so far: odd while a fault is in place
+        self.refused = Counter()
+        self.rng = random.Random(args.seed)
+
+    def count(self, *keys):
+        with self.lock:
+            for k in keys:
+                self.counts[k] += 1
+
+    # -- good requests -------------------------------------------------------------
+    def solo(self, client, prompt, stream):
+        """(token ids, or None) and the failure, of one greedy completion."""
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+        if not stream:
+            r = client.post(f"{self.url}/v1/completions", json=body)
+            if r.status_code != 200:
+                return None, r
+            return [c["id"] for c in r.json()["choices"][0]["logprobs"]["content"]], r
+        ids = []
+        with client.stream("POST", f"{self.url}/v1/completions",
+                           json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                r.read()
+                return None, r
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return None, event["error"]["message"]
+                for choice in event["choices"]:
+                    ids += [c["id"] for c in (choice.get("logprobs") or {}).get("content", [])]
+        return ids, r
+
+    def good(self):
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                prompt = self.rng.choice(PROMPTS)
+                stream = self.rng.random() < 0.5
+                tic, changes = time.perf_counter(), self.fault_changes
+                try:
+                    ids, r = self.solo(client, prompt, stream)
+                except httpx.TimeoutException:
+                    self.count("good", "good_hung")
+                    continue
+                except httpx.TransportError as e:
+                    self.count("good", "good_wrong")
+                    self.wrong.append(f"{prompt!r}: {type(e).__name__}")
+                    continue
+                if ids is not None:
+                    self.latencies.append(time.perf_counter() - tic)
+                    ok = ids == self.reference[prompt]
+                    self.count("good", "good_correct" if ok else "good_wrong")
+                    if not ok:
+                        self.wrong.append(f"{prompt!r} (stream={stream}): {ids} != "
+                                          f"{self.reference[prompt]}")
+                    continue
+                message = r if isinstance(r, str) else r.text
+                status = 500 if isinstance(r, str) else r.status_code
+                if status >= 500:
+                    self.count("5xx")
+                met_fault = changes % 2 or self.fault_changes != changes
+                if status == 500 and "checksum mismatch" in message and met_fault:
+                    self.count("good", "good_failed_by_fault")
+                else:
+                    self.count("good", "good_wrong")
+                    self.wrong.append(f"{prompt!r}: {status} {message[:200]}")
+
+    # -- bad requests, stalled and vanishing clients -------------------------------------
+    def bad(self):
+        cases = bad_requests(self.url)
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                name, send = self.rng.choice(cases)
+                try:
+                    status = send(client)
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                self.count("bad")
+                with self.lock:
+                    self.refused[name, status] += 1
+                if isinstance(status, int) and 400 <= status < 500:
+                    self.count("bad_refused_4xx")
+                else:
+                    self.count("bad_not_refused", *(["5xx"] if status in range(500, 600)
+                                                    else []))
+                    self.wrong.append(f"bad request {name!r}: {status}")
+                time.sleep(0.05)
+
+    def stalled(self):
+        port = int(self.url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": self.rng.choice(PROMPTS), "max_tokens": 1500,
+                           "stream": True, "logprobs": True}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+        while not self.stop.is_set():
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.sendall(request)
+            self.count("stalled")
+            self.stop.wait(45)  # never reads; the server must give up on it
+            s.close()
+
+    def vanishing(self):
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                try:
+                    with client.stream("POST", f"{self.url}/v1/completions",
+                                       json={"prompt": self.rng.choice(PROMPTS),
+                                             "max_tokens": 400, "stream": True}) as r:
+                        for _, _ in zip(r.iter_lines(), range(self.rng.randint(1, 8))):
+                            pass
+                except httpx.HTTPError:
+                    pass
+                self.count("vanishing")
+                self.stop.wait(1)
+
+    def health(self):
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                tic = time.perf_counter()
+                try:
+                    client.get(f"{self.url}/health")
+                    self.health_s.append(time.perf_counter() - tic)
+                except httpx.TimeoutException:
+                    self.count("health_hung")
+                self.stop.wait(0.5)
+
+    # -- file faults ---------------------------------------------------------------
+    def faults(self):
+        pack = Pack.open(self.pack)
+        records = [(l.index, e, r) for l in pack.layers for e, r in enumerate(l.records)]
+        with open(pack.experts_path, "r+b") as f:
+            while not self.stop.wait(self.args.fault_every):
+                layer, expert, record = self.rng.choice(records)
+                at = record.offset + self.rng.randrange(record.length)
+                f.seek(at)
+                byte = f.read(1)
+                f.seek(at)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                f.flush()
+                self.fault_changes += 1
+                self.count("faults")
+                self.stop.wait(self.args.fault_for)
+                f.seek(at)
+                f.write(byte)
+                f.flush()
+                self.fault_changes += 1
+
+    def run(self):
+        workers = ([self.good] * self.args.good_clients + [self.bad, self.stalled,
+                   self.vanishing, self.health, self.faults])
+        threads = [threading.Thread(target=w, daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        time.sleep(self.args.duration)
+        self.stop.set()
+        for t in threads:
+            t.join(self.args.request_timeout + 10)
+        return [t for t in threads if t.is_alive()]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(BUNDLED_MODEL), help="An edgemoe pack (copied)")
+    p.add_argument("--duration", type=float, default=180)
+    p.add_argument("--good-clients", type=int, default=3)
+    p.add_argument("--fault-every", type=float, default=20)
+    p.add_argument("--fault-for", type=float, default=3)
+    p.add_argument("--request-timeout", type=float, default=120)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="edgemoe-chaos-") as tmp:
+        pack = Path(shutil.copytree(args.model, Path(tmp) / "pack"))
+        proc, url = start_server(str(pack), *SERVER_FLAGS, tool="chaos")
+        try:
+            chaos = Chaos(url, pack, args)
+            with httpx.Client(timeout=args.request_timeout) as client:
+                for prompt in PROMPTS:  # each prompt alone, before any chaos
+                    chaos.reference[prompt], _ = chaos.solo(client, prompt, stream=False)
+            rss_before = rss_bytes(proc.pid)
+            print(f"chaos: {args.duration:.0f} s against {url} ({args.good_clients} good "
+                  f"clients; a fault every {args.fault_every:.0f} s)", file=sys.stderr)
+            alive = chaos.run()
+            time.sleep(3)  # let cancelled rows drain
+            metrics = httpx.get(f"{url}/metrics", timeout=30).json()
+            proc.log.seek(0)
+            send_timeouts = proc.log.read().count("the client read nothing")
+            report = {
+                "duration_s": args.duration, "sent": {k: chaos.counts[k] for k in (
+                    "good", "bad", "stalled", "vanishing")},
+                **{k: chaos.counts[k] for k in ("good_correct", "good_failed_by_fault",
+                                               "good_wrong", "good_hung", "bad_refused_4xx",
+                                               "bad_not_refused", "5xx", "faults",
+                                               "health_hung")},
+                "good_p95_latency_s": float(np.percentile(chaos.latencies, 95))
+                if chaos.latencies else None,
+                "health_max_s": max(chaos.health_s) if chaos.health_s else None,
+                "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(proc.pid),
+                "rows_active_after": metrics["requests"]["active"],
+                "stalled_cancelled_by_send_timeout": send_timeouts,
+                "server_requests": metrics["requests"],
+                "bad_by_kind": {f"{name}: {status}": n
+                                for (name, status), n in sorted(chaos.refused.items())},
+                "workers_stuck": len(alive), "wrong_examples": chaos.wrong[:10],
+            }
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
