@@ -9,6 +9,7 @@ end, so an interrupted conversion leaves nothing half-written at DST.
 """
 
 import argparse
+import errno
 import json
 import shutil
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import quantize_model, save_config
@@ -27,8 +28,8 @@ from .format.source import model_path
 from .format.families import check_supported, layer_index, top_k
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
-from .format.pack import (EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter, PackLayer,
-                          record_layout, write_manifest)
+from .format.pack import (ALIGNMENT, EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter,
+                          PackLayer, record_layout, write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -51,7 +52,9 @@ def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
 
     tmp = dst.parent / f".{dst.name}.partial"
     _remove_ours(tmp, "an interrupted conversion's leftovers")
-    tmp.mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    check_disk_space(dst, model)
+    tmp.mkdir()
     (tmp / OURS).touch()  # what we write, we may remove
     try:
         _write_pack(tmp, model, config)
@@ -89,12 +92,29 @@ def _write_pack(out: Path, model, config):
 
     writer = ExpertsWriter(out / EXPERTS_FILE)
     layers = []
-    total = sum(_num_experts(m) for m in experts.values())
-    with tqdm(total=total, desc="experts", unit="expert") as bar:
+    total = sum(_nbytes(m) for m in experts.values())
+    with tqdm(total=total, desc="experts", unit="B", unit_scale=True) as bar:
         for path, module in experts.items():
             layers.append(_write_layer(writer, path, module, bar))
     size = writer.close()
     write_manifest(out, config["model_type"], top_k(config), layers, size)
+
+
+def _nbytes(module) -> int:
+    """Bytes of a module's weights, known from their shapes before they are computed."""
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def check_disk_space(dst: Path, model):
+    """Refuse before writing when the pack cannot fit on DST's disk (its size is known
+    from the model's shapes: every weight, plus at most one alignment per record)."""
+    params = tree_flatten(model.parameters())
+    records = sum(_num_experts(m) for m in expert_modules(model).values())
+    needed = sum(v.nbytes for _, v in params) + records * ALIGNMENT
+    free = shutil.disk_usage(dst.parent).free
+    if needed > free:
+        raise OSError(errno.ENOSPC, f"the pack needs {needed / 1e9:.2f} GB, the disk has "
+                                    f"{free / 1e9:.2f} GB free", str(dst.parent))
 
 
 def _num_experts(module) -> int:
@@ -102,16 +122,22 @@ def _num_experts(module) -> int:
 
 
 def _write_layer(writer: ExpertsWriter, path: str, module, bar) -> PackLayer:
+    """Write one layer's experts, computed (read, cast, quantized) only now, then drop
+    them from the model: memory holds one layer of experts whatever the model's size."""
     params = dict(tree_flatten(module.parameters()))
-    mx.eval(params)  # one layer's experts in memory at a time
+    mx.eval(params)
     arrays = {k: _as_numpy(v) for k, v in params.items()}
     dtypes = {k: str(v.dtype).removeprefix("mlx.core.") for k, v in params.items()}
     layout = record_layout(arrays, dtypes)
     records = []
     for e in range(next(iter(arrays.values())).shape[0]):
         records.append(writer.write([arrays[t.name][e] for t in layout]))
-        bar.update(1)
-    return PackLayer(path, layer_index(path), layout, _quantization(module), records)
+        bar.update(records[-1].length)
+    layer = PackLayer(path, layer_index(path), layout, _quantization(module), records)
+    module.update(tree_unflatten([(k, mx.zeros((0,), v.dtype)) for k, v in params.items()]))
+    del params, arrays
+    mx.clear_cache()
+    return layer
 
 
 def _as_numpy(a: mx.array) -> np.ndarray:

@@ -1,0 +1,82 @@
+"""convert in bounded memory: checkpoints several times larger than a memory cap convert
+under it, to the same bytes, and convert's peak RSS does not grow with the model.
+
+The checkpoints come from scripts/make_large_checkpoint.py (small layer shapes, many
+layers): an mlx-lm int4 one and a Hugging Face bf16 one with per-expert tensors.
+"""
+
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
+SHAPE = ["--hidden", "512", "--moe-intermediate", "1024", "--experts", "32", "--heads", "4",
+         "--kv-heads", "2", "--head-dim", "128", "--top-k", "4"]
+# (format, layers of the small and the large checkpoint, a cap the large is ~3x over)
+KINDS = {"mlx": (10, 30, "300M"), "hf": (3, 12, "400M")}  # large: 0.87 GB, 1.24 GB
+PEAK = ("import resource, sys; from edgemoe.convert import convert; "
+        "convert(sys.argv[1], sys.argv[2]); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+
+
+def make(out: Path, fmt: str, layers: int) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_large_checkpoint.py"),
+                    str(out), "--format", fmt, "--layers", str(layers), *SHAPE],
+                   check=True, capture_output=True)
+    return out
+
+
+def convert_peak_rss(src: Path, dst: Path) -> int:
+    r = subprocess.run([sys.executable, "-c", PEAK, str(src), str(dst)], check=True,
+                       capture_output=True, text=True)
+    return int(r.stdout.split()[-1])
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def converted(request, tmp_path_factory):
+    """Per source kind: the large checkpoint, its pack, and convert's peak RSS for the
+    small and the large one."""
+    fmt = request.param
+    small_layers, large_layers, cap = KINDS[fmt]
+    tmp = tmp_path_factory.mktemp(f"large-{fmt}")
+    small, large = make(tmp / "small", fmt, small_layers), make(tmp / "large", fmt,
+                                                                 large_layers)
+    peaks = [convert_peak_rss(small, tmp / "small-pack"),
+             convert_peak_rss(large, tmp / "large-pack")]
+    return fmt, large, tmp / "large-pack", peaks, cap
+
+
+def test_convert_peak_rss_does_not_grow_with_the_model(converted):
+    """3x (mlx) and 4x (hf) the layers, the same peak within 64 MB: one layer of experts
+    is held at a time. Before, each written layer stayed referenced: 544 -> 1095 MB from
+    10 to 30 mlx layers."""
+    fmt, _, _, (small, large), _ = converted
+    assert large - small < 64 * 2**20, (fmt, small, large)
+
+
+def constrained_works() -> bool:
+    try:
+        return subprocess.run([str(CONSTRAINED), "--memory", "1G", "--", "true"],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not constrained_works(), reason="needs ../shared/tools/constrained "
+                                                    "(root, cgroup v1)")
+def test_a_checkpoint_3x_its_memory_cap_converts_under_it_to_the_same_pack(converted,
+                                                                          tmp_path):
+    fmt, large, reference, _, cap = converted
+    size = sum(f.stat().st_size for f in large.glob("*.safetensors"))
+    r = subprocess.run([str(CONSTRAINED), "--memory", cap, "--", sys.executable, "-m",
+                        "edgemoe.convert", "--hf-path", str(large), "--mlx-path",
+                        str(tmp_path / "pack")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    peak = int(r.stderr.split("constrained: peak memory ")[-1].split()[0])
+    assert size > 2.5 * peak, (size, peak)  # the cap held it (page cache included)
+    for name in ("experts.bin", "model.safetensors", "manifest.json"):
+        assert filecmp.cmp(tmp_path / "pack" / name, reference / name, shallow=False), name
