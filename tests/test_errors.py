@@ -138,3 +138,13 @@ def test_corruption_found_mid_decode_is_one_line_and_debug_shows_the_traceback(p
         f"layer {layer.index} expert 0: checksum mismatch" in last, r.stderr
     r = subprocess.run(args + ["--debug"], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" in r.stderr and "PackError" in r.stderr
+
+
+def test_a_pack_that_cannot_fit_is_refused_before_writing(checkpoints, tmp_path, monkeypatch):
+    real = convert.shutil.disk_usage
+    monkeypatch.setattr(convert.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=1000))  # a nearly full disk
+    message = error_line(convert.main, "--hf-path", checkpoints[FAMILY][0],
+                         "--mlx-path", tmp_path / "out")
+    assert f"{tmp_path}: the pack needs " in message and "the disk has 0.00 GB free" in message
+    assert list(tmp_path.iterdir()) == []
