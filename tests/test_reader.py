@@ -133,6 +133,32 @@ def test_direct_io_reads_bypass_the_page_cache(own_pack):
     assert page_cache_bytes(experts) == 0
 
 
+def drop_from_page_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages of a fresh copy cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_direct_io_in_place_leaves_the_page_cache_empty(checkpoints, tmp_path):
+    """An mlx-lm checkpoint read in place with O_DIRECT: each tensor slice read as its
+    aligned span, the shards' pages (the resident weights' too, once loaded) dropped;
+    the tokens are those of buffered reads."""
+    from edgemoe.streaming.telemetry import page_cache_bytes
+
+    src = shutil.copytree(checkpoints["qwen3_moe"][1], tmp_path / "mlx")
+    shards = sorted(src.glob("model*.safetensors"))
+    buffered, tokenizer = edgemoe.load(src, expert_budget=0.25)
+    expected = edgemoe.generate(buffered, tokenizer, "hello", max_tokens=8)
+    for f in shards:
+        drop_from_page_cache(f)
+    model, tokenizer = edgemoe.load(src, expert_budget=0.25, io="direct")
+    assert model.expert_store.reader.io == "direct"
+    assert edgemoe.generate(model, tokenizer, "hello", max_tokens=8) == expected
+    assert model.expert_store.snapshot().bytes_read > 0
+    assert sum(page_cache_bytes(f) for f in shards) == 0
+
+
 def test_adjacent_records_are_merged_into_one_read(packs):
     from edgemoe.streaming.reader import Fill, Reader
 

@@ -2,13 +2,16 @@
 
 `os.preadv` releases the GIL, so reads proceed while MLX computes on the main
 thread. Fills of one layer are submitted together; records adjacent in the file
-are merged into one read. With O_DIRECT the page cache is bypassed: a read lands in
-an aligned staging buffer and is copied into the slots (the slots' rows are not
-4 KiB aligned); a filesystem that refuses O_DIRECT falls back to buffered reads
-followed by `posix_fadvise(DONTNEED)`.
+are merged into one read. With O_DIRECT the page cache is bypassed: a read of the
+4 KiB-aligned span around a record (or, in place, around each tensor slice) lands in an
+aligned staging buffer and is copied into the slots (whose rows are not 4 KiB aligned);
+a filesystem that refuses O_DIRECT falls back to buffered reads followed by
+`posix_fadvise(DONTNEED)`. macOS has no O_DIRECT: there `F_NOCACHE` on the file
+descriptors keeps the reads out of the unified buffer cache instead.
 """
 
 import errno
+import fcntl
 import os
 import queue
 import sys
@@ -23,6 +26,7 @@ import numpy as np
 from ..format.pack import ALIGNMENT, Pack, PackError
 
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3.13 lacks it)
 
 
 @dataclass
@@ -58,7 +62,8 @@ class Reader:
             raise ValueError(f"io {io!r}: choose buffered or direct")
         self.pack = pack
         self.fds = [os.open(f, os.O_RDONLY) for f in pack.files]
-        self.direct_fd = None
+        self.direct_fds: List[int] = []  # per file, with O_DIRECT
+        self.nocache = False  # macOS: F_NOCACHE set on self.fds
         self.drop_cache = False
         if io == "direct":
             self._open_direct()
@@ -75,21 +80,30 @@ class Reader:
             t.start()
 
     def _open_direct(self):
-        if self.pack.in_place or not hasattr(os, "O_DIRECT"):
-            reason = "records in place are not aligned" if self.pack.in_place else "no O_DIRECT here"
+        if sys.platform == "darwin":
+            for fd in self.fds:
+                fcntl.fcntl(fd, F_NOCACHE, 1)
+            self.nocache = True
+            return
+        if not hasattr(os, "O_DIRECT"):
+            reason = "no O_DIRECT here"
         else:
             try:
-                self.direct_fd = os.open(self.pack.files[0], os.O_RDONLY | os.O_DIRECT)
+                for f in self.pack.files:
+                    self.direct_fds.append(os.open(f, os.O_RDONLY | os.O_DIRECT))
                 return
             except OSError as e:
-                reason = f"{self.pack.files[0]}: {os.strerror(e.errno)}"
+                reason = f"{f}: {os.strerror(e.errno)}"
+                for fd in self.direct_fds:
+                    os.close(fd)
+                self.direct_fds = []
         self.drop_cache = True
         print(f"[edgemoe] O_DIRECT unavailable ({reason}); buffered reads with "
               f"posix_fadvise(DONTNEED)", file=sys.stderr)
 
     @property
     def io(self) -> str:
-        if self.direct_fd is not None:
+        if self.direct_fds or self.nocache:
             return "direct"
         return "buffered+dontneed" if self.drop_cache else "buffered"
 
@@ -113,9 +127,9 @@ class Reader:
             self.queue.put(None)
         for t in self.threads:
             t.join(timeout=5)
-        for fd in self.fds + ([self.direct_fd] if self.direct_fd is not None else []):
+        for fd in self.fds + self.direct_fds:
             os.close(fd)
-        self.fds, self.direct_fd = [], None
+        self.fds, self.direct_fds = [], []
 
     def _run(self):
         staging = None
@@ -127,7 +141,7 @@ class Reader:
                 for f in run:
                     if f.before_read is not None:
                         f.before_read(f.slot)
-                if self.direct_fd is not None:
+                if self.direct_fds:
                     staging = self._read_direct(run, staging)
                 else:
                     self._read_buffered(run)
@@ -164,25 +178,43 @@ class Reader:
             self._finish(f)
 
     def _read_direct(self, run: List[Fill], staging):
-        start = run[0].record.offset
+        """A run of pack records: one read of their span. A record in place: one read
+        per tensor slice, each of its aligned span."""
+        if len(run[0].record.segments) > 1:
+            (f,) = run
+            for (file_index, offset, length), buf in zip(f.record.segments, f.buffers):
+                staging, at = self._read_span(file_index, offset, offset + length, staging)
+                self._copy_out(staging, at, [buf])
+            self._finish(f)
+            return staging
+        file_index, start, _ = run[0].record.segments[0]
         end = run[-1].record.offset + run[-1].record.length
-        length = (end - start + BLOCK - 1) // BLOCK * BLOCK
-        if staging is None or len(staging) < length:
-            staging = _aligned_buffer(max(length, ALIGNMENT))
-        n = self._pread(self.direct_fd, [staging[:length]], start)
-        if n < end - start:
-            raise PackError(f"short read (expected {end - start} bytes, got {n}); "
-                            f"the file is truncated")
+        staging, base = self._read_span(file_index, start, end, staging)
         for f in run:
-            tic = self.clock()
-            at = f.record.offset - start
-            for buf in f.buffers:
-                flat = buf.reshape(-1).view(np.uint8)
-                flat[:] = staging[at:at + flat.nbytes]
-                at += flat.nbytes
-            self._verified(tic)
+            self._copy_out(staging, base + f.record.offset - start, f.buffers)
             self._finish(f)
         return staging
+
+    def _read_span(self, file_index: int, start: int, end: int, staging):
+        """Read [start, end) with O_DIRECT, widened to 4 KiB blocks, into `staging` (grown
+        when short): (staging, where `start` lies in it)."""
+        lo = start // BLOCK * BLOCK
+        length = (end - lo + BLOCK - 1) // BLOCK * BLOCK
+        if staging is None or len(staging) < length:
+            staging = _aligned_buffer(max(length, ALIGNMENT))
+        n = self._pread(self.direct_fds[file_index], [staging[:length]], lo)
+        if n < end - lo:
+            raise PackError(f"short read (expected {end - lo} bytes, got {n}); "
+                            f"the file is truncated")
+        return staging, start - lo
+
+    def _copy_out(self, staging, at: int, buffers):
+        tic = self.clock()
+        for buf in buffers:
+            flat = buf.reshape(-1).view(np.uint8)
+            flat[:] = staging[at:at + flat.nbytes]
+            at += flat.nbytes
+        self._verified(tic)
 
     def _finish(self, f: Fill):
         crc = f.record.crc32
