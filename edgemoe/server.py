@@ -40,6 +40,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    default=SEND_TIMEOUT_S, metavar="SECONDS",
                    help="A streamed request whose client reads nothing for this long is "
                         "cancelled, freeing its batch row (default: %(default)s)")
+    p.add_argument("--request-timeout", type=number(float, 0, above=True), default=10.0,
+                   metavar="SECONDS", help="A connection that starts no request for this "
+                                           "long is closed (default: %(default)s)")
     p.add_argument("--send-buffer", type=number(int, 4096), default=SEND_BUFFER_BYTES,
                    metavar="BYTES", help="Kernel send buffer of each connection "
                                          "(default: %(default)s)")
@@ -96,6 +99,35 @@ def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
     return sock
 
 
+def http_protocol(request_timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection that starts no request within
+    `request_timeout_s` (uvicorn has no such timeout: connections that send part of a
+    request, or nothing, would hold their place under --max-connections for ever, and
+    past it every request, /health too, gets a 503)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._last_seen = None
+            self._watch = self.loop.call_later(request_timeout_s, self._close_if_idle)
+
+        def _close_if_idle(self):
+            cycle = self.cycle  # the request being served; None before the first
+            if cycle is None or (cycle.response_complete and cycle is self._last_seen):
+                if not self.transport.is_closing():
+                    self.transport.close()
+                return
+            self._last_seen = cycle
+            self._watch = self.loop.call_later(request_timeout_s, self._close_if_idle)
+
+        def connection_lost(self, exc):
+            self._watch.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
 @tool("server")
 def main(argv=None):
     import uvicorn
@@ -112,7 +144,8 @@ def main(argv=None):
     try:
         config = uvicorn.Config(make_app(server), log_level=args.log_level.lower(),
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                                limit_concurrency=args.max_connections)
+                                limit_concurrency=args.max_connections,
+                                http=http_protocol(args.request_timeout))
         sock = listening_socket(args.host, args.port, args.send_buffer)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -564,6 +564,9 @@ def test_streams_never_read_are_cancelled_and_free_their_rows(packs):
                 assert time.time() < deadline
                 time.sleep(0.05)
             assert completion(url, ps[1], max_tokens=8) == alone
+            while metrics(url)["requests"]["cancelled"] < 2:  # the other, soon after
+                assert time.time() < deadline, metrics(url)
+                time.sleep(0.05)
             requests = metrics(url)["requests"]
             assert requests["cancelled"] == 2 and requests["completed"] == 2, requests
         finally:
@@ -639,3 +642,27 @@ def test_a_stuck_read_fails_its_request_and_health_says_so(packs, tmp_path, monk
         for r_text in (message, r.text):
             assert "secret-folder" not in r_text and str(tmp_path) not in r_text
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_half_open_connections_are_closed_and_the_server_answers_again(packs):
+    """200 connections that send half a request and wait, against --max-connections 32:
+    uvicorn alone would keep them for ever and answer every later request with a 503;
+    after --request-timeout they are closed and /health answers 200."""
+    with running_server("--model", str(packs[FAMILY]["hf"]), "--max-connections", "32",
+                        "--request-timeout", "1") as url:
+        port = int(url.rsplit(":", 1)[1])
+        half_open = []
+        try:
+            for _ in range(200):
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                half_open.append(s)
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503  # full
+            time.sleep(3)
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+            for s in half_open:  # the server closed each one
+                s.settimeout(5)
+                assert s.recv(100) == b""
+        finally:
+            for s in half_open:
+                s.close()
