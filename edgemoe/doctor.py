@@ -30,10 +30,11 @@ from .cli import add_debug_flag, tool
 from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
 from .options import StreamOptions
-from .streaming.budget import SlotPlan, fmt_bytes, parse_budget
+from .streaming.budget import (AUTO, AUTO_KV_TOKENS, HEADROOM, BudgetError, SlotPlan,
+                               fitting_budget, fmt_bytes, parse_budget)
+from .streaming.telemetry import available_memory_bytes
 from .streaming.cache import DEFAULT_POLICY
 
-HEADROOM = 0.15  # share of --memory left for the KV cache, activations and the OS
 BUDGETS = ("min", "10%", "25%", "50%", "100%")
 DISK_RECORDS = 16  # records read per calibration
 COMPUTE_REPEATS = 20
@@ -290,12 +291,13 @@ def report(pack: Pack, args, trace=None):
           f"token outside them (mlx-lm's model class, random weights): "
           f"{1e3 * step_s:.2f} ms per resident decode step")
 
-    asked = args.expert_budget if args.expert_budget not in (None, "1.0") else None
-    budgets = list(BUDGETS) + ([asked] if asked else [])
-    if args.memory:
-        room = int(parse_memory(args.memory) * (1 - HEADROOM)) - resident
-        if room >= minimum:
-            budgets.append(min(room, experts))
+    memory = parse_memory(args.memory) if args.memory else available_memory_bytes()
+    try:  # the rule `--expert-budget auto` follows
+        auto = fitting_budget(pack, config, memory)
+    except BudgetError as e:
+        auto, no_fit = None, str(e)
+    asked = args.expert_budget if args.expert_budget not in (None, "1.0", AUTO) else None
+    budgets = list(BUDGETS) + ([asked] if asked else []) + ([auto] if auto else [])
     print("predicted decode: a resident step, plus the host round trip per MoE layer, "
           "plus the misses read (serially, or overlapped with compute)")
     if args.trace:
@@ -319,20 +321,14 @@ def report(pack: Pack, args, trace=None):
         read = (1 - hit) * k * sum(l.expert_bytes for l in layers)
         print(f"  {label:>10} {slots:>5} {fmt_bytes(resident + slot_bytes):>10} {hit:>8.1%} "
               f"{fmt_bytes(read):>10} {pred.serial_tps:>7.1f} {pred.overlapped_tps:>18.1f}")
-    if args.memory:
-        memory = parse_memory(args.memory)
-        room = int(memory * (1 - HEADROOM)) - resident
-        if room < minimum:
-            print(f"memory {fmt_bytes(memory)}: does not fit; needs at least "
-                  f"{fmt_bytes((resident + minimum) / (1 - HEADROOM))} (resident "
-                  f"{fmt_bytes(resident)} + minimum budget {fmt_bytes(minimum)}, "
-                  f"{HEADROOM:.0%} kept free)")
-        else:
-            budget = min(room, experts)
-            print(f"memory {fmt_bytes(memory)}: fits with --expert-budget {budget} "
-                  f"({budget / experts:.0%} of the routed experts, "
-                  f"{plan.slots_for_bytes(budget)} slots per layer; {HEADROOM:.0%} kept free "
-                  f"for the KV cache, activations and the OS)")
+    where = f"--memory {args.memory}" if args.memory else "available here"
+    if auto is None:
+        print(f"memory {fmt_bytes(memory)} ({where}): {no_fit}")
+    else:
+        print(f"memory {fmt_bytes(memory)} ({where}): --expert-budget auto gives {auto} bytes "
+              f"({fmt_bytes(auto)}, {auto / experts:.0%} of the routed experts, "
+              f"{plan.slots_for_bytes(auto)} slots per layer), beside the resident weights, "
+              f"a {AUTO_KV_TOKENS}-token KV cache and the runtime, {HEADROOM:.0%} kept free")
 
 
 def _cached(shapes: dict, layer: PackLayer) -> float:

@@ -43,7 +43,7 @@ def number(kind, lo, hi=None, above=False):
 class StreamOptions:
     """How a model streams its experts (the keyword arguments of `edgemoe.load`)."""
 
-    expert_budget: str = "1.0"  # a fraction, a percentage or a size
+    expert_budget: str = "auto"  # a fraction, a percentage, a size, or auto: what fits
     cache_policy: str = DEFAULT_POLICY
     io: str = "buffered"
     routing: str = "native"
@@ -78,8 +78,10 @@ class StreamOptions:
         group = parser.add_argument_group("streaming")
         flags = {
             "expert_budget": (("--expert-budget",), dict(
-                default="1.0", help="Memory for routed experts: a fraction (0.25), a "
-                                    "percentage (25%%) or a size (2GB) (default: %(default)s)")),
+                default="auto", help="Memory for routed experts: a fraction (0.25), a "
+                                     "percentage (25%%), a size (2GB), or auto: what fits in "
+                                     "the memory available, beside the resident weights and "
+                                     "a 4096-token KV cache (default: %(default)s)")),
             "cache_policy": (("--cache-policy",), dict(
                 default=DEFAULT_POLICY, choices=sorted(POLICIES),
                 help="Which resident expert to evict when a layer's slots are full "

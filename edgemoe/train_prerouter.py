@@ -36,6 +36,7 @@ from tqdm import tqdm
 from .cli import add_debug_flag, tool
 from .format.source import source_kind
 from .options import StreamOptions
+from .streaming.budget import is_auto
 from .routing.gates import gate_logits, moe_blocks, routing_from_logits, uses_sigmoid
 from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
@@ -56,7 +57,8 @@ def load_base(path: str, options: Optional[StreamOptions] = None):
     options = (options or StreamOptions()).replace(routing="native", prerouter=None,
                                                    adapter=None)
     kind = source_kind(path)
-    if kind == "pack" or (kind == "mlx-lm" and options.expert_budget not in ("1.0", 1.0)):
+    given = not is_auto(options.expert_budget) and options.expert_budget not in ("1.0", 1.0)
+    if kind == "pack" or (kind == "mlx-lm" and given):
         from .model.loader import load
 
         return load(path, **options.load_kwargs())

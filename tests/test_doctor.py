@@ -1,5 +1,6 @@
 """edgemoe.doctor: a pack's sizes and fit from its manifest, and a predicted decode rate."""
 
+import json
 import re
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 from edgemoe import doctor
 from edgemoe.streaming.cache import DEFAULT_POLICY
 from edgemoe.format.pack import Pack
-from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
+from edgemoe.format.families import kv_bytes_per_token
+from edgemoe.streaming.budget import HEADROOM, RUNTIME_BYTES, fitting_budget, minimum_bytes
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,9 @@ def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
     trace = tmp_path / "t.npz"
     np.savez(trace, routed=routed, decode=np.arange(40) >= 8, layers=np.arange(4),
              expert_bytes=np.array([l.expert_bytes for l in pack.layers]))
-    memory = (pack.resident_bytes + pack.expert_bytes) / 1e9  # GB: room for ~85%
+    config = json.loads((pack.path / "config.json").read_text())
+    fixed = pack.resident_bytes + RUNTIME_BYTES + 4096 * kv_bytes_per_token(config)
+    memory = (fixed + pack.expert_bytes / 2) / (1 - HEADROOM) / 1e9  # GB: room for half
     doctor.main(["--model", str(pack.path), "--memory", str(memory), "--trace", str(trace)])
     out = capsys.readouterr().out
     minimum = minimum_bytes(pack)
@@ -37,15 +41,15 @@ def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
     rows = {line.split()[0]: line.split() for line in out.splitlines()[-8:]}
     assert rows["25%"][1] == "8" and rows["100%"][1] == "32"  # slots per layer
     assert float(rows["25%"][-2]) < float(rows["100%"][-2])  # more misses, slower
-    budget = int(re.search(r"fits with --expert-budget (\d+)", out).group(1))
+    budget = int(re.search(r"--expert-budget auto gives (\d+) bytes", out).group(1))
     assert minimum <= budget < pack.expert_bytes
-    assert pack.resident_bytes + budget <= memory * 1e9 * (1 - doctor.HEADROOM)
+    assert budget == fitting_budget(pack, config, int(memory * 1e9))  # as load() sizes it
 
 
 def test_doctor_says_when_it_does_not_fit(pack, capsys):
     doctor.main(["--model", str(pack.path), "--memory", "1MB"])
     out = capsys.readouterr().out
-    assert "does not fit; needs at least" in out
+    assert "the model does not fit in 1.0 MB of available memory" in out
     assert "assumed slots / experts" in out  # no trace: the assumption is stated
 
 

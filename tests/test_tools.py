@@ -27,7 +27,8 @@ def test_every_tool_takes_the_same_streaming_flags():
         out = subprocess.run([sys.executable, "-m", f"edgemoe.{name}", "--help"],
                              capture_output=True, text=True, check=True).stdout
         helps[name] = " ".join(out.split())
-    budget_help = "a fraction (0.25), a percentage (25%) or a size (2GB) (default: 1.0)"
+    budget_help = ("a fraction (0.25), a percentage (25%), a size (2GB), or auto: what fits "
+                   "in the memory available")
     for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora"):
         assert "--expert-budget" in helps[name] and budget_help in helps[name], name
     for name in ("generate", "server", "eval"):

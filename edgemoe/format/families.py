@@ -31,3 +31,17 @@ def layer_index(module_path: str) -> int:
 
 def top_k(config: dict) -> int:
     return int(config["num_experts_per_tok"])
+
+
+def kv_bytes_per_token(config: dict) -> int:
+    """Bytes mlx-lm's KV cache takes per token (keys and values of every layer, in 16-bit
+    floats): what a budget must leave room for."""
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    if "kv_lora_rank" in config:  # DeepSeek's MLA, cached as mlx-lm does: per head, expanded
+        per_head = (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+                    + config["v_head_dim"])
+        return layers * heads * per_head * 2
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return layers * 2 * kv_heads * head_dim * 2

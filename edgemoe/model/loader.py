@@ -1,5 +1,6 @@
 """`load()`: an MoE model whose routed experts stream from disk, as an mlx-lm model."""
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -11,6 +12,7 @@ from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
 from ..routing.predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
 from ..routing.prerouter import load_prerouter
+from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from .experts import install, streaming_class
@@ -18,7 +20,7 @@ from .experts import install, streaming_class
 
 def load(
     path_or_hf_repo: Optional[str] = None,
-    expert_budget=1.0,
+    expert_budget="auto",
     tokenizer_config: Optional[Dict[str, Any]] = None,
     model_config: Optional[Dict[str, Any]] = None,
     adapter_path: Optional[str] = None,
@@ -66,6 +68,8 @@ def load(
               f"indexes them once)", file=sys.stderr)
     elif verify:
         source.verify_resident()
+    if is_auto(expert_budget):  # what fits in the memory available, before loading
+        expert_budget = _auto_budget(source, path)
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
     store = ExpertStore(source, expert_budget, cache_policy, io, readers,
@@ -90,6 +94,8 @@ def load(
         store.close()
         raise
     model.expert_store = store
+    if store.reader.io == "direct" and not lazy:
+        store.drop_page_cache()  # the resident weights are in memory now
     predictor = _predictor(routing, heads, model)
     if predictor is not None:
         model.routing = PredictedRouting(predictor, store.prefetch)
@@ -103,6 +109,15 @@ def load(
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
+
+
+def _auto_budget(source, path: Path) -> int:
+    budget = fitting_budget(source, json.loads((path / "config.json").read_text()))
+    if budget < source.expert_bytes:
+        print(f"[edgemoe] --expert-budget auto: {fmt_bytes(budget)} "
+              f"({budget / source.expert_bytes:.0%} of the routed experts) fits in the memory "
+              f"available", file=sys.stderr)
+    return budget
 
 
 def _heads(path: Path, routing: str, given) -> Optional[Path]:

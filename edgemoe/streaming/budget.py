@@ -6,18 +6,26 @@ record sizes. A budget buys `budget // slot_bytes` slots per layer, at most the
 experts of the smallest layer; the minimum is top-k slots (one token's experts) in
 every layer. The store, `doctor`, `cache_sim`, the engine's `/metrics` and the
 benchmarks all size pools with `SlotPlan`, so they cannot disagree.
+
+The budget "auto" is what fits in the memory available (`auto_budget_bytes`): the memory
+less a share left free, the runtime, the resident weights and a KV cache of
+AUTO_KV_TOKENS tokens. `load` and `doctor` use the same rule.
 """
 
 import re
 import sys
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 Budget = Union[None, int, float, str]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_HELP = "a fraction like 0.25, a percentage like 25%, or a size like 2GB"
+_HELP = "a fraction like 0.25, a percentage like 25%, a size like 2GB, or auto"
+AUTO = "auto"
+HEADROOM = 0.10  # of the memory, left to the OS, activations and other programs
+RUNTIME_BYTES = 512 * 2**20  # Python, MLX and the tokenizer (about 0.3 GB RSS here)
+AUTO_KV_TOKENS = 4096  # the context the KV cache is given room for (or the model's, if less)
 
 
 class BudgetError(ValueError):
@@ -64,6 +72,37 @@ def parse_budget(budget: Budget, total_bytes: int) -> int:
         raise BudgetError(f"expert budget {budget!r}: a fraction is at most 1; a byte count "
                           f"is a whole number")
     return int(budget)
+
+
+def auto_budget_bytes(total_bytes: int, minimum: int, resident_bytes: int, kv_bytes: int,
+                      memory_bytes: int) -> int:
+    """The expert budget that fits in `memory_bytes` (see the module doc); a BudgetError
+    naming every share when even the minimum does not."""
+    room = int(memory_bytes * (1 - HEADROOM)) - RUNTIME_BYTES - resident_bytes - kv_bytes
+    if room < minimum:
+        raise BudgetError(
+            f"the model does not fit in {fmt_bytes(memory_bytes)} of available memory: it "
+            f"needs the resident weights {fmt_bytes(resident_bytes)} + a KV cache of "
+            f"{fmt_bytes(kv_bytes)} + the minimum expert budget {fmt_bytes(minimum)} + the "
+            f"runtime {fmt_bytes(RUNTIME_BYTES)}, with {HEADROOM:.0%} kept free")
+    return min(room, total_bytes)
+
+
+def fitting_budget(pack, config: dict, memory_bytes: Optional[int] = None) -> int:
+    """`--expert-budget auto` for a Pack: the bytes that fit in `memory_bytes` (default:
+    what is available now, edgemoe.streaming.telemetry)."""
+    from ..format.families import kv_bytes_per_token
+    from .telemetry import available_memory_bytes
+
+    plan = SlotPlan.of(pack)
+    memory = available_memory_bytes() if memory_bytes is None else memory_bytes
+    tokens = min(AUTO_KV_TOKENS, int(config.get("max_position_embeddings") or AUTO_KV_TOKENS))
+    return auto_budget_bytes(plan.total_bytes, plan.minimum_bytes, pack.resident_bytes,
+                             tokens * kv_bytes_per_token(config), memory)
+
+
+def is_auto(budget: Budget) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == AUTO
 
 
 @dataclass(frozen=True)
