@@ -4,8 +4,8 @@
            [--hidden 2048] [--moe-intermediate 768] [--experts 128] [--top-k 8]
 
 `--format mlx` (the default) is an mlx-lm int4 checkpoint as `mlx_lm.convert -q` writes
-it (4-bit affine groups of 64, routers at 8 bits, bf16 scales); `--format hf` is a Hugging
-Face bf16 checkpoint with one tensor per expert, as Qwen3-MoE ships. The layer shapes
+it (4-bit affine groups of 64, routers at 8 bits, scales in --dtype); `--format hf` is a
+Hugging Face checkpoint in --dtype with one tensor per expert, as Qwen3-MoE ships. The layer shapes
 default to Qwen3-30B-A3B's; the number of layers is what reaches `--size`. Weights are
 random (quantized codes and floats uniform, scaled to keep activations near 1),
 the routers decisive (large logits, so each token has a clear top-k). Each layer goes to
@@ -46,7 +46,7 @@ def config_for(args, layers: int, vocab: int) -> dict:
          "head_dim": args.head_dim, "vocab_size": vocab, "max_position_embeddings": 4096,
          "rms_norm_eps": 1e-6, "rope_theta": 1e6, "norm_topk_prob": True,
          "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
-         "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+         "attention_bias": False, "hidden_act": "silu", "torch_dtype": args.dtype,
          "eos_token_id": 2, "bos_token_id": None}
     if args.format == "mlx":
         q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
@@ -62,7 +62,7 @@ def random_words(shape) -> mx.array:
     return (half() << 16) | half()
 
 
-def linear(name: str, out_dim: int, in_dim: int, fmt: str, bits: int = BITS,
+def linear(name: str, out_dim: int, in_dim: int, fmt: str, dtype, bits: int = BITS,
            gain: float = 1.0, lead=()) -> dict:
     """One linear layer's tensors (stacked over `lead` experts if given), with weights
     of about gain / sqrt(in_dim)."""
@@ -70,34 +70,35 @@ def linear(name: str, out_dim: int, in_dim: int, fmt: str, bits: int = BITS,
     if fmt == "hf":
         bound = math.sqrt(3) * std  # uniform: cheaper to draw than normal, same std
         return {f"{name}.weight": mx.random.uniform(-bound, bound, (*lead, out_dim, in_dim),
-                                                    dtype=mx.bfloat16)}
+                                                    dtype=dtype)}
     levels = 2 ** bits
     scale = 2 * math.sqrt(3) * std / levels  # codes uniform: the weights' std is `std`
     groups = (*lead, out_dim, in_dim // GROUP)
     return {f"{name}.weight": random_words((*lead, out_dim, in_dim * bits // 32)),
-            f"{name}.scales": mx.full(groups, scale, mx.bfloat16),
-            f"{name}.biases": mx.full(groups, -scale * levels / 2, mx.bfloat16)}
+            f"{name}.scales": mx.full(groups, scale, dtype),
+            f"{name}.biases": mx.full(groups, -scale * (levels - 1) / 2, dtype)}  # mean 0
 
 
 def layer_tensors(i: int, args) -> dict:
     f, h, m, e = args.format, args.hidden, args.moe_intermediate, args.experts
+    dt = getattr(mx, args.dtype)
     p = f"model.layers.{i}"
-    t = {f"{p}.input_layernorm.weight": mx.ones((h,), mx.bfloat16),
-         f"{p}.post_attention_layernorm.weight": mx.ones((h,), mx.bfloat16),
-         f"{p}.self_attn.q_norm.weight": mx.ones((args.head_dim,), mx.bfloat16),
-         f"{p}.self_attn.k_norm.weight": mx.ones((args.head_dim,), mx.bfloat16)}
+    t = {f"{p}.input_layernorm.weight": mx.ones((h,), dt),
+         f"{p}.post_attention_layernorm.weight": mx.ones((h,), dt),
+         f"{p}.self_attn.q_norm.weight": mx.ones((args.head_dim,), dt),
+         f"{p}.self_attn.k_norm.weight": mx.ones((args.head_dim,), dt)}
     q, kv = args.heads * args.head_dim, args.kv_heads * args.head_dim
     for name, (o, n) in {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h),
                          "o_proj": (h, q)}.items():
-        t.update(linear(f"{p}.self_attn.{name}", o, n, f))
-    t.update(linear(f"{p}.mlp.gate", e, h, f, ROUTER_BITS, gain=args.router_gain))
+        t.update(linear(f"{p}.self_attn.{name}", o, n, f, dt))
+    t.update(linear(f"{p}.mlp.gate", e, h, f, dt, ROUTER_BITS, gain=args.router_gain))
     shapes = {"gate_proj": (m, h), "up_proj": (m, h), "down_proj": (h, m)}
     for name, (o, n) in shapes.items():
         if f == "mlx":
-            t.update(linear(f"{p}.mlp.switch_mlp.{name}", o, n, f, lead=(e,)))
+            t.update(linear(f"{p}.mlp.switch_mlp.{name}", o, n, f, dt, lead=(e,)))
         else:
             for x in range(e):
-                t.update(linear(f"{p}.mlp.experts.{x}.{name}", o, n, f))
+                t.update(linear(f"{p}.mlp.experts.{x}.{name}", o, n, f, dt))
     return t
 
 
@@ -108,11 +109,12 @@ def nbytes(tensors: dict) -> int:
 def write(out: Path, args):
     vocab = json.loads((REFERENCE / "config.json").read_text())["vocab_size"]
     mx.random.seed(args.seed)
+    dt = getattr(mx, args.dtype)
     outer = {"model.embed_tokens": linear("model.embed_tokens", vocab, args.hidden,
-                                          args.format),
-             "lm_head": linear("lm_head", vocab, args.hidden, args.format)}
+                                          args.format, dt),
+             "lm_head": linear("lm_head", vocab, args.hidden, args.format, dt)}
     outer = {k: v for d in outer.values() for k, v in d.items()}
-    outer["model.norm.weight"] = mx.ones((args.hidden,), mx.bfloat16)
+    outer["model.norm.weight"] = mx.ones((args.hidden,), dt)
     per_layer = nbytes(layer_tensors(0, args))  # lazy: shapes only, nothing computed
     layers = args.layers or max(1, round((args.size - nbytes(outer)) / per_layer))
     out.mkdir(parents=True)
@@ -154,6 +156,9 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--router-gain", type=float, default=8.0,
                    help="Router weights' scale: large makes routing decisive")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="Floats, scales and biases (MLX's CPU backend computes bf16 slowly: "
+                        "float32 for runs here; a Mac computes either)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.out.exists():
