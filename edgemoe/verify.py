@@ -48,13 +48,13 @@ def main(argv=None):
                desc="indexing" if indexing else "verifying", file=sys.stderr)
     with bar:
         if indexing:
-            written = build_index(pack, bar.update)
+            index = build_index(pack, bar.update)
         else:
             records = check(pack, bar)
     if indexing:
-        print(f"wrote {written}: checksums of {sum(l.num_experts for l in pack.layers)} "
-              f"experts and {len(open_source(pack.path).resident_crc32)} resident tensors; "
-              f"loads now verify them")
+        print(f"wrote {pack.path / INDEX_FILE}: checksums of "
+              f"{sum(l.num_experts for l in pack.layers)} experts and "
+              f"{len(index['resident'])} resident tensors; loads now verify them")
     else:
         print(f"{pack.path}: ok ({records} expert records, {len(pack.resident_crc32)} "
               f"resident tensors)")

@@ -23,18 +23,12 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
+from edgemoe.streaming.budget import parse_budget
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "edgemoe" / "models" / "reference"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 BITS, GROUP, ROUTER_BITS = 4, 64, 8
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-    for unit, scale in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[:-2]) * scale)
-    return int(text)
 
 
 def config_for(args, layers: int, vocab: int) -> dict:
@@ -143,7 +137,7 @@ def write(out: Path, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--size", type=parse_size, default=parse_size("30GB"),
+    p.add_argument("--size", type=lambda text: parse_budget(text, 0), default="30GB",
                    help="Total size to reach (e.g. 600MB, 30GB); sets the number of layers")
     p.add_argument("--layers", type=int, default=None, help="Exactly this many (not --size)")
     p.add_argument("--format", choices=("mlx", "hf"), default="mlx")

@@ -67,8 +67,9 @@ def expert_crc32s(pack: Pack, progress: Callable[[int], None] = lambda n: None):
             os.close(fd)
 
 
-def build_index(pack: Pack, progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Compute and write the index of an mlx-lm checkpoint read in place (atomically)."""
+def build_index(pack: Pack, progress: Callable[[int], None] = lambda n: None) -> dict:
+    """Compute and write the index of an mlx-lm checkpoint read in place (atomically);
+    return it."""
     from .inplace import resident_tensor_names
 
     resident = {}
@@ -80,7 +81,7 @@ def build_index(pack: Pack, progress: Callable[[int], None] = lambda n: None) ->
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(index))
     os.replace(tmp, path)
-    return path
+    return index
 
 
 def load_index(pack: Pack) -> Optional[dict]:
@@ -92,15 +93,14 @@ def load_index(pack: Pack) -> Optional[dict]:
     rebuild = f"rebuild it with `python -m edgemoe.verify --model {pack.path} --rebuild`"
     try:
         index = json.loads(path.read_text())
-        if index.get("format") != FORMAT or index.get("version") != VERSION:
-            raise PackError(f"{path}: not an edgemoe checksum index of version {VERSION}; "
-                            f"{rebuild}")
-        shards, experts = index["shards"], index["experts"]
+        kind, shards, experts = (index["format"], index["version"]), index["shards"], \
+            index["experts"]
         index["resident"] = dict(index["resident"])
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
-        if isinstance(e, PackError):
-            raise
         raise PackError(f"{path}: malformed ({e}); {rebuild}") from None
+    if kind != (FORMAT, VERSION):
+        raise PackError(f"{path}: not an edgemoe checksum index of version {VERSION}; "
+                        f"{rebuild}")
     now = shard_identity(pack.files)
     if shards != now:
         changed = sorted(set(shards) ^ set(now) | {n for n in now if shards.get(n) != now[n]})
