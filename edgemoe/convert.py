@@ -1,10 +1,11 @@
 """Convert a Hugging Face or mlx-lm MoE checkpoint into an edgemoe pack.
 
-    python -m edgemoe.convert --hf-path SRC --mlx-path DST [--q-bits 4] [--q-group-size 64]
+    python -m edgemoe.convert --hf-path SRC --mlx-path DST [--q-mode affine|mxfp4|nvfp4|mxfp8]
+        [--q-bits 4] [--q-group-size 64] [--no-quantize]
 
 An unquantized source is quantized exactly as `mlx_lm.convert -q` does it (mlx-lm's
-own loader, dtype cast, quantization predicates); an mlx-lm quantized source keeps its
-quantization. The pack is written to a temporary folder beside DST and renamed at the
+own loader, dtype cast, quantization predicates, modes); an mlx-lm quantized source keeps
+its quantization, whatever its modes and per-layer recipe. The pack is written to a temporary folder beside DST and renamed at the
 end, so an interrupted conversion leaves nothing half-written at DST.
 """
 
@@ -14,6 +15,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -25,20 +27,25 @@ from tqdm import tqdm
 
 from .cli import add_debug_flag, tool
 from .format.source import model_path
-from .format.families import check_supported, layer_index, top_k
+from .format.families import check_supported, layer_index, routed_experts, skeleton
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
 from .format.pack import (ALIGNMENT, EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter,
                           PackLayer, record_layout, write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
+Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 
-def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
-            overwrite: bool = False) -> Path:
+def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
+            q_group_size: Optional[int] = None, overwrite: bool = False,
+            q_mode: str = "affine", quantize: bool = True) -> Path:
+    """An unquantized source is quantized as `mlx_lm.convert -q --q-mode q_mode` does
+    (bits and group size default to the mode's), unless `quantize` is False."""
     src, dst = model_path(hf_path), Path(mlx_path)
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
+    routed_experts(skeleton(config), src / "config.json")  # a model with none is refused now
     check_destination(src, dst, overwrite)
 
     model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
@@ -48,7 +55,8 @@ def convert(hf_path, mlx_path, q_bits: int = 4, q_group_size: int = 64,
               f"{q['group_size']}); keeping its quantization")
     else:
         _cast_like_mlx_lm(model, config)
-        model, config = quantize_model(model, config, q_group_size, q_bits)
+        if quantize:
+            model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
 
     tmp = dst.parent / f".{dst.name}.partial"
     _remove_ours(tmp, "an interrupted conversion's leftovers")
@@ -83,7 +91,9 @@ def _cast_like_mlx_lm(model, config):
 
 
 def _write_pack(out: Path, model, config):
-    experts = dict(sorted(expert_modules(model).items(), key=lambda kv: layer_index(kv[0])))
+    paths, k = routed_experts(model, out)
+    found = expert_modules(model)
+    experts = {path: found[path] for path in paths}
     expert_keys = {f"{path}." for path in experts}
     resident = {k: v for k, v in tree_flatten(model.parameters())
                 if not any(k.startswith(p) for p in expert_keys)}
@@ -97,7 +107,7 @@ def _write_pack(out: Path, model, config):
         for path, module in experts.items():
             layers.append(_write_layer(writer, path, module, bar))
     size = writer.close()
-    write_manifest(out, config["model_type"], top_k(config), layers, size)
+    write_manifest(out, config["model_type"], k, layers, size)
 
 
 def _nbytes(module) -> int:
@@ -150,10 +160,8 @@ def _quantization(module) -> dict:
     quant = {}
     for name, child in module.children().items():
         if isinstance(child, QuantizedSwitchLinear):
-            if child.global_scale is not None:
-                raise NotImplementedError(f"{name}: experts with a global scale (nvfp4)")
             quant[name] = {"group_size": child.group_size, "bits": child.bits,
-                           "mode": child.mode}
+                           "mode": child.mode, "global_scale": child.global_scale is not None}
         elif hasattr(child, "weight"):
             quant[name] = None
     return quant
@@ -219,12 +227,18 @@ def main(argv=None):
     parser.add_argument("--hf-path", "--model", required=True,
                         help="Hugging Face checkpoint folder, or an mlx-lm quantized one")
     parser.add_argument("--mlx-path", default="edgemoe_model", help="Where to write the pack")
-    parser.add_argument("--q-bits", type=int, default=4)
-    parser.add_argument("--q-group-size", type=int, default=64)
+    parser.add_argument("--q-bits", type=int, help="Bits per weight (default: the mode's, 4)")
+    parser.add_argument("--q-group-size", type=int,
+                        help="Group size (default: the mode's: affine 64, mxfp4 32, nvfp4 16)")
+    parser.add_argument("--q-mode", default="affine", choices=Q_MODES,
+                        help="Quantization mode, as mlx_lm.convert's (default: affine)")
+    parser.add_argument("--no-quantize", action="store_true",
+                        help="Keep an unquantized source's weights unquantized")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing DST")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
-    dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.overwrite)
+    dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,
+                  args.q_mode, not args.no_quantize)
     print(f"[edgemoe] wrote {dst}")
 
 

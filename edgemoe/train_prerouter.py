@@ -22,7 +22,7 @@ PATH is an mlx-lm checkpoint (loaded fully resident) or an edgemoe pack.
 import argparse
 import json
 import shutil
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -37,7 +37,8 @@ from .cli import add_debug_flag, tool
 from .format.source import source_kind
 from .options import StreamOptions
 from .streaming.budget import is_auto
-from .routing.gates import gate_logits, moe_blocks, routing_from_logits, uses_sigmoid
+from .routing.gates import (gate_logits, hidden_size, indices_from_logits, moe_blocks,
+                            tapped, uses_sigmoid)
 from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
 # knobs
@@ -76,24 +77,28 @@ def text_windows(tokens: List[int], context: int) -> List[np.ndarray]:
 
 @contextmanager
 def block_inputs(blocks: Dict[int, nn.Module]):
-    """While active, each MoE block's input `x` and router logits land in the yielded
-    dict, {layer: (x, logits)}, at every forward; the blocks still route natively."""
+    """While active, each MoE block's input `x` and the logits its router computed land
+    in the yielded dict, {layer: (x, logits)}, flattened to rows, at every forward; the
+    blocks still route natively."""
     captured = {}
     originals = {}
-    for layer, block in blocks.items():
-        cls = originals[layer] = type(block)
-
-        def call(self, x, _layer=layer, _cls=cls):
-            flat = x.reshape(-1, x.shape[-1])
-            captured[_layer] = (flat, gate_logits(self, flat))
-            return _cls.__call__(self, x)
-
-        block.__class__ = type(f"Recording{cls.__name__}", (cls,), {"__call__": call})
-    try:
-        yield captured
-    finally:
+    with ExitStack() as taps:
         for layer, block in blocks.items():
-            block.__class__ = originals[layer]
+            cls = originals[layer] = type(block)
+            tap = taps.enter_context(tapped(block))  # records the router's logits
+
+            def call(self, x, *args, _layer=layer, _cls=cls, _tap=tap, **kwargs):
+                out = _cls.__call__(self, x, *args, **kwargs)
+                captured[_layer] = (x.reshape(-1, x.shape[-1]),
+                                    _tap.recorded.reshape(-1, _tap.num_experts))
+                return out
+
+            block.__class__ = type(f"Recording{cls.__name__}", (cls,), {"__call__": call})
+        try:
+            yield captured
+        finally:
+            for layer, block in blocks.items():
+                block.__class__ = originals[layer]
 
 
 def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
@@ -125,7 +130,7 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
                 x, logits = captured[l]
                 arrays[f"x_{l}"] = x.astype(mx.float16)
                 arrays[f"logits_{l}"] = logits.astype(mx.float32)
-                arrays[f"routed_{l}"] = routing_from_logits(blocks[l], logits)[0]
+                arrays[f"routed_{l}"] = indices_from_logits(blocks[l], logits)
             for t, s in baselines.items():
                 arrays[f"base_{t}"] = gate_logits(blocks[t], captured[s][0]).astype(mx.float32)
             mx.eval(arrays)
@@ -281,10 +286,10 @@ def evaluate(prerouter: Prerouter, blocks, features: Features, chunk: int = 4096
         predicted, base = [], []
         for i in range(0, len(head_rows), chunk):
             b = features.batch(config, head_rows[i:i + chunk], [t])[t]
-            predicted.append(np.array(routing_from_logits(block, prerouter.head(t)(*b[:3]))[0]))
+            predicted.append(np.array(indices_from_logits(block, prerouter.head(t)(*b[:3]))))
         for i in range(0, len(all_rows), chunk):
             logits = mx.array(features.base[t][all_rows[i:i + chunk]])
-            base.append(np.array(routing_from_logits(block, logits)[0]))
+            base.append(np.array(indices_from_logits(block, logits)))
         predicted, base = np.concatenate(predicted), np.concatenate(base)
         routed = np.asarray(features.routed[t]).astype(np.int64)
         layers.append({
@@ -346,7 +351,7 @@ def run(args) -> dict:
     blocks = moe_blocks(model)
     native = [int(l) for l in args.native_layers.split(",") if l.strip()]
     mx.random.seed(args.seed)
-    config = PrerouterConfig.for_model(config_json["model_type"], model.args.hidden_size,
+    config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
                                        blocks, args.hidden, args.same_token, native)
     prerouter = Prerouter(config)
 

@@ -78,15 +78,19 @@ def test_failed_overwrite_keeps_the_old_pack(checkpoints, tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
 
 
-def test_unsupported_model_type_lists_the_supported_ones(checkpoints, tmp_path):
+def test_a_model_without_routed_experts_is_refused_with_the_reason(checkpoints, tmp_path):
     src = tmp_path / "llama"
     shutil.copytree(checkpoints["mixtral"][0], src)
     config = json.loads((src / "config.json").read_text())
     config["model_type"] = "llama"
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="qwen3_moe") as e:
+    with pytest.raises(UnsupportedModelError, match="no routed experts") as e:
         convert(src, tmp_path / "out")
     assert "'llama'" in str(e.value)
+    config["model_type"] = "no_such_family"
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="not a model mlx-lm 0.32.2 runs"):
+        convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -51,7 +51,7 @@ def test_targets_leave_the_routers_alone(packs):
 
 
 def test_targets_leave_a_prerouted_router_alone(packs, tmp_path):
-    """In prerouted modes the router sits inside a PredictedGate (`gate.native`)."""
+    """In prerouted modes the router sits inside a RouterTap (`gate.native`)."""
     path = packs["qwen3_moe"]["hf"]
     model, _ = edgemoe.load(path)
     mx.random.seed(0)

@@ -13,8 +13,8 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe import train_prerouter
-from edgemoe.routing.gates import (PredictedGate, gate_logits, moe_blocks, restrict_logits,
-                                   routing_from_logits, top_k)
+from edgemoe.routing.gates import (RouterTap, gate_logits, indices_from_logits, install_tap,
+                                   moe_blocks, restrict_logits, top_k)
 from edgemoe.routing.predictors import HeadsPredictor
 from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 from edgemoe.routing.state import RoutingState, sequence_state
@@ -34,7 +34,7 @@ def new_prerouter(model, model_type, seed=0, **options):
 def inputs(model, blocks, layer, length=7, seed=1):
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((1, length, model.args.hidden_size)).astype(np.float32))
-    return x, routing_from_logits(blocks[layer], gate_logits(blocks[layer], x))[0]
+    return x, indices_from_logits(blocks[layer], gate_logits(blocks[layer], x))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,8 +49,8 @@ def test_head_shapes(packs, family):
         x, now = inputs(model, blocks, source)
         logits = prerouter.logits(target, x, now, now)
         assert logits.shape == (1, 7, prerouter.config.num_experts)
-        inds, weights = prerouter.route(target, blocks[target], x, now)
-        assert inds.shape == weights.shape == (1, 7, top_k(blocks[target]))
+        inds = prerouter.route(target, blocks[target], x, now)
+        assert inds.shape == (1, 7, top_k(blocks[target]))
         assert 0 <= mx.min(inds).item() and mx.max(inds).item() < prerouter.config.num_experts
 
 
@@ -82,18 +82,17 @@ def native_routing(block, x):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_routing_from_native_logits_is_native(checkpoints, family):
+def test_indices_from_native_logits_are_native(checkpoints, family):
     model, _ = mlx_lm_load(str(checkpoints[family][1]))
     blocks = moe_blocks(model)
     for layer, block in blocks.items():
         x, _ = inputs(model, blocks, layer, length=9, seed=layer)
         x = x * 4  # spread the router logits so that no two tie
-        native_inds, native_weights = native_routing(block, x)
-        inds, weights = routing_from_logits(block, gate_logits(block, x))
+        native_inds, _ = native_routing(block, x)
+        inds = indices_from_logits(block, gate_logits(block, x))
         assert mx.array_equal(inds.reshape(native_inds.shape), native_inds), (family, layer)
-        assert mx.array_equal(weights.reshape(native_weights.shape), native_weights)
-        # and it really is the family's math: other logits route elsewhere
-        other, _ = routing_from_logits(block, -gate_logits(block, x))
+        # and it really is the family's routing: other logits route elsewhere
+        other = indices_from_logits(block, -gate_logits(block, x))
         assert not mx.array_equal(other.reshape(native_inds.shape), native_inds)
 
 
@@ -179,7 +178,7 @@ def test_predictor_carries_the_previous_token(packs):
     first = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
     assert np.array_equal(first, whole[:, :1])
     shifted = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
-    expected, _ = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
+    expected = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
     assert np.array_equal(shifted, np.array(expected))
 
 
@@ -227,17 +226,14 @@ def test_predicted_gate_routes_by_the_given_logits(checkpoints, family):
     x, _ = inputs(model, blocks, layer, length=5)
     native = block(x)
     logits = gate_logits(block, x)
-    block.gate = PredictedGate(block.gate)
-    try:
-        assert routing_from_logits(block, logits)[0].shape[-1] == top_k(block)
-        block.gate.set_prediction(logits)
-        assert mx.array_equal(block(x), native)
-        assert block.gate.predicted is None and "predicted" not in block.gate
-        block.gate.set_prediction(-logits)
-        assert not mx.array_equal(block(x), native)
-        assert mx.array_equal(block(x), native)
-    finally:
-        block.gate = block.gate.native
+    tap = install_tap(block)
+    assert indices_from_logits(block, logits).shape[-1] == top_k(block)
+    tap.set_prediction(logits)
+    assert mx.array_equal(block(x), native)
+    assert tap.pending == (None, None) and "pending" not in tap
+    tap.set_prediction(-logits)
+    assert not mx.array_equal(block(x), native)
+    assert mx.array_equal(block(x), native)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -248,12 +244,13 @@ def test_restricted_routing_stays_in_the_allowed_set(checkpoints, family):
     block = blocks[layer]
     x, native = inputs(model, blocks, layer, length=5)
     logits = gate_logits(block, x)
-    same = routing_from_logits(block, restrict_logits(logits, native))
-    assert mx.array_equal(mx.sort(same[0], -1), mx.sort(native, -1))
+    same = indices_from_logits(block, restrict_logits(logits, native))
+    assert mx.array_equal(mx.sort(same, -1), mx.sort(native, -1))
     others = mx.array(np.setdiff1d(np.arange(logits.shape[-1]), np.array(native[0, 0])))
-    inds, weights = routing_from_logits(block, restrict_logits(logits[:, :1], others[None, None]))
+    inds = indices_from_logits(block, restrict_logits(logits[:, :1], others[None, None]))
     assert not np.isin(np.array(inds), np.array(native[0, 0])).any()
-    assert mx.all(mx.isfinite(weights)).item()
+    install_tap(block).set_prediction(allowed=others[None, None])
+    assert mx.all(mx.isfinite(block(x[:, :1]))).item()  # the weights too
 
 
 def decode_steps(model, prompt, steps=16):
@@ -301,7 +298,7 @@ def test_prerouted_set_routes_only_to_predicted_experts(checkpoints):
     block = moe_blocks(model)[2]
     x = mx.array(np.random.default_rng(0).standard_normal((1, 3, 64)).astype(np.float32))
     native_inds = mx.argpartition(block.gate(x), kth=-2, axis=-1)[..., -2:]
-    gate = PredictedGate(block.gate)
+    gate = RouterTap(block.gate)
     allowed = mx.array([[[4, 9, 11], [0, 1, 2], [-1, -1, -1]]])
     gate.set_prediction(allowed=allowed)
     inds = mx.argpartition(gate(x), kth=-2, axis=-1)[..., -2:]

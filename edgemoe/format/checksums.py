@@ -72,9 +72,9 @@ def build_index(pack: Pack, progress: Callable[[int], None] = lambda n: None) ->
     return it."""
     from .inplace import resident_tensor_names
 
-    resident = {}
+    resident, experts = {}, [layer.module for layer in pack.layers]
     for f in pack.files:
-        resident.update(resident_checksums(f, names=resident_tensor_names(f)))
+        resident.update(resident_checksums(f, names=resident_tensor_names(f, experts)))
     index = {"format": FORMAT, "version": VERSION, "shards": shard_identity(pack.files),
              "experts": expert_crc32s(pack, progress), "resident": resident}
     path = pack.path / INDEX_FILE

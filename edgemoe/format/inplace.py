@@ -14,10 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from .checksums import load_index, with_index
-from .families import check_supported, layer_index, top_k
+from .families import check_supported, layer_index, routed_experts, skeleton
 from .pack import Pack, PackError, PackLayer, Record, TensorLayout
-
-EXPERTS_MARKER = ".switch_mlp."  # in the names of routed-expert tensors
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "U8": "uint8", "I32": "int32"}
 
@@ -34,9 +32,17 @@ def safetensors_header(path: Path):
     return header, 8 + n
 
 
-def resident_tensor_names(path: Path) -> set:
+def resident_tensor_names(path: Path, expert_paths) -> set:
     """The tensors of a shard that are not routed experts."""
-    return {name for name in safetensors_header(path)[0] if EXPERTS_MARKER not in name}
+    return {name for name in safetensors_header(path)[0] if _expert_of(name, expert_paths) is None}
+
+
+def _expert_of(name: str, expert_paths):
+    """(expert module path, tensor name within it) of a routed-expert tensor, else None."""
+    for module in expert_paths:
+        if name.startswith(module + "."):
+            return module, name[len(module) + 1:]
+    return None
 
 
 def open_mlx_lm(path, verify: bool = True) -> Pack:
@@ -45,27 +51,29 @@ def open_mlx_lm(path, verify: bool = True) -> Pack:
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     check_supported(config, path / "config.json")
-    if "quantization" not in config:
-        raise PackError(
-            f"{path}: neither an edgemoe pack (no manifest.json) nor an mlx-lm quantized "
-            f"checkpoint; convert it with `python -m edgemoe.convert --hf-path {path} "
-            f"--mlx-path DST`"
-        )
+    experts, k = routed_experts(skeleton(config), path / "config.json")
     files = sorted(path.glob("model*.safetensors"))
     tensors = defaultdict(dict)  # module path -> tensor name -> (file, offset, entry)
     for i, f in enumerate(files):
         header, data_start = safetensors_header(f)
         for name, entry in header.items():
-            module, sep, tensor = name.partition(EXPERTS_MARKER)
-            if sep:
-                tensors[module + ".switch_mlp"][tensor] = (i, data_start, entry)
-    if not tensors:
-        raise PackError(f"{path}: no routed experts (switch_mlp tensors) found")
-    layers = [_layer(module, found, config) for module, found in
-              sorted(tensors.items(), key=lambda kv: layer_index(kv[0]))]
+            found = _expert_of(name, experts)
+            if found is not None:
+                tensors[found[0]][found[1]] = (i, data_start, entry)
+    missing = [m for m in experts if m not in tensors]
+    if missing and "quantization" not in config:  # a Hugging Face layout: one tensor per expert
+        raise PackError(
+            f"{path}: neither an edgemoe pack (no manifest.json) nor an mlx-lm checkpoint "
+            f"(its experts are not stacked as mlx-lm saves them); convert it with "
+            f"`python -m edgemoe.convert --hf-path {path} --mlx-path DST`"
+        )
+    if missing:
+        raise PackError(f"{path}: the shards hold no tensors of the routed experts "
+                        f"{missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1 else
+                        f"{path}: the shards hold no tensors of the routed experts {missing[0]}")
+    layers = [_layer(module, tensors[module], config) for module in experts]
     size = sum(f.stat().st_size for f in files)
-    pack = Pack(path, config["model_type"], top_k(config), layers, size, files=files,
-                in_place=True)
+    pack = Pack(path, config["model_type"], k, layers, size, files=files, in_place=True)
     index = load_index(pack) if verify else None
     return with_index(pack, index) if index is not None else pack
 
@@ -89,11 +97,13 @@ def _layer(module: str, found: dict, config: dict) -> PackLayer:
         records.append(Record(tuple(segments)))
     quantization = {}
     for projection in sorted({t.projection for t in layout}):
-        q = config["quantization"]
-        q = q.get(f"{module}.{projection}", q)
-        has_scales = any(t.name == f"{projection}.scales" for t in layout)
+        q = config.get("quantization", {})
+        q = q.get(f"{module}.{projection}", q)  # mlx-lm's per-layer entries (mixed recipes)
+        names = {t.name for t in layout}
         quantization[projection] = (
-            {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
-            if has_scales else None
+            # a per-layer entry without a mode is affine, as mlx-lm's loader reads it
+            {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine"),
+             "global_scale": f"{projection}.global_scale" in names}
+            if f"{projection}.scales" in names else None
         )
     return PackLayer(module, layer_index(module), layout, quantization, records)

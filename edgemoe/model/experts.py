@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
 
+from ..format.families import layer_index, moe_block_paths
 from ..format.pack import PackError, PackLayer
 from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
@@ -27,18 +28,22 @@ class StreamingExperts(nn.Module):
     prerouted modes: edgemoe.routing.modes).
     """
 
+    routed_experts = True  # what edgemoe.routing.gates looks for beside mlx-lm's switch layers
+
     def __init__(self, slots: LayerSlots, pool: nn.Module):
         super().__init__()
         # plain attributes, not children: the slot arrays are not model parameters
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "pool", pool)
         object.__setattr__(self, "routing", None)
+        object.__setattr__(self, "block_input", None)  # set by its block (hand_input)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         ids = np.array(indices)  # the host learns this layer's routing here (a sync)
         layer = self.slots.layer.index
+        seen = x if self.block_input is None else self.block_input
         routed = None if self.routing is None else (
-            lambda: self.routing.observe(layer, x, ids))  # its prefetches overlap compute
+            lambda: self.routing.observe(layer, seen, ids))  # its prefetches overlap compute
 
         def compute(rows, slot_ids):
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
@@ -73,8 +78,9 @@ def build_pool(module: nn.Module, layer: PackLayer, arrays: Dict[str, mx.array])
         if name not in layer.quantization:
             continue
         q = layer.quantization[name]
-        if q is not None:
-            child = child.to_quantized(q["group_size"], q["bits"], mode=q["mode"])
+        if q is not None:  # nvfp4's per-expert global scale is one more tensor of the record
+            child = child.to_quantized(q["group_size"], q["bits"], mode=q["mode"],
+                                       global_scale=q.get("global_scale", False))
             assert isinstance(child, QuantizedSwitchLinear)
         for t in layer.tensors:
             if t.projection == name:
@@ -103,7 +109,36 @@ def install(model: nn.Module, store: ExpertStore) -> Dict[int, StreamingExperts]
             parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
         setattr(parent, name, streaming)
         installed[slots.layer.index] = streaming
+    modules = dict(model.named_modules())
+    for path, block in moe_block_paths(model).items():
+        hand_input(modules[block], installed[layer_index(path)])
     return installed
+
+
+_HANDING = {}
+
+
+def hand_input(block: nn.Module, experts: StreamingExperts):
+    """Make a MoE block hand its input to its streaming experts before it runs.
+
+    Predictors learn from the block's input (edgemoe.train_prerouter records it); what the
+    experts receive can differ: llama4 scales it by the router score, kimi_k3 projects it
+    to a latent, some blocks flatten it.
+    """
+    object.__setattr__(block, "streaming_experts", experts)
+    cls = type(block)
+    if cls in _HANDING.values():
+        return
+    if cls not in _HANDING:
+        def call(self, x, *args, **kwargs):
+            object.__setattr__(self.streaming_experts, "block_input", x)
+            try:
+                return cls.__call__(self, x, *args, **kwargs)
+            finally:
+                object.__setattr__(self.streaming_experts, "block_input", None)
+
+        _HANDING[cls] = type(cls.__name__, (cls,), {"__call__": call})
+    block.__class__ = _HANDING[cls]
 
 
 def streaming_class(model_class: type, expert_paths) -> type:

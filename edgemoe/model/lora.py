@@ -24,6 +24,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
+from ..routing.gates import ROUTER_NAMES
+
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -33,8 +35,8 @@ def default_targets(model: nn.Module) -> List[str]:
     keys = set()
     for layer in model.layers:
         for path, module in layer.named_modules():
-            # a router is `gate`, or `gate.native` inside a prerouted mode's PredictedGate
-            is_router = "gate" in path.split(".")
+            # a router is `gate` or `router` (and what a prerouted mode's RouterTap wraps)
+            is_router = bool(set(ROUTER_NAMES) & set(path.split(".")))
             if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not is_router:
                 keys.add(path)
     return sorted(keys)

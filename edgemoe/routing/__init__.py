@@ -1,6 +1,6 @@
 """Routing: who decides which experts a token uses, and what is read ahead.
 
-    gates       each family's routing math from logits; PredictedGate (prerouted modes)
+    gates       a block's routing by its own code from logits; RouterTap (prerouted modes)
     prerouter   the heads that predict the next layer's routing a token ahead
     predictors  next-router baseline, heads (advisory), prerouted
     state       routing state of a sequence, kept beside its KV cache

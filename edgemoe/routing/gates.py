@@ -1,142 +1,211 @@
-"""The family's own routing math, from router logits, and a gate that routes by a prediction.
+"""A MoE block's routing, by the family's own code, from router logits.
 
-`routing_from_logits(block, logits)` applies a MoE block's routing (softmax top-k,
-sigmoid group routing, renormalisation, ...) to logits, so that predicted logits pick
-and weigh experts exactly as the native router would have from the same logits.
-`PredictedGate` stands in for a block's router in the prerouted modes.
+Every MoE block of mlx-lm computes its router logits with one linear map, turns them into
+(indices, weights) by its family's math (softmax or sigmoid, group top-k, score biases,
+renormalisation, scaling ...), and calls its routed-expert module with the indices. The
+linear map is the block's router itself (an `nn.Linear` named `gate` or `router`), a
+Linear inside its router module (`gate.gate_proj`, `router.proj`, ...), or the router
+module's own `weight` (DeepSeek's MoEGate: `x @ self.weight.T`).
+
+edgemoe needs two things of a block: its logits alone (`gate_logits`: what predictors
+learn), and its routing from other logits (`indices_from_logits`, and in the prerouted
+modes the block's whole computation). Both come from the block's own code: a `RouterTap`
+stands in for the linear map and records its output or replaces it by a prediction, and
+the expert module is briefly replaced by one that records the indices it is called with.
+No family's routing math is copied here, so a new family needs no code.
 """
 
+import contextlib
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.deepseek_v3 import MoEGate, group_expert_select
-from mlx_lm.models.mixtral import MixtralSparseMoeBlock
-from mlx_lm.models.olmoe import OlmoeSparseMoeBlock
-from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+from ..format.families import (ROUTER_NAMES, UnsupportedModelError, layer_index,
+                               moe_block_paths, routed_indices)
 
-from ..format.families import UnsupportedModelError, layer_index
+_LINEAR = (nn.Linear, nn.QuantizedLinear)
 
 
-def native_gate(block: nn.Module) -> nn.Module:
-    """The block's own router module, also while a PredictedGate stands in for it."""
-    gate = block.gate
-    return gate.native if isinstance(gate, PredictedGate) else gate
+def moe_blocks(model: nn.Module) -> Dict[int, nn.Module]:
+    """MoE blocks (the modules that route and call a routed-expert module) by decoder
+    layer index."""
+    modules = dict(model.named_modules())
+    return dict(sorted((layer_index(experts), modules[block])
+                       for experts, block in moe_block_paths(model).items()))
 
 
-def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
-    """The router logits a MoE block's own router computes for its input `x`."""
-    gate = native_gate(block)
-    if isinstance(gate, MoEGate):  # its __call__ also routes; take the logits alone
-        return x @ gate.weight.T
-    return gate(x)
+def router_name(block: nn.Module) -> str:
+    name = next((n for n in ROUTER_NAMES if n in block and isinstance(block[n], nn.Module)),
+                None)
+    if name is None:
+        raise UnsupportedModelError(f"{type(block).__name__}: no router module "
+                                    f"(an attribute named {' or '.join(ROUTER_NAMES)})")
+    return name
 
 
-def routing_from_logits(block: nn.Module, logits: mx.array) -> Tuple[mx.array, mx.array]:
-    """(indices, weights) that `block` routes to given router logits, by the family's math.
+class RouterTap(nn.Module):
+    """Stands in for a router's linear map (`native`): returns its logits, or a prediction.
 
-    Mirrors each mlx-lm block's `__call__` operation for operation, so native logits give
-    the native block's indices (in the same order) and weights bit for bit.
-    """
-    if isinstance(native_gate(block), MoEGate):  # DeepSeek-V3
-        return _group_select(native_gate(block), logits)
-    if isinstance(block, Qwen3MoeSparseMoeBlock):
-        k = block.top_k
-        gates = mx.softmax(logits, axis=-1, precise=True)
-        inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if block.norm_topk_prob:
-            scores /= mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores
-    if isinstance(block, OlmoeSparseMoeBlock):
-        k = block.top_k
-        gates = mx.softmax(logits, axis=-1, precise=True)
-        inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if block.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds, scores
-    if isinstance(block, MixtralSparseMoeBlock):
-        k = block.num_experts_per_tok
-        inds = mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
-        scores = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
-        return inds, scores
-    raise UnsupportedModelError(f"{type(block).__name__}: no routing math for this MoE block")
-
-
-def restrict_logits(logits: mx.array, allowed: mx.array) -> mx.array:
-    """Router logits with every expert outside `allowed` ((..., m) ids per token) at -inf:
-    routing_from_logits then picks, and weighs, among the allowed experts only (the
-    native router confined to a predicted set)."""
-    inside = (allowed[..., None] == mx.arange(logits.shape[-1])).any(axis=-2)
-    return mx.where(inside, logits, mx.array(-mx.inf, dtype=logits.dtype))
-
-
-def _group_select(g: MoEGate, logits: mx.array) -> Tuple[mx.array, mx.array]:
-    """DeepSeek-V3's routing (sigmoid, score bias, group-limited top-k, scaling) as
-    mlx-lm's MoEGate does it."""
-    return group_expert_select(logits, g.e_score_correction_bias, g.top_k, g.n_group,
-                               g.topk_group, g.routed_scaling_factor, g.norm_topk_prob)
-
-
-def uses_sigmoid(block: nn.Module) -> bool:
-    """True where the router scores experts independently (sigmoid), not by a softmax."""
-    return isinstance(native_gate(block), MoEGate)
-
-
-class PredictedGate(nn.Module):
-    """Stands in for a MoE block's gate so that the block routes by a prediction.
-
-    `set_prediction(logits)`: router logits for the block's input tokens, (..., E); the
-    gate returns what the native gate returns for those logits (the logits themselves,
-    or DeepSeek's (indices, weights)), and the block's own code does the rest of its
-    routing math. `set_prediction(allowed=ids)`: the native router, confined to the
-    predicted experts (..., m). Rows of NaN logits or of ids -1 (no prediction: the
-    first token of a sequence) route natively. A prediction is used once; with none
-    pending the native router decides.
+    `set_prediction(logits)`: router logits for the tokens of the next call, (..., E);
+    rows of NaN (no prediction: the first token of a sequence) keep the native logits.
+    `set_prediction(allowed=ids)`: the native logits confined to the experts `ids` (..., m)
+    (ids -1: no prediction). A prediction is used once. `recorded` holds the last logits
+    the native map computed. `inline` is a router module whose own `weight` is the map
+    (`x @ self.weight.T`): the tap then stands in for the whole router and runs it on the
+    logits through an identity weight, which reproduces them exactly.
     """
 
-    def __init__(self, native: nn.Module):
+    def __init__(self, native: nn.Module, inline: bool = False):
         super().__init__()
         self.native = native
+        object.__setattr__(self, "inline", inline)
         self.set_prediction(None)
 
     def set_prediction(self, logits: Optional[mx.array] = None,
                        allowed: Optional[mx.array] = None):
-        # plain attributes, not parameters
-        object.__setattr__(self, "predicted", logits)
-        object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "pending", (logits, allowed))  # plain attributes
+        object.__setattr__(self, "recorded", None)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.native.weight.shape[0])
+
+    @property
+    def input_width(self) -> int:
+        """The width of the MoE block's input, as the router's map takes it."""
+        native = self.native
+        if isinstance(native, nn.QuantizedLinear):
+            return int(native.scales.shape[-1] * native.group_size)
+        return int(native.weight.shape[-1])
+
+    def logits(self, x: mx.array) -> mx.array:
+        return x @ self.native.weight.T if self.inline else self.native(x)
 
     def __call__(self, x: mx.array):
-        predicted, allowed = self.predicted, self.allowed
-        self.set_prediction(None)
+        (predicted, allowed), native = self.pending, self.logits(x)
+        object.__setattr__(self, "recorded", native)
+        object.__setattr__(self, "pending", (None, None))
         if predicted is None and allowed is None:
-            return self.native(x)
-        native = x @ self.native.weight.T if isinstance(self.native, MoEGate) else self.native(x)
+            return self.native(x) if self.inline else native
         if allowed is not None:
             allowed = allowed.reshape(*x.shape[:-1], allowed.shape[-1])
-            confined = restrict_logits(native, allowed)
-            logits = mx.where(allowed[..., :1] < 0, native, confined)
+            logits = mx.where(allowed[..., :1] < 0, native, restrict_logits(native, allowed))
         else:
             predicted = predicted.reshape(*x.shape[:-1], predicted.shape[-1])  # OLMoE flattens
             logits = mx.where(mx.isnan(predicted), native, predicted.astype(native.dtype))
-        if isinstance(self.native, MoEGate):
-            return _group_select(self.native, logits)
-        return logits
+        return self._route(logits) if self.inline else logits
+
+    def _route(self, logits: mx.array):
+        """The inline router's own code on `logits`: its weight briefly the identity."""
+        router, weight = self.native, self.native.weight
+        router.weight = mx.eye(weight.shape[0], dtype=weight.dtype)
+        try:
+            return router(logits)
+        finally:
+            router.weight = weight
 
 
-def moe_blocks(model: nn.Module) -> Dict[int, nn.Module]:
-    """MoE blocks by decoder layer index: native (mlx-lm) or with streaming experts."""
-    return {layer_index(path): module for path, module in model.named_modules()
-            if "gate" in module and "switch_mlp" in module}
+def _linear_map(block: nn.Module) -> Tuple[nn.Module, str, bool]:
+    """(owner, attribute, inline) of the module computing `block`'s router logits."""
+    name = router_name(block)
+    router = block[name]
+    if isinstance(router, RouterTap):
+        return block, name, router.inline
+    if isinstance(router, _LINEAR):
+        return block, name, False
+    linears = {n: c for n, c in router.children().items() if isinstance(c, (*_LINEAR, RouterTap))}
+    if len(linears) == 1:
+        (child, _), = linears.items()
+        return router, child, False
+    if "weight" in router and isinstance(router["weight"], mx.array):
+        return block, name, True
+    raise UnsupportedModelError(
+        f"{type(router).__name__}: cannot find the linear map computing its router logits "
+        f"(one Linear inside it, or its own `weight`; found {sorted(linears) or 'none'})")
+
+
+def install_tap(block: nn.Module) -> RouterTap:
+    """Put a RouterTap in place of `block`'s router map, for good (prerouted modes)."""
+    owner, name, inline = _linear_map(block)
+    if not isinstance(owner[name], RouterTap):
+        setattr(owner, name, RouterTap(owner[name], inline))
+    return owner[name]
+
+
+@contextlib.contextmanager
+def tapped(block: nn.Module):
+    """A RouterTap in place of the block's router map for the duration, keeping the
+    prediction a permanent tap has pending."""
+    owner, name, inline = _linear_map(block)
+    native = owner[name]
+    if isinstance(native, RouterTap):
+        pending = native.pending
+        try:
+            yield native
+        finally:
+            object.__setattr__(native, "pending", pending)
+        return
+    tap = RouterTap(native, inline)
+    setattr(owner, name, tap)
+    try:
+        yield tap
+    finally:
+        setattr(owner, name, native)
+
+
+def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
+    """The router logits the block's own router computes for its input `x`."""
+    with tapped(block) as tap:
+        owner, name, _ = _linear_map(block)
+        if owner is block:
+            return tap.logits(x)
+        block[router_name(block)](x)  # the router's own code feeds the tap its input
+        return tap.recorded
+
+
+def indices_from_logits(block: nn.Module, logits: mx.array) -> mx.array:
+    """The expert ids (..., k) that `block`'s own code routes to, given router logits
+    (..., E): native logits give the native ids, in the same order."""
+    with tapped(block) as tap:
+        tap.set_prediction(logits)
+        # one batch of all the rows: every block takes (B, L, D); some flatten it themselves
+        x = mx.zeros((1, logits.size // logits.shape[-1], tap.input_width), dtype=logits.dtype)
+        indices = routed_indices(block, x)
+    return indices.reshape(*logits.shape[:-1], indices.shape[-1])
+
+
+def hidden_size(block: nn.Module) -> int:
+    """The width of a MoE block's input (its experts may compute in a narrower latent)."""
+    with tapped(block) as tap:
+        return tap.input_width
+
+
+def restrict_logits(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Router logits with every expert outside `allowed` ((..., m) ids per token) at the
+    lowest finite value (an inline router's identity matmul would turn -inf into NaN):
+    the block then picks, and weighs, among the allowed experts only (the native router
+    confined to a predicted set)."""
+    inside = (allowed[..., None] == mx.arange(logits.shape[-1])).any(axis=-2)
+    return mx.where(inside, logits, mx.array(mx.finfo(logits.dtype).min, dtype=logits.dtype))
 
 
 def num_experts(block: nn.Module) -> int:
-    return int(native_gate(block).weight.shape[0])
+    """The width of the block's router logits."""
+    with tapped(block) as tap:
+        return tap.num_experts
 
 
 def top_k(block: nn.Module) -> int:
-    return int(getattr(block, "top_k", None) or block.num_experts_per_tok)
+    """Experts per token, as the block's own code routes."""
+    return int(indices_from_logits(block, mx.zeros((1, num_experts(block)))).shape[-1])
+
+
+def uses_sigmoid(block: nn.Module) -> bool:
+    """True where the router scores experts independently (sigmoid), not by a softmax over
+    them: a softmax's routing is the same for logits shifted by a constant."""
+    logits = mx.random.normal((64, num_experts(block)), key=mx.random.key(0))
+    same = indices_from_logits(block, logits), indices_from_logits(block, logits + 8.0)
+    return not mx.array_equal(mx.sort(same[0], -1), mx.sort(same[1], -1)).item()
 
 
 def multi_hot(indices: mx.array, n: int) -> mx.array:

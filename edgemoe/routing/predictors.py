@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .gates import PredictedGate, gate_logits, routing_from_logits
+from .gates import RouterTap, gate_logits, indices_from_logits, install_tap
 from .prerouter import Prerouter
 from .state import RoutingState
 
@@ -37,8 +37,7 @@ class NextRouterPredictor:
         if layer not in self.next:
             return {}
         target, block = self.next[layer]
-        inds, _ = routing_from_logits(block, gate_logits(block, x))
-        return {target: np.array(inds)}
+        return {target: np.array(indices_from_logits(block, gate_logits(block, x)))}
 
 
 class HeadsPredictor:
@@ -81,7 +80,7 @@ class HeadsPredictor:
                 xs, nows, prevs = x, now, prev
             else:  # only the last token's head output is about a token still to come
                 xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
-            inds, _ = self.prerouter.route(target, self.blocks[target], xs, nows, prevs)
+            inds = self.prerouter.route(target, self.blocks[target], xs, nows, prevs)
             predictions[target] = np.array(inds)
         return predictions
 
@@ -103,13 +102,11 @@ class PreroutedPredictor(HeadsPredictor):
         super().__init__(prerouter, blocks)
         self.confine = confine
         self.predicted_layers = set(prerouter.config.predicted_layers)
-        for target in self.predicted_layers:
-            if not isinstance(blocks[target].gate, PredictedGate):
-                blocks[target].gate = PredictedGate(blocks[target].gate)
+        self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
 
     @property
-    def gates(self) -> List[PredictedGate]:
-        return [self.blocks[t].gate for t in sorted(self.predicted_layers)]
+    def gates(self) -> List[RouterTap]:
+        return list(self.taps.values())
 
     def predict(self, state, layer, x, ids):
         now, prev = self.routing_now(state, layer, ids)
@@ -124,10 +121,10 @@ class PreroutedPredictor(HeadsPredictor):
                 shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
                 state.carry[target] = logits[:, -1:]
                 if self.confine:
-                    inds = routing_from_logits(block, mx.nan_to_num(shifted, nan=0.0))[0]
+                    inds = indices_from_logits(block, mx.nan_to_num(shifted, nan=0.0))
                     inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
-                    block.gate.set_prediction(allowed=inds)
+                    self.taps[target].set_prediction(allowed=inds)
                 else:
-                    block.gate.set_prediction(shifted)
-            ahead[target] = np.array(routing_from_logits(block, logits[:, -1])[0])
+                    self.taps[target].set_prediction(shifted)
+            ahead[target] = np.array(indices_from_logits(block, logits[:, -1]))
         return ahead

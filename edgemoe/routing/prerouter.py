@@ -5,13 +5,13 @@ vector that layer l's MoE block receives (the post-attention-norm hidden state a
 t) and layer l's routing at tokens t and t-1 (multi-hot over its experts). It outputs
 router logits for layer l+1 at token t+1 (`same_token=False`, a whole token of lead
 time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of lead).
-`routing_from_logits` (edgemoe.routing.gates) applies the target block's own routing math to those logits, so
+The target block's own code turns those logits into routing (edgemoe.routing.gates), so
 predicted routing picks and weighs experts exactly as the native router would have from
 the same logits.
 
     prerouter = load_prerouter("PACK/prerouter")
     logits = prerouter.logits(target, x, routed_now, routed_prev)   # (..., num_experts)
-    indices, weights = routing_from_logits(blocks[target], logits)
+    indices = indices_from_logits(blocks[target], logits)
 
 Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one folder.
 """
@@ -19,13 +19,13 @@ Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one fold
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .gates import multi_hot, num_experts, routing_from_logits, top_k
+from .gates import indices_from_logits, multi_hot, num_experts, top_k
 
 WEIGHTS = "prerouter.safetensors"
 CONFIG = "prerouter_config.json"
@@ -112,9 +112,9 @@ class Prerouter(nn.Module):
         return self.head(target)(x, now, prev)
 
     def route(self, target: int, block: nn.Module, x: mx.array, routed_now: mx.array,
-              routed_prev: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
-        """Predicted (indices, weights) of `target` (whose MoE block is `block`)."""
-        return routing_from_logits(block, self.logits(target, x, routed_now, routed_prev))
+              routed_prev: Optional[mx.array] = None) -> mx.array:
+        """Predicted expert ids of `target` (whose MoE block is `block`)."""
+        return indices_from_logits(block, self.logits(target, x, routed_now, routed_prev))
 
 
 def save_prerouter(prerouter: Prerouter, path) -> Path:

@@ -1,0 +1,96 @@
+"""Every MoE family of the pinned mlx-lm, and every expert quantization it writes, streamed
+exactly (scripts/family_table.py does the checks); the README's tables are what they find."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import _get_classes
+
+import edgemoe
+import family_table
+from edgemoe.convert import convert
+from edgemoe.format.families import UNSUPPORTED, UnsupportedModelError
+from make_family_checkpoints import family_config, family_names, make_family
+from conftest import ROOT
+
+FAMILIES = family_table.supported_families()
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """family -> its row (family_table.check_family), or the error it raised."""
+    work = tmp_path_factory.mktemp("families")
+    found = {}
+    for family in FAMILIES:
+        try:
+            found[family] = family_table.check_family(family, work)
+        except Exception as e:  # reported by the family's own test
+            found[family] = e
+        shutil.rmtree(work / family, ignore_errors=True)
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_streams_exactly_in_every_mode(rows, family):
+    row = rows[family]
+    if isinstance(row, Exception):
+        raise row
+    assert not [k for k, same in row["exact"].items() if not same], row
+    assert row["routing"], "the block, routed by its native logits as a prediction, differs"
+    assert row["prerouted"], "prerouted decode loaded on demand in a predicted layer"
+
+
+def test_the_readme_family_table_is_what_the_tests_found(rows):
+    if any(isinstance(r, Exception) for r in rows.values()):
+        pytest.skip("a family failed: see its own test")
+    table = family_table.render_table([rows[f] for f in FAMILIES])
+    assert family_table.readme_table(ROOT / "README.md", "family") == table, \
+        "run `python scripts/family_table.py --write-readme`"
+
+
+def test_every_moe_model_file_of_mlx_lm_has_a_test_config():
+    """A family added to mlx-lm (a model file calling its switch layers) needs a config
+    here, or a line in UNSUPPORTED saying why not."""
+    import mlx_lm
+
+    models = Path(mlx_lm.__file__).parent / "models"
+    moe = {p.stem for p in models.glob("*.py")
+           if "SwitchGLU" in p.read_text() or "SwitchMLP" in p.read_text()}
+    moe -= {"switch_layers"}
+    configs = {_get_classes(family_config(f))[0].__module__.rsplit(".", 1)[-1]
+               for f in family_names()}  # the file mlx-lm runs for the config
+    assert not sorted(moe - configs - set(UNSUPPORTED))
+
+
+@pytest.mark.parametrize("family", sorted(UNSUPPORTED))
+def test_an_unsupported_family_is_refused_with_its_reason(family, tmp_path):
+    checkpoint = make_family(family, tmp_path / family)
+    reason = UNSUPPORTED[family][:40]
+    with pytest.raises(UnsupportedModelError, match="cannot be streamed") as e:
+        convert(checkpoint, tmp_path / "pack")
+    assert reason in str(e.value) and not (tmp_path / "pack").exists()
+    with pytest.raises(UnsupportedModelError, match="cannot be streamed") as e:
+        edgemoe.load(checkpoint)
+    assert reason in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def quant_rows(tmp_path_factory):
+    work = tmp_path_factory.mktemp("quantization")
+    return {name: family_table.check_quantization(name, options, work)
+            for name, options in family_table.QUANT_SPECS}
+
+
+@pytest.mark.parametrize("name", [name for name, _ in family_table.QUANT_SPECS])
+def test_every_expert_quantization_streams_exactly(quant_rows, name):
+    row = quant_rows[name]
+    assert all(row["exact"].values()), row
+    if "unquantized" not in name:
+        assert row["manifest"] != "none", row  # the experts really are quantized that way
+
+
+def test_the_readme_quantization_table_is_what_the_tests_found(quant_rows):
+    table = family_table.render_quant_table(list(quant_rows.values()))
+    assert family_table.readme_table(ROOT / "README.md", "quantization") == table, \
+        "run `python scripts/family_table.py --write-readme`"
