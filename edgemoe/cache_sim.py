@@ -31,6 +31,7 @@ from .format.pack import Pack, PackLayer, Record, TensorLayout
 from .streaming.budget import SlotPlan
 from .streaming.cache import (DEFAULT_LEARNED, POLICIES, LearnedPolicy, LRUPolicy, NextUseModel,
                               make_policy)
+from .streaming import calls as calls_module
 from .streaming.calls import passes
 from .streaming.stats import ExpertStats
 from .streaming.store import ExpertStore
@@ -288,6 +289,10 @@ def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
                     pool.policy.step = steps[position]
                     steps[position] += 1
                 pool.ensure(group, new_call=g == 0)
+                if calls_module.READ_AHEAD and g + 1 < len(groups):  # as run_call does
+                    if policy == "belady":  # what it reads is the next step's
+                        pool.policy.step = steps[position]
+                    pool.read_ahead(groups[g + 1])
                 if g == 0:
                     issue(c, position)
                 pool.release()

@@ -12,6 +12,7 @@ import edgemoe
 from edgemoe.format.families import UnsupportedModelError
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import BudgetError, parse_budget
+from edgemoe.streaming.calls import passes
 from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
@@ -124,7 +125,7 @@ def test_unsupported_model_type(pack_copy):
     config = json.loads((pack_copy / "config.json").read_text())
     config["model_type"] = "llama"
     (pack_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3, mixtral, olmoe, qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match="'llama' has no routed experts"):
         edgemoe.load(pack_copy)
 
 
@@ -173,6 +174,27 @@ def test_counters_by_value_at_the_minimum_budget(packs):
     assert s.bytes_read == 5 * size and s.bytes_used == 7 * size and s.bytes_hit == 3 * size
     assert s.blocked_s > 0  # waited for the late fill at least
     assert (s.predicted, s.predicted_used, s.needed) == (2, 2, 3)  # both predictions used
+    store.close()
+
+
+def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
+    """A call with more experts than slots runs in passes of half the pool; the next pass
+    is read into the other half while one computes, and counted as loaded on demand."""
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    pool = store.pool(pack.layers[1].index)
+    assert [g.tolist() for g in passes(np.arange(6), pool.num_slots)] == [[0, 1], [2, 3], [4, 5]]
+    slot_of = pool.ensure(np.array([0, 1]))
+    in_use = set(slot_of[[0, 1]].tolist())
+    pool.read_ahead(np.array([2, 3]))
+    assert set(pool.slot_of[[2, 3]].tolist()).isdisjoint(in_use)  # never a slot in use
+    for fill in list(pool.fills.values()):
+        assert fill.done.wait(5)
+    pool.release()
+    pool.ensure(np.array([2, 3]), new_call=False)
+    pool.release()
+    s = store.snapshot()
+    assert (s.hits, s.on_demand, s.loads, s.evictions) == (0, 4, 4, 0)
     store.close()
 
 

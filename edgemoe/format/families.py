@@ -35,6 +35,8 @@ def check_supported(config: dict, where) -> str:
     except ValueError:
         raise UnsupportedModelError(f"{where}: model_type {model_type!r} is not a model "
                                     f"mlx-lm {_mlx_lm_version()} runs") from None
+    except ImportError:  # no mlx-lm (the CUDA backend): its own loader checks the family
+        pass
     return model_type
 
 

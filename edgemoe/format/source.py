@@ -72,7 +72,8 @@ def open_source(path=None, verify: bool = True) -> Pack:
     tensor slices read in place (checksummed if `edgemoe.verify` indexed them). `verify`:
     a pack must have every checksum (Pack.open), an index must match its checkpoint."""
     path = model_path(path)
-    check_supported(json.loads((path / "config.json").read_text()), path / "config.json")
+    config = json.loads((path / "config.json").read_text())
+    check_supported(config, path / "config.json")
     if source_kind(path) == "pack" or (path / EXPERTS_FILE).exists():
         return Pack.open(path, verify)  # an experts.bin without its manifest is a broken pack
     return open_mlx_lm(path, verify)

@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional
 
 from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 
+from ..format.families import routed_experts
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
@@ -82,6 +83,7 @@ def load(
 
         def build(args):
             model = streaming_class(model_class, store.layers)(args)
+            routed_experts(model, path / "config.json")  # a family with none is refused here
             experts.update(install(model, store))
             return model
 

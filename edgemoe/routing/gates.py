@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from ..format.families import (ROUTER_NAMES, UnsupportedModelError, layer_index,
                                moe_block_paths, routed_indices)
 
@@ -154,9 +155,11 @@ def tapped(block: nn.Module):
 
 
 def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
-    """The router logits the block's own router computes for its input `x`."""
+    """The logits the block's router computes when given `x` (the block's input, for every
+    block but one that is a whole decoder layer, gemma4's: its router sees a later hidden
+    state, which `tapped(block).recorded` holds after a native call)."""
+    owner = _linear_map(block)[0]
     with tapped(block) as tap:
-        owner, name, _ = _linear_map(block)
         if owner is block:
             return tap.logits(x)
         block[router_name(block)](x)  # the router's own code feeds the tap its input

@@ -2,8 +2,9 @@
 
 One call of a MoE layer: the router's expert ids (..., k) -> the distinct experts ->
 passes of at most `num_slots` of them (only a long prefill under a small budget needs
-more than one) -> for each pass: `ensure` (the experts ready in slots), compute over
-the slots, `release`. Release is always reached, also when a read or the computation
+more than one; then each is half the pool) -> for each pass: `ensure` (the experts ready
+in slots), `read_ahead` of the next pass into the other half, compute over the slots,
+`release`. Release is always reached, also when a read or the computation
 fails, so that an error leaves the pool usable for the next call.
 
 A backend supplies only `compute(rows, slot_ids)`:
@@ -23,9 +24,17 @@ from .slots import LayerSlots
 T = TypeVar("T")
 
 
+READ_AHEAD = True  # False: passes of a whole pool, read one after another (benchmarks)
+
+
 def passes(experts: np.ndarray, num_slots: int) -> List[np.ndarray]:
-    """Sorted distinct experts in groups that fit a pool of `num_slots`."""
-    return [experts[start:start + num_slots] for start in range(0, len(experts), num_slots)]
+    """Sorted distinct experts in groups that fit a pool of `num_slots`: one group if they
+    all fit, else groups of half the pool, so that while one half computes a pass the
+    other half reads the next (`LayerSlots.read_ahead`)."""
+    if len(experts) <= num_slots:
+        return [experts]
+    size = max(1, num_slots // 2) if READ_AHEAD else num_slots
+    return [experts[start:start + size] for start in range(0, len(experts), size)]
 
 
 def run_call(slots: LayerSlots, ids: np.ndarray,
@@ -43,6 +52,8 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
     for i, group in enumerate(groups):
         slot_of = slots.ensure(group, new_call=i == 0)
         try:
+            if READ_AHEAD and i + 1 < len(groups):  # the next pass loads while this computes
+                slots.read_ahead(groups[i + 1])
             if i == 0 and routed is not None:
                 routed()
             if len(groups) == 1:

@@ -31,7 +31,7 @@ class SlotPool(Protocol):
     expert ready and marked in use; `release` ends that use once the computation that
     read the slots has finished (or failed: see edgemoe.streaming.calls); `prefetch`
     starts fills without waiting, for this layer's next call (`lead=0`) or the one
-    after (`lead=1`).
+    after (`lead=1`); `read_ahead` starts the fills of the current call's next pass.
     """
 
     num_slots: int
@@ -41,6 +41,8 @@ class SlotPool(Protocol):
     def release(self) -> None: ...
 
     def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
+
+    def read_ahead(self, experts: np.ndarray) -> None: ...
 
 
 class SlotMemory(Protocol):
@@ -113,6 +115,7 @@ class LayerSlots:
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.pending_prediction: Optional[set] = None  # for this layer's next call
         self.next_prediction: Optional[set] = None  # for the call after
+        self.staged: set = set()  # read ahead for a later pass of the current call
         self.on_demand = 0  # this layer's share of stats.on_demand
         self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
         self.read_timeout_s: Optional[float] = None  # a wait for a fill longer than this fails
@@ -137,7 +140,14 @@ class LayerSlots:
                 self._score_prediction(wanted)
             for e in wanted:
                 slot = self.slot_of[e]
-                if slot >= 0 and self.state[slot] in (READY, IN_USE):
+                staged = e in self.staged  # read for this call by read_ahead: not a hit
+                self.staged.discard(e)
+                if staged and slot >= 0:
+                    self.stats.on_demand += 1
+                    self.on_demand += 1
+                    if e in self.fills:
+                        waits.append(self.fills[e])
+                elif slot >= 0 and self.state[slot] in (READY, IN_USE):
                     self.stats.hits += 1
                     self.stats.bytes_hit += self.layer.expert_bytes
                 elif slot >= 0:
@@ -185,6 +195,25 @@ class LayerSlots:
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
         if missing:
             self._fill_ahead(np.array(sorted(missing)))
+
+    def read_ahead(self, experts: np.ndarray):
+        """Start reading a later pass's experts of the current call into the slots this
+        pass does not use (its own are in use, so never chosen), so that they load while
+        this pass computes. They count as loaded on demand when their pass ensures them."""
+        new = []
+        try:
+            with self.lock:
+                pinned = set(experts.tolist())
+                for e in experts.tolist():
+                    if self.slot_of[e] >= 0:
+                        continue
+                    if not self._has_room(pinned=pinned):
+                        break  # its own pass reads the rest
+                    new.append(self._start_fill(e, pinned=pinned))
+                    self.staged.add(e)
+        finally:
+            if new:
+                self.reader.submit(new)
 
     def prefetch(self, experts: np.ndarray, lead: int = 0):
         """Start reading `experts` (a prediction) where slots can be had without waiting.
