@@ -4,10 +4,12 @@
 """
 
 import argparse
+import json
 import sys
 
 import mlx.core as mx
-from mlx_lm.generate import str2bool
+from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
+                             DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool)
 from mlx_lm.sample_utils import make_sampler
 
 from .cli import add_debug_flag, tool
@@ -16,6 +18,16 @@ from .options import StreamOptions, number
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, found {text!r}")
+    return value
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -29,10 +41,33 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=number(float, 0), default=0.0,
                    help="Sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=number(float, 0, 1), default=1.0, help="Sampling top-p")
+    p.add_argument("--min-p", type=number(float, 0, 1), default=DEFAULT_MIN_P,
+                   help="Sampling min-p (default: %(default)s, off)")
+    p.add_argument("--top-k", type=number(int, 0), default=DEFAULT_TOP_K,
+                   help="Sampling top-k (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="Use the raw prompt without the tokenizer's chat template")
-    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--chat-template-config", type=json_object, default={},
+                   help="Extra arguments of `apply_chat_template`, a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--system-prompt", default=None,
+                   help="System prompt for the chat template")
+    p.add_argument("--extra-eos-token", nargs="+", default=(),
+                   help="Tokens that also end generation")
+    p.add_argument("--max-kv-size", type=number(int, 1), default=None,
+                   help="Keep at most this many tokens in the KV cache (a rotating cache)")
+    p.add_argument("--prefill-step-size", type=number(int, 1),
+                   default=DEFAULT_PREFILL_STEP_SIZE,
+                   help="Prompt tokens per prefill step (default: %(default)s)")
+    p.add_argument("--kv-bits", type=number(int, 1, 8), default=None,
+                   help="Quantize the KV cache to this many bits (default: not quantized)")
+    p.add_argument("--kv-group-size", type=number(int, 1), default=64,
+                   help="Group size of the KV cache quantization (default: %(default)s)")
+    p.add_argument("--quantized-kv-start", type=number(int, 0),
+                   default=DEFAULT_QUANTIZED_KV_START,
+                   help="With --kv-bits, quantize the KV cache from this step (default: "
+                        "%(default)s)")
     p.add_argument("--verbose", type=str2bool, default=True,
                    help="Stream the text and print statistics when 'True' or 'T', only "
                         "print the response when 'False' or 'F' (as mlx_lm.generate)")
@@ -47,11 +82,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     from .model.loader import load
 
-
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.kv_bits is not None and args.max_kv_size is not None:
+        parser.error("--kv-bits with --max-kv-size: mlx-lm cannot quantize a rotating KV "
+                     "cache")
     if args.seed is not None:
         mx.random.seed(args.seed)
     model, tokenizer = load(args.model, **StreamOptions.from_args(args).load_kwargs())
+    for eos_token in args.extra_eos_token:
+        tokenizer.add_eos_token(eos_token)
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -60,13 +100,17 @@ def main(argv=None):
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         messages.append({"role": "user", "content": prompt})
         prompt = tokenizer.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True,
+                                               **args.chat_template_config)
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
-    sampler = make_sampler(args.temp, args.top_p)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     store = model.expert_store
     trace = store.start_trace() if args.trace else None
     text = generate(model, tokenizer, tokens, verbose=args.verbose,
-                    max_tokens=args.max_tokens, sampler=sampler)
+                    max_tokens=args.max_tokens, sampler=sampler,
+                    max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
+                    kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                    quantized_kv_start=args.quantized_kv_start)
     if trace is not None:
         trace.save(args.trace)
     if args.verbose:

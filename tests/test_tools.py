@@ -72,6 +72,40 @@ def test_generate_verbose_takes_what_mlx_lm_takes(value, streams):
     assert ("Generation: " in r.stdout) == streams
 
 
+def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints):
+    """The sampling, KV-cache and prefill flags of mlx_lm.generate, passed the same way:
+    greedy text equal to mlx_lm.generate's on the same int4 checkpoint (in place at a
+    partial budget), with a quantized rotating KV cache and small prefill steps."""
+    model = str(checkpoints["qwen3_moe_large"][1])  # heads of 64: KV quantization groups
+    common = ["--model", model, "--prompt", "import json", "--max-tokens", "24",
+              "--verbose", "F", "--top-k", "1", "--min-p", "0.05", "--extra-eos-token",
+              "<|endoftext|>", "--chat-template-config", '{"unused_flag": true}',
+              "--system-prompt", "be brief"]
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                              check=True).stdout
+
+    # mlx-lm cannot quantize a rotating cache: the two KV-cache options apart
+    for kv in (["--max-kv-size", "16", "--prefill-step-size", "3"],
+               ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "4"]):
+        ours = run("edgemoe.generate", *common, *kv, "--expert-budget", "50%")
+        theirs = run("mlx_lm.generate", *common, *kv).split("\n", 1)[1]  # after its notice
+        assert ours.strip() and ours == theirs, kv
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--chat-template-config", "[1, 2]"],
+     "--chat-template-config: expected a JSON object, found '[1, 2]'"),
+    (["--kv-bits", "4", "--max-kv-size", "64"],
+     "--kv-bits with --max-kv-size: mlx-lm cannot quantize a rotating KV cache"),
+])
+def test_generate_refuses_what_it_cannot_do_in_one_usage_line(argv, message):
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", *argv],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(message)
+
+
 def test_generate_runs_prerouted_with_the_packs_own_heads_adapter_and_learned_policy():
     r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "import os",
                         "--ignore-chat-template", "--max-tokens", "6", "--routing",
