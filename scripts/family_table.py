@@ -10,7 +10,10 @@ on the same checkpoint (a 40-token prompt, 32 greedy tokens):
   minimum (advisory: the next layer's router from the pack's source, the heads in place);
 - routing: each MoE block, routed by its own code from its native router logits given as
   a prediction, gives its native output bit for bit, and other logits route elsewhere;
-- prerouted: decode with the heads never loads on demand in a predicted layer.
+- prerouted: decode with the heads never loads on demand in a predicted layer;
+- HF layout (the families transformers can save and mlx-lm reads that way,
+  make_hf_family_checkpoints): the transformers checkpoint converted by edgemoe.convert
+  streams at the minimum budget exactly as mlx-lm runs `mlx_lm.convert -q` of it.
 
 tests/test_families.py runs the same checks and fails when the README table differs.
 
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_family_checkpoints import family_config, family_names, make_family  # noqa: E402
+from make_hf_family_checkpoints import HF_FAMILIES, make_hf_family  # noqa: E402
 
 PROMPT, DECODE = 40, 32
 
@@ -151,7 +155,32 @@ def check_family(family: str, work: Path) -> dict:
                     and mx.array_equal(got_logits, expected_logits).item())
     row["routing"] = routing_is_the_blocks_own(reference)
     row["prerouted"] = prerouted_never_loads_on_demand(pack, heads, minimum, tokens)
+    row["hf"] = hf_layout_is_exact(family, work, tokens) if family in HF_FAMILIES else None
     return row
+
+
+def hf_layout_is_exact(family: str, work: Path, tokens) -> bool:
+    """The family saved by transformers (Hugging Face layout, one tensor per expert),
+    converted by edgemoe.convert, streams at its minimum budget exactly as mlx-lm runs
+    what `mlx_lm.convert -q` makes of the same folder."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    import edgemoe
+    from edgemoe.convert import convert
+    from edgemoe.format.source import open_source
+    from edgemoe.streaming.budget import minimum_bytes
+
+    hf = make_hf_family(family, work / f"{family}-hf")
+    mlx = work / f"{family}-hf-mlx4"
+    mlx_lm_convert(str(hf), str(mlx), quantize=True, q_bits=4, q_group_size=64)
+    pack = convert(hf, work / f"{family}-hf-pack")
+    expected = greedy(mlx_lm_load(str(mlx))[0], tokens)
+    model, _ = edgemoe.load(pack, expert_budget=minimum_bytes(open_source(pack)))
+    got = greedy(model, tokens)
+    model.expert_store.close()
+    return got[0] == expected[0] and mx.array_equal(got[1], expected[1]).item()
 
 
 # every expert quantization mlx-lm writes, on one family: (name, make_family options)
@@ -167,10 +196,10 @@ QUANT_SPECS = [(f"affine {b}-bit g{g}", dict(mode="affine", bits=b, group_size=g
 ]
 
 
-def check_quantization(name: str, options: dict, work: Path) -> dict:
-    """Like check_family, native routing, for one quantization of QUANT_FAMILY; where MLX
-    cannot compute the mode here (nvfp4's global scale needs a GPU), the streamed pools'
-    tensors are checked against mlx-lm's own expert modules instead."""
+def check_quantization(name: str, work: Path) -> dict:
+    """Like check_family, native routing, for the quantization `name` of QUANT_SPECS on
+    QUANT_FAMILY; where MLX cannot compute the mode here (nvfp4's global scale needs a
+    GPU), the streamed pools' tensors are checked against mlx-lm's own modules instead."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
@@ -182,6 +211,7 @@ def check_quantization(name: str, options: dict, work: Path) -> dict:
     from edgemoe.model.experts import expert_modules
     from edgemoe.streaming.budget import minimum_bytes
 
+    options = dict(QUANT_SPECS)[name]
     folder = work / name.replace(" ", "_").replace(",", "").replace("+", "")
     checkpoint = make_family(QUANT_FAMILY, folder, **options)
     pack = convert(checkpoint, f"{folder}-pack", quantize=options.get("mode") is not None)
@@ -239,13 +269,14 @@ def _quantization(source) -> str:
 
 
 def passed(row: dict) -> bool:
-    return all(row["exact"].values()) and row["routing"] and row["prerouted"]
+    return all(row["exact"].values()) and row["routing"] and row["prerouted"] and \
+        row["hf"] is not False
 
 
 def render_table(rows) -> str:
     lines = ["| family (mlx-lm model file) | routed experts | pack | in place | native | advisory "
-             "| prerouted | exact |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| prerouted | HF layout | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         exact = row["exact"]
 
@@ -257,11 +288,12 @@ def render_table(rows) -> str:
             f"{row['top_k']} (`{row['module']}`) | {ok('pack')} | {ok('in place')} "
             f"| {ok('native')} | {ok('advisory')} | "
             f"{'yes' if row['prerouted'] else 'NO'} | "
-            f"{'bit-identical' if all(exact.values()) and row['routing'] else 'NO'} |")
+            f"{ {True: 'yes', False: 'NO', None: '-'}[row['hf']]} | "
+            f"{'bit-identical' if passed(row) else 'NO'} |")
     from edgemoe.format.families import UNSUPPORTED
 
     for family, reason in sorted(UNSUPPORTED.items()):
-        lines.append(f"| `{family}` | refused: {reason} | | | | | | no |")
+        lines.append(f"| `{family}` | refused: {reason} | | | | | | | no |")
     return "\n".join(lines)
 
 
@@ -294,8 +326,8 @@ def main():
         for family in args.families.split(","):
             rows.append(check_family(family, Path(work)))
             print(json.dumps(rows[-1]), flush=True)
-        for name, options in QUANT_SPECS:
-            quant_rows.append(check_quantization(name, options, Path(work)))
+        for name, _ in QUANT_SPECS:
+            quant_rows.append(check_quantization(name, Path(work)))
             print(json.dumps(quant_rows[-1]), flush=True)
     tables = {"family": render_table(rows), "quantization": render_quant_table(quant_rows)}
     for name, table in tables.items():

@@ -1,7 +1,9 @@
 """Every MoE family of the pinned mlx-lm, and every expert quantization it writes, streamed
 exactly (scripts/family_table.py does the checks); the README's tables are what they find."""
 
-import shutil
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,18 +19,25 @@ from conftest import ROOT
 FAMILIES = family_table.supported_families()
 
 
+def in_parallel(fn, items, *args) -> dict:
+    """{item: fn(item, *args), or the exception it raised}, in a process per core (two at
+    most): the families are independent and each is mostly Python-bound decode."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1), mp_context=context) as pool:
+        futures = {item: pool.submit(fn, item, *args) for item in items}
+        found = {}
+        for item, future in futures.items():
+            try:
+                found[item] = future.result()
+            except Exception as e:  # reported by the item's own test
+                found[item] = e
+        return found
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     """family -> its row (family_table.check_family), or the error it raised."""
-    work = tmp_path_factory.mktemp("families")
-    found = {}
-    for family in FAMILIES:
-        try:
-            found[family] = family_table.check_family(family, work)
-        except Exception as e:  # reported by the family's own test
-            found[family] = e
-        shutil.rmtree(work / family, ignore_errors=True)
-    return found
+    return in_parallel(family_table.check_family, FAMILIES, tmp_path_factory.mktemp("families"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,6 +48,7 @@ def test_family_streams_exactly_in_every_mode(rows, family):
     assert not [k for k, same in row["exact"].items() if not same], row
     assert row["routing"], "the block, routed by its native logits as a prediction, differs"
     assert row["prerouted"], "prerouted decode loaded on demand in a predicted layer"
+    assert row["hf"] is not False, "its Hugging Face layout, converted, differs from mlx-lm"
 
 
 def test_the_readme_family_table_is_what_the_tests_found(rows):
@@ -77,9 +87,13 @@ def test_an_unsupported_family_is_refused_with_its_reason(family, tmp_path):
 
 @pytest.fixture(scope="module")
 def quant_rows(tmp_path_factory):
-    work = tmp_path_factory.mktemp("quantization")
-    return {name: family_table.check_quantization(name, options, work)
-            for name, options in family_table.QUANT_SPECS}
+    rows = in_parallel(family_table.check_quantization,
+                       [name for name, _ in family_table.QUANT_SPECS],
+                       tmp_path_factory.mktemp("quantization"))
+    for row in rows.values():
+        if isinstance(row, Exception):
+            raise row
+    return rows
 
 
 @pytest.mark.parametrize("name", [name for name, _ in family_table.QUANT_SPECS])
