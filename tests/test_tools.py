@@ -106,6 +106,26 @@ def test_generate_refuses_what_it_cannot_do_in_one_usage_line(argv, message):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(message)
 
 
+def test_the_plain_install_has_every_package_the_server_imports():
+    """`python -m edgemoe.server` after the README's plain `pip install`: the third-party
+    packages the server imports are base dependencies, not an extra."""
+    import ast
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    base = {re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower() for d in deps}
+    imported = set()
+    for source in [ROOT / "edgemoe" / "server.py", *(ROOT / "edgemoe" / "serving").glob("*.py")]:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    packages = {m.replace("_", "-") for m in imported - set(sys.stdlib_module_names)}
+    assert packages and packages <= base, packages - base
+
+
 def test_generate_runs_prerouted_with_the_packs_own_heads_adapter_and_learned_policy():
     r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "import os",
                         "--ignore-chat-template", "--max-tokens", "6", "--routing",
