@@ -13,7 +13,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
 
-from ..format.families import layer_index, moe_block_paths
 from ..format.pack import PackError, PackLayer
 from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
@@ -109,9 +108,6 @@ def install(model: nn.Module, store: ExpertStore) -> Dict[int, StreamingExperts]
             parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
         setattr(parent, name, streaming)
         installed[slots.layer.index] = streaming
-    modules = dict(model.named_modules())
-    for path, block in moe_block_paths(model).items():
-        hand_input(modules[block], installed[layer_index(path)])
     return installed
 
 
@@ -119,7 +115,8 @@ _HANDING = {}
 
 
 def hand_input(block: nn.Module, experts: StreamingExperts):
-    """Make a MoE block hand its input to its streaming experts before it runs.
+    """Make a MoE block hand its input to its streaming experts before it runs (only
+    where a predictor sees it: native decode pays nothing).
 
     Predictors learn from the block's input (edgemoe.train_prerouter records it); what the
     experts receive can differ: llama4 scales it by the router score, kimi_k3 projects it

@@ -16,7 +16,7 @@ from ..routing.prerouter import load_prerouter
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
-from .experts import install, streaming_class
+from .experts import hand_input, install, streaming_class
 
 
 def load(
@@ -101,8 +101,9 @@ def load(
     predictor = _predictor(routing, heads, model)
     if predictor is not None:
         model.routing = PredictedRouting(predictor, store.prefetch)
-        for module in experts.values():
-            object.__setattr__(module, "routing", model.routing)
+        for layer, block in moe_blocks(model).items():
+            object.__setattr__(experts[layer], "routing", model.routing)
+            hand_input(block, experts[layer])
     if adapter is not None:
         model = load_adapters(model, str(adapter))
         model.eval()
