@@ -1,10 +1,12 @@
-"""An OpenAI-compatible HTTP server: concurrent requests share one expert store.
+"""An HTTP server speaking OpenAI's, Anthropic's and Ollama's APIs: concurrent requests
+share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
            [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
 
-The HTTP layer is edgemoe.serving.http; the engine thread that owns the model and decodes
-every request in flight together is edgemoe.serving.engine.
+The HTTP layer is edgemoe.serving.http (with .openai, .anthropic and .ollama); the engine
+thread that owns the model and decodes every request in flight together is
+edgemoe.serving.engine.
 """
 
 import argparse
@@ -13,6 +15,7 @@ import socket
 from typing import Tuple
 
 from .cli import add_debug_flag, tool
+from .generate import json_object
 from .options import StreamOptions, number
 from .serving.engine import Engine
 from .serving.http import (DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server,
@@ -53,6 +56,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="Completion length when a request gives none")
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="Another model name requests may give (repeat it); any name that "
+                        "is neither this nor the model's is a 404")
+    p.add_argument("--chat-template", default=None,
+                   help="A chat template (Jinja text) to use instead of the tokenizer's")
+    p.add_argument("--chat-template-args", type=json_object, default={},
+                   help="Arguments of every request's chat template, a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}')")
+    p.add_argument("--prompt-cache-size", type=number(int, 0), default=10,
+                   help="KV caches of recent prompts and replies kept, so a request that "
+                        "starts with one (the next turn of a chat) skips its prefill; 0: "
+                        "none (default: %(default)s)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="The most memory those caches take, e.g. 2GB (default: no limit "
+                        "but --prompt-cache-size)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_debug_flag(p)
@@ -60,25 +78,49 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def byte_size(text: str) -> int:
+    from .streaming.budget import BudgetError, parse_budget
+
+    try:
+        size = parse_budget(text, 0)
+    except BudgetError:
+        size = 0
+    if size < 1 or not any(c.isalpha() for c in text):
+        raise argparse.ArgumentTypeError(f"expected a size like 2GB or 512MB, got {text!r}")
+    return size
+
+
 def build(args) -> Tuple[Engine, Server]:
     """Load the model on the engine thread; the HTTP-side server over it."""
     from .model.loader import load
 
     options = StreamOptions.from_args(args)
+    tokenizer_config = {"chat_template": args.chat_template} if args.chat_template else None
 
     def load_model():
-        return load(args.model, return_config=True, **options.load_kwargs())
+        return load(args.model, return_config=True, tokenizer_config=tokenizer_config,
+                    **options.load_kwargs())
 
+    cache_size = args.prompt_cache_size
+    if cache_size and options.routing.startswith("prerouted"):
+        # a cached prefix would need the routing its prerouter predicted to be kept too
+        log.warning("the prompt cache is off with %s routing", options.routing)
+        cache_size = 0
     engine = Engine(load_model, max_batch=args.max_batch,
-                    prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting)
+                    prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting,
+                    prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes)
     engine.start()
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
+    info = engine.model.expert_store.info()
     server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
                     context_length=context,
                     vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens,
                     allowed_hosts=allowed_hosts(args.host, args.allowed_host),
-                    send_timeout_s=args.send_timeout)
+                    send_timeout_s=args.send_timeout, aliases=tuple(args.model_alias),
+                    template_args=args.chat_template_args,
+                    model_type=str(config.get("model_type", "")),
+                    model_bytes=sum(f.stat().st_size for f in info.files if f.exists()))
     return engine, server
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import (LRUPromptCache, can_trim_prompt_cache, make_prompt_cache,
+                                 trim_prompt_cache)
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..routing.state import RoutingState, bind, sequence_state
@@ -50,6 +51,12 @@ class Job:
     sampling: Optional[dict] = None  # make_request_sampler's arguments; None: greedy
     stop: List[str] = field(default_factory=list)
     want_logprobs: bool = False
+    top_logprobs: int = 0  # the most likely tokens reported beside each chosen one
+    processors: list = field(default_factory=list)  # mlx-lm logits processors (penalties,
+    #                                                  logit_bias): f(tokens, logits) -> logits
+    grammar: object = None  # a constrain.Grammar the tokens must follow; None: free
+    prompt_logprobs: bool = False  # the logprob of each prompt token (completions echo)
+    use_prompt_cache: bool = True
     received: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the HTTP side; the engine drops the job between steps
     # engine-side state (MLX arrays are made on the engine thread only)
@@ -62,6 +69,9 @@ class Job:
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
     first_token_at: Optional[float] = None
+    stop_hit: Optional[str] = None  # the stop string that ended the job
+    cached_tokens: int = 0  # prompt tokens whose KV cache came from the prompt cache
+    prompt_scores: List[Optional[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +96,10 @@ class Metrics:
         self.prompt_tokens = self.generated_tokens = 0
         self.steps = self.step_rows = self.max_batch_seen = 0
         self.busy_s = 0.0  # engine time spent prefilling or decoding
+        self.prefill = ExpertStats()  # prefill chunks only
+        self.prefilled_tokens = 0  # prompt tokens run through the model
+        self.cache_hits = self.cache_misses = self.cached_tokens = 0
+        self.cache_entries = self.cache_bytes = 0
         self.decode = ExpertStats()  # decode steps only
         self.recent = deque(maxlen=1000)  # Finished, newest last
         self._last_stats = store.snapshot()
@@ -102,6 +116,8 @@ class Metrics:
             lat = sorted(f.latency_s for f in self.recent)
             ttft = sorted(f.ttft_s for f in self.recent)
             gen, busy, decode = self.generated_tokens, self.busy_s, self.decode.copy()
+            prefill, computed = self.prefill.copy(), self.prefilled_tokens
+            per_token = prefill.bytes_read / computed if computed else 0.0
             return {
                 "uptime_s": round(time.time() - self.started, 3),
                 "requests": {"submitted": self.submitted, "completed": self.completed,
@@ -114,6 +130,15 @@ class Metrics:
                           "mean_size": round(self.step_rows / self.steps, 3)
                           if self.steps else 0.0,
                           "max_size_seen": self.max_batch_seen},
+                # a hit's tokens skip prefill, and with it the expert reads that prefill
+                # makes: estimated at the mean expert bytes read per prefilled token
+                "prompt_cache": {"hits": self.cache_hits, "misses": self.cache_misses,
+                                 "cached_tokens": self.cached_tokens,
+                                 "entries": self.cache_entries, "bytes": self.cache_bytes,
+                                 "prefilled_tokens": computed,
+                                 "prefill_bytes_read": prefill.bytes_read,
+                                 "bytes_read_saved_estimate":
+                                     round(per_token * self.cached_tokens)},
                 "latency_s": {"count": len(lat), "p50": _pct(lat, 50), "p95": _pct(lat, 95),
                               "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95)},
                 # requests count distinct experts per layer per forward call (the union
@@ -148,8 +173,15 @@ class Engine:
     """Owns the model; runs prefill chunks and batched decode steps on one thread."""
 
     def __init__(self, load: Callable[[], tuple], max_batch: int = 8,
-                 prefill_step_size: int = 2048, max_waiting: int = 256):
+                 prefill_step_size: int = 2048, max_waiting: int = 256,
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
+        """`prompt_cache_size` / `prompt_cache_bytes`: the most KV caches (and bytes of
+        them) kept for reuse by later requests that share their prefix (mlx-lm's
+        LRUPromptCache); 0 entries: none kept."""
         self._load = load  # returns (model, tokenizer, config); called on the engine thread
+        self.prompt_cache = LRUPromptCache(max(prompt_cache_size, 1),
+                                           prompt_cache_bytes or 1 << 63) \
+            if prompt_cache_size > 0 else None
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
         self.max_waiting = max_waiting
@@ -281,17 +313,77 @@ class Engine:
     def _prefill_chunk(self, job: Job):
         """Run one chunk of `job`'s prompt (all but its last token) alone."""
         if job.cache is None:
-            job.cache = make_prompt_cache(self.model)
-            job.detokenizer = self.tokenizer.detokenizer
-            job.sampler = make_request_sampler(**job.sampling) if job.sampling else None
+            self._start_prefill(job)
         end = min(job.prefilled + self.prefill_step_size, len(job.prompt) - 1)
         if end > job.prefilled:
-            self.model(mx.array(job.prompt[job.prefilled:end])[None], cache=job.cache)
+            before = self.metrics.store_stats()
+            logits = self.model(mx.array(job.prompt[job.prefilled:end])[None],
+                                cache=job.cache)
+            if job.prompt_logprobs:  # of each next prompt token, the chunk's last too
+                nxt = mx.array(job.prompt[job.prefilled + 1:end + 1])
+                scores = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)
+                job.prompt_scores += mx.take_along_axis(
+                    scores, nxt[:, None], axis=-1)[:, 0].tolist()
             mx.eval([c.state for c in job.cache])
+            self._count(self.metrics.prefill, before)
+            with self.metrics.lock:
+                self.metrics.prefilled_tokens += end - job.prefilled
             job.prefilled = end
         if job.prefilled >= len(job.prompt) - 1:
             self.pending.popleft()
+            if job.use_prompt_cache:
+                self._remember(job.prompt[:-1], job.cache)
             self._join_batch(job)
+
+    def _start_prefill(self, job: Job):
+        """The job's cache: the nearest cached prefix of its prompt, or a new one."""
+        job.detokenizer = self.tokenizer.detokenizer
+        job.sampler = make_request_sampler(**job.sampling) if job.sampling else None
+        job.prompt_scores = [None]  # the first token has no logprob
+        cache, rest = self._cached(job.prompt[:-1]) if job.use_prompt_cache else \
+            (None, job.prompt[:-1])
+        job.cache = cache if cache is not None else make_prompt_cache(self.model)
+        job.prefilled = job.cached_tokens = len(job.prompt) - 1 - len(rest)
+        if self.prompt_cache is not None and job.use_prompt_cache:
+            with self.metrics.lock:
+                self.metrics.cache_hits += job.cached_tokens > 0
+                self.metrics.cache_misses += job.cached_tokens == 0
+                self.metrics.cached_tokens += job.cached_tokens
+
+    def _cached(self, tokens: List[int]):
+        """(the KV cache of the longest cached prefix of `tokens`, the tokens after it),
+        or (None, tokens). At least two tokens are left to prefill: some families'
+        attention computes a one-token call differently from a longer one (deepseek_v3's
+        MLA, by 1e-6), and a request must give what it gives alone, where its prefill
+        never runs one token after a long chunk. Only prefills are cached, for the same
+        reason: a reply's KV, made one token at a time, would differ from the prefill of
+        the same tokens in the next turn sent alone."""
+        if self.prompt_cache is None or len(tokens) < 3:
+            return None, tokens
+        cache, rest = self.prompt_cache.fetch_nearest_cache("model", tokens)
+        if cache is not None and len(rest) < 2:
+            if not can_trim_prompt_cache(cache) or len(tokens) - len(rest) <= 2:
+                return None, tokens
+            trim_prompt_cache(cache, 2 - len(rest))
+            rest = tokens[len(tokens) - 2:]
+        return cache, rest
+
+    def _remember(self, tokens: List[int], cache: list):
+        """Keep `cache` (of `tokens`, all prefilled) for later requests that start with
+        them."""
+        if self.prompt_cache is None or not tokens:
+            return
+        self.prompt_cache.insert_cache("model", list(tokens), cache, cache_type="user")
+        with self.metrics.lock:
+            self.metrics.cache_entries = len(self.prompt_cache)
+            self.metrics.cache_bytes = self.prompt_cache.nbytes
+
+    def _count(self, into: ExpertStats, before: ExpertStats):
+        """Add the store's counters since `before` to `into`."""
+        delta = self.metrics.store_stats() - before
+        with self.metrics.lock:
+            for f in fields(ExpertStats):
+                setattr(into, f.name, getattr(into, f.name) + getattr(delta, f.name))
 
     def _join_batch(self, job: Job):
         routing = sequence_state(job.cache)  # what its prefill carries to the next token
@@ -324,12 +416,14 @@ class Engine:
         before = self.metrics.store_stats()
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
+        failed = {}
+        logits = self._process(logits, failed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
         mx.eval(greedy, logprobs, [c.state for c in self.batch_cache])
-        tokens, failed = greedy.tolist(), {}
+        tokens = greedy.tolist()
         for i, job in enumerate(self.active):
-            if job.sampler is None:
+            if job.sampler is None or i in failed:
                 continue
             try:  # a request's own sampling fails that request alone
                 tokens[i] = job.sampler(logprobs[i:i + 1]).reshape(-1).item()
@@ -338,12 +432,8 @@ class Engine:
                 failed[i] = f"sampling failed: {type(e).__name__}: {e}"
         chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
         now = time.perf_counter()
-        after = self.metrics.store_stats()
+        self._count(self.metrics.decode, before)
         with self.metrics.lock:
-            delta = after - before
-            for f in fields(ExpertStats):
-                setattr(self.metrics.decode, f.name,
-                        getattr(self.metrics.decode, f.name) + getattr(delta, f.name))
             self.metrics.steps += 1
             self.metrics.step_rows += len(self.active)
             self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, len(self.active))
@@ -355,10 +445,34 @@ class Engine:
                 continue
             if job.first_token_at is None:
                 job.first_token_at = now
-            if not self._advance(job, tokens[i], chosen[i]):
+            top = _top(logprobs[i], job.top_logprobs) if job.top_logprobs else None
+            if not self._advance(job, tokens[i], chosen[i], top):
                 keep.append(i)
         if len(keep) < len(self.active):
             self._keep_rows(keep)
+
+    def _process(self, logits: mx.array, failed: dict) -> mx.array:
+        """Each row's logits through its own processors and grammar (other rows are
+        left as they are, bit for bit); a row whose processing fails is put in `failed`."""
+        rows = [i for i, j in enumerate(self.active) if j.processors or j.grammar]
+        if not rows:
+            return logits
+        parts = [logits[i:i + 1] for i in range(len(self.active))]
+        for i in rows:
+            job = self.active[i]
+            try:
+                row = parts[i]
+                if job.processors:
+                    history = mx.array(job.prompt + job.tokens)
+                    for process in job.processors:
+                        row = process(history, row)
+                if job.grammar is not None:
+                    row = job.grammar.mask(row)
+                parts[i] = row
+            except Exception as e:
+                log.exception("request %s: logits processing failed", job.id)
+                failed[i] = f"logits processing failed: {type(e).__name__}: {e}"
+        return mx.concatenate(parts)
 
     def _fail_row(self, job: Job, message: str):
         """One row's own failure: its request ends with an error, the batch goes on
@@ -367,7 +481,7 @@ class Engine:
             self.metrics.failed += 1
         job.emit({"type": "error", "message": message})
 
-    def _advance(self, job: Job, token: int, logprob: float) -> bool:
+    def _advance(self, job: Job, token: int, logprob: float, top=None) -> bool:
         """Give `job` its next token; True when the job has finished."""
         job.tokens.append(token)
         finish = None
@@ -377,6 +491,8 @@ class Engine:
             job.detokenizer.add_token(token)
             job.text += job.detokenizer.last_segment
             job.next_input = token
+            if job.grammar is not None and job.grammar.accept(token):
+                finish = "stop"  # the grammar is complete: nothing more may follow
         if len(job.tokens) >= job.max_tokens:
             finish = finish or "length"
         if finish is not None:  # flush what the detokenizer still holds
@@ -385,7 +501,8 @@ class Engine:
         text, hit = self._releasable(job, final=finish is not None)
         if hit:
             finish = "stop"
-        job.emit({"type": "token", "token": token, "logprob": logprob, "text": text})
+        job.emit({"type": "token", "token": token, "logprob": logprob, "text": text,
+                  "top": top})
         if finish is not None:
             self._finish(job, finish)
             return True
@@ -394,10 +511,10 @@ class Engine:
     @staticmethod
     def _releasable(job: Job, final: bool):
         """Text safe to send now: up to a stop string, and never a stop string's start."""
-        found = [at for s in job.stop
+        found = [(at, s) for s in job.stop
                  if (at := job.text.find(s, max(0, job.sent - len(s) + 1))) >= 0]
         if found:
-            at = min(found)
+            at, job.stop_hit = min(found)
             text, job.sent = job.text[job.sent:at], at
             return text, True
         end = len(job.text)
@@ -417,8 +534,9 @@ class Engine:
         with self.metrics.lock:
             self.metrics.completed += 1
             self.metrics.recent.append(done)
-        job.emit({"type": "done", "finish_reason": reason,
-                  "prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens)})
+        job.emit({"type": "done", "finish_reason": reason, "prompt_tokens": len(job.prompt),
+                  "completion_tokens": len(job.tokens), "cached_tokens": job.cached_tokens,
+                  "prompt_logprobs": job.prompt_scores if job.prompt_logprobs else None})
         m = self.snapshot()
         log.info("request %s: %s, prompt %d tok, generated %d tok in %.3f s (first token "
                  "%.3f s) | all: %.1f tok/s, batch mean %.2f, experts read %.1f MB, "
@@ -442,6 +560,14 @@ class Engine:
         for job in jobs:
             job.cache = None
             job.emit({"type": "error", "message": message})
+
+
+def _top(logprobs: mx.array, n: int) -> List[tuple]:
+    """The `n` most likely (token, logprob) of one row, most likely first."""
+    n = min(n, logprobs.shape[-1])
+    ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+    pairs = list(zip(ids.tolist(), logprobs[ids].tolist()))
+    return sorted(pairs, key=lambda p: -p[1])
 
 
 def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,

@@ -1,0 +1,91 @@
+"""Constrained decoding: tokens that must follow a grammar (JSON, a JSON schema, a tool call).
+
+`response_format` ({"type": "json_object"} or {"type": "json_schema", ...}) and a tool
+choice that forces a call are grammars; llguidance (Microsoft's grammar engine, the one
+llama.cpp and vLLM use) compiles them against the tokenizer and gives, at each step, the
+tokens that may come next. The engine masks every other token out of the row's logits
+(`Grammar.mask`) and tells the grammar what was chosen (`Grammar.accept`); a grammar that
+is complete ends the request.
+"""
+
+import json
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+# JSON as a model writes it: no whitespace but one space after ',' and ':', so that a
+# small or unsure model cannot spend its tokens on newlines
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile (an unsupported or invalid schema)."""
+
+
+class Tokens:
+    """The tokenizer as llguidance sees it (made once per model: about 50 ms)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance.hf
+
+        self.ll = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
+                                               eos_token=list(tokenizer.eos_token_ids))
+        self.vocab_size = vocab_size
+
+
+class Grammar:
+    """One request's position in its grammar."""
+
+    def __init__(self, tokens: Tokens, grammar: str):
+        import llguidance
+
+        self.vocab_size = tokens.vocab_size
+        self.matcher = llguidance.LLMatcher(tokens.ll, grammar)
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+
+    @classmethod
+    def json(cls, tokens: Tokens, schema: Optional[dict] = None) -> "Grammar":
+        """Any JSON object, or one that follows `schema`."""
+        import llguidance
+
+        schema = {"type": "object"} if schema is None else schema
+        return cls(tokens, llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=JSON_STYLE))
+
+    @classmethod
+    def lark(cls, tokens: Tokens, grammar: str) -> "Grammar":
+        import llguidance
+
+        return cls(tokens, llguidance.LLMatcher.grammar_from_lark(grammar))
+
+    def mask(self, logits: mx.array) -> mx.array:
+        """`logits` (1, vocab) with every token the grammar forbids at -inf."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(words, bitorder="little")[:logits.shape[-1]].astype(bool)
+        if allowed.size < logits.shape[-1]:  # ids past the tokenizer's: never allowed
+            allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.size))
+        return mx.where(mx.array(allowed)[None], logits, -mx.inf)
+
+    def accept(self, token: int) -> bool:
+        """Move past `token`; True when the grammar is complete (nothing may follow)."""
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} does not follow the grammar: "
+                               f"{self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+def tool_call_grammar(start: str, end: str, tools: list, name: Optional[str]) -> str:
+    """A Lark grammar for one JSON tool call between the parser's markers, `start`
+    {"name": ..., "arguments": {...}} `end`, of the tool `name` or of any of `tools`."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters")
+                             or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for t in tools if name is None or t["function"]["name"] == name]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema["x-guidance"] = JSON_STYLE
+    return (f"start: {json.dumps(start)} call {json.dumps(end)}\n"
+            f"call: %json {json.dumps(schema)}\n")

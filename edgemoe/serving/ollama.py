@@ -1,0 +1,353 @@
+"""Ollama's API: `/api/chat`, `/api/generate` (newline-delimited JSON when streamed, as
+Ollama streams by default), `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, so that
+Ollama's client and the apps built on it connect unchanged.
+
+Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9) where a request
+gives none: apps written for Ollama rely on them. Ollama's resource options (threads,
+GPU layers, batch size, mmap) have no meaning here, where the expert budget decides
+memory; they are accepted and do nothing. Any other option this server does not
+implement is a 400 naming it.
+"""
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import __version__
+from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces
+from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, event_stream, field,
+                   public, refuse_unknown, stop_strings)
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop",
+            "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+            "num_ctx"}
+RESOURCES = {"num_thread", "num_gpu", "main_gpu", "num_batch", "use_mmap", "use_mlock",
+             "numa", "low_vram", "num_keep"}
+COMMON = {"model", "stream", "format", "options", "keep_alive", "think", "logprobs",
+          "top_logprobs"}
+CHAT = COMMON | {"messages", "tools"}
+GENERATE = COMMON | {"prompt", "system", "raw", "suffix", "images"}
+
+
+def error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class OllamaAPI:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def routes(self):
+        return [Route("/api/chat", self.chat, methods=["POST"]),
+                Route("/api/generate", self.generate, methods=["POST"]),
+                Route("/api/tags", self.tags, methods=["GET"]),
+                Route("/api/show", self.show, methods=["POST"]),
+                Route("/api/ps", self.ps, methods=["GET"]),
+                Route("/api/version", self.version, methods=["GET"])]
+
+    # -- models --------------------------------------------------------------------------
+    def _name(self) -> str:
+        return self.server.model_id.rstrip("/").rsplit("/", 1)[-1] + ":latest"
+
+    def _details(self) -> dict:
+        t = self.server.model_type
+        return {"format": "edgemoe", "family": t, "families": [t], "parameter_size": "",
+                "quantization_level": ""}
+
+    def _card(self) -> dict:
+        return {"name": self._name(), "model": self._name(), "size": self.server.model_bytes,
+                "modified_at": datetime.fromtimestamp(self.server.created, timezone.utc)
+                .isoformat(), "details": self._details()}
+
+    async def tags(self, request: Request):
+        return JSONResponse({"models": [self._card()]})
+
+    async def ps(self, request: Request):
+        return JSONResponse({"models": [{**self._card(), "size_vram": 0,
+                                         "context_length": self.server.context_length}]})
+
+    async def version(self, request: Request):
+        return JSONResponse({"version": __version__})
+
+    async def show(self, request: Request):
+        s = self.server
+        try:
+            body = await s.body(request)
+            refuse_unknown(body, {"model", "name", "verbose"}, "/api/show")
+            s.model_name(body, "model" if "model" in body else "name", required=True)
+        except BadRequest as e:
+            return error(e.message, e.status)
+        tok = s.tokenizer
+        capabilities = ["completion"] + (["tools"] if tok.tool_parser else []) + \
+            (["thinking"] if tok.has_thinking else [])
+        template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+        return JSONResponse({
+            "template": template, "modelfile": "", "parameters": "",
+            "details": self._details(), "capabilities": capabilities,
+            "model_info": {"general.architecture": s.model_type,
+                           f"{s.model_type}.context_length": s.context_length},
+            "modified_at": self._card()["modified_at"]})
+
+    # -- requests ------------------------------------------------------------------------
+    def _options(self, body: dict) -> dict:
+        s = self.server
+        options = field(body, "options", dict, {})
+        refuse_unknown(options, SAMPLING | RESOURCES, "Ollama's options", "options.")
+        o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+        num_ctx = field(o, "num_ctx", int, s.context_length, lo=1, where="options.")
+        if num_ctx > s.context_length:
+            raise BadRequest(f"'options.num_ctx' is {num_ctx}; the model's context is "
+                             f"{s.context_length} tokens", "options.num_ctx")
+        predict = field(o, "num_predict", int, -1, lo=-2, where="options.")
+        repeat = field(o, "repeat_penalty", NUMBER, 1.0, lo=0, where="options.")
+        last_n = field(o, "repeat_last_n", int, 64, lo=-1, where="options.")
+        last_n = num_ctx if last_n == -1 else max(last_n, 1)
+        return dict(
+            num_ctx=num_ctx, max_tokens=predict if predict > 0 else None,
+            temperature=field(o, "temperature", NUMBER, lo=0, where="options."),
+            top_p=field(o, "top_p", NUMBER, lo=0, hi=1, where="options."),
+            top_k=s.top_k_field(o, where="options."),
+            min_p=field(o, "min_p", NUMBER, 0.0, lo=0, hi=1, where="options."),
+            seed=field(o, "seed", int, lo=0, hi=2**63 - 1, where="options."),
+            stop=stop_strings(o.get("stop"), "options.stop"),
+            penalties=dict(
+                repetition_penalty=None if repeat in (0.0, 1.0) else repeat,
+                repetition_context_size=last_n,
+                presence_penalty=field(o, "presence_penalty", NUMBER, 0.0, where="options."),
+                presence_context_size=last_n,
+                frequency_penalty=field(o, "frequency_penalty", NUMBER, 0.0,
+                                        where="options."),
+                frequency_context_size=last_n))
+
+    def _format(self, body: dict):
+        fmt = body.get("format")
+        if fmt in (None, ""):
+            return None
+        from .constrain import Grammar, GrammarError
+
+        try:
+            if fmt == "json":
+                return Grammar.json(self.server.grammar_tokens())
+            if isinstance(fmt, dict):
+                return Grammar.json(self.server.grammar_tokens(), fmt)
+        except GrammarError as e:
+            raise BadRequest(f"'format' schema: {e}", "format") from None
+        raise BadRequest(f"'format' must be \"json\" or a JSON schema, got "
+                         f"{json.dumps(fmt)[:60]}", "format")
+
+    def _template_args(self, body: dict) -> dict:
+        args = dict(self.server.template_args)
+        think = body.get("think")
+        if think is not None:
+            if not isinstance(think, bool):
+                raise BadRequest("'think' must be true or false (levels are not supported)",
+                                 "think")
+            if think and not self.server.tokenizer.has_thinking:
+                raise BadRequest(f"the model {self._name()!r} does not think", "think")
+            args["enable_thinking"] = think
+        return args
+
+    def _messages(self, body: dict) -> List[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise BadRequest("'messages' must be an array", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant",
+                                                              "tool")):
+                raise BadRequest(f"{where}: 'role' must be system, user, assistant or tool",
+                                 "messages")
+            refuse_unknown(m, {"role", "content", "images", "tool_calls", "tool_name",
+                               "thinking"}, "messages", where + ".")
+            if m.get("images"):
+                raise BadRequest(f"{where}: images are not supported by this model",
+                                 "messages")
+            message: Dict[str, Any] = {"role": m["role"],
+                                       "content": text_of(m.get("content"), where)}
+            if m.get("tool_calls"):
+                message["tool_calls"] = [
+                    {"type": "function", "function": {
+                        "name": c["function"]["name"],
+                        "arguments": c["function"].get("arguments") or {}}}
+                    for c in m["tool_calls"]]
+            if m.get("tool_name"):
+                message["name"] = str(m["tool_name"])
+            out.append(message)
+        return out
+
+    def _job(self, body: dict, prompt: List[int], grammar, **flags):
+        s = self.server
+        o = self._options(body)
+        logprobs = field(body, "logprobs", bool, False)
+        top = field(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if len(prompt) >= o["num_ctx"]:
+            raise BadRequest(f"the prompt is {len(prompt)} tokens; 'options.num_ctx' is "
+                             f"{o['num_ctx']}", "options.num_ctx")
+        return s.job(prompt, max_tokens=o["max_tokens"],
+                     max_tokens_name="options.num_predict", prompt_param="messages",
+                     temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"],
+                     min_p=o["min_p"], seed=o["seed"], stop=o["stop"],
+                     penalties=o["penalties"], grammar=grammar, id_prefix="ollama-",
+                     want_logprobs=logprobs, top_logprobs=top, **flags)
+
+    def parse_chat(self, body: dict):
+        s = self.server
+        refuse_unknown(body, CHAT, "/api/chat")
+        model = s.model_name(body, required=True)
+        tools = check_tools(body.get("tools"))
+        if tools and s.tokenizer.tool_parser is None:
+            raise BadRequest(f"the model {self._name()!r} does not support tools", "tools")
+        messages = self._messages(body)
+        if not messages:
+            return None, {"model": model, "chat": True}, None
+        prompt = render(s.tokenizer, messages, tools, self._template_args(body))
+        job = self._job(body, prompt, self._format(body))
+        opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": True}
+        return job, opts, Reply(s.tokenizer, prompt, tools)
+
+    def parse_generate(self, body: dict):
+        s = self.server
+        refuse_unknown(body, GENERATE, "/api/generate")
+        model = s.model_name(body, required=True)
+        if body.get("images"):
+            raise BadRequest("images are not supported by this model", "images")
+        if body.get("suffix"):
+            raise BadRequest("'suffix' (fill in the middle) is not supported", "suffix")
+        text = field(body, "prompt", str, "")
+        if not text:
+            return None, {"model": model, "chat": False}, None
+        system = field(body, "system", str)
+        if field(body, "raw", bool, False) or not s.tokenizer.has_chat_template:
+            prompt = s.tokenizer.encode((system + "\n\n" if system else "") + text)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": text}]
+            prompt = render(s.tokenizer, messages, None, self._template_args(body))
+        job = self._job(body, prompt, self._format(body))
+        opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": False}
+        return job, opts, Reply(s.tokenizer, prompt, None)
+
+    async def chat(self, request: Request):
+        return await self._run(request, self.parse_chat)
+
+    async def generate(self, request: Request):
+        return await self._run(request, self.parse_generate)
+
+    async def _run(self, request: Request, parse):
+        s = self.server
+        try:
+            body = await s.body(request)
+            s.ready()
+            job, opts, reply = await asyncio.to_thread(parse, body)
+            if job is None:  # no prompt: Ollama's way to load a model, which is loaded
+                return JSONResponse(Lines(s, None, opts, None).loaded())
+            events = await s.submit(job)
+        except BadRequest as e:
+            return error(e.message, e.status)
+        view = Lines(s, job, opts, reply)
+        if opts["stream"]:
+            return event_stream(s.stream(job, events, view.lines),
+                                media_type="application/x-ndjson")
+        try:
+            tokens, last = await s.collect(request, job, events)
+        except ClientGone:
+            return error("client disconnected", 499)
+        if last["type"] == "error":
+            return error(public(last["message"]), 500)
+        return JSONResponse(view.whole(tokens, last))
+
+
+class Lines:
+    """One request's events as Ollama's responses: one object, or a line per piece."""
+
+    def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply]):
+        self.server, self.job, self.opts, self.reply = server, job, opts, reply
+        self.started = time.perf_counter()
+        self.first: Optional[float] = None
+
+    def loaded(self) -> dict:
+        out = {"model": self.opts["model"], "created_at": now(), "done": True,
+               "done_reason": "load"}
+        if self.opts["chat"]:
+            out["message"] = {"role": "assistant", "content": ""}
+        else:
+            out["response"] = ""
+        return out
+
+    def _piece(self, content: str, reasoning: str, calls: List[dict],
+               events: List[dict]) -> dict:
+        out: Dict[str, Any] = {"model": self.opts["model"], "created_at": now()}
+        if self.opts["chat"]:
+            message: Dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                message["thinking"] = reasoning
+            if calls:
+                message["tool_calls"] = [{"function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+            out["message"] = message
+        else:
+            out["response"] = content
+            if reasoning:
+                out["thinking"] = reasoning
+        if self.job.want_logprobs and events:
+            out["logprobs"] = self._logprobs(events)
+        out["done"] = False
+        return out
+
+    def _logprobs(self, events: List[dict]) -> List[dict]:
+        tok = self.server.tokenizer
+        out = []
+        for e in events:
+            top = e["top"] or []
+            pieces = token_pieces(tok, [e["token"]] + [t for t, _ in top])
+            entry = {"token": pieces[0][0], "logprob": e["logprob"]}
+            if self.job.top_logprobs:
+                entry["top_logprobs"] = [{"token": p[0], "logprob": lp}
+                                         for p, (_, lp) in zip(pieces[1:], top)]
+            out.append(entry)
+        return out
+
+    def _done(self, out: dict, last: dict) -> dict:
+        end = time.perf_counter()
+        first = self.first or end
+        ns = 1_000_000_000
+        out.update(done=True, done_reason=self.reply.finish_reason(last["finish_reason"])
+                   .replace("tool_calls", "stop"),
+                   total_duration=int((end - self.started) * ns), load_duration=0,
+                   prompt_eval_count=last["prompt_tokens"] - last["cached_tokens"],
+                   prompt_eval_duration=int((first - self.started) * ns),
+                   eval_count=last["completion_tokens"],
+                   eval_duration=int((end - first) * ns))
+        return out
+
+    def whole(self, events: List[dict], last: dict) -> dict:
+        self.first = self.first or time.perf_counter()
+        text = "".join(e["text"] for e in events)
+        return self._done(self._piece(*self.reply.feed(text, final=True), events), last)
+
+    def lines(self, event: dict):
+        if event["type"] == "error":
+            yield json.dumps({"error": public(event["message"])}) + "\n"
+            return
+        if event["type"] == "token":
+            self.first = self.first or time.perf_counter()
+            content, reasoning, calls = self.reply.feed(event["text"])
+            if content or reasoning or calls or self.job.want_logprobs:
+                yield json.dumps(self._piece(content, reasoning, calls, [event]),
+                                 ensure_ascii=False) + "\n"
+            return
+        piece = self._piece(*self.reply.feed("", final=True), [])
+        yield json.dumps(self._done(piece, event), ensure_ascii=False) + "\n"

@@ -1,0 +1,436 @@
+"""OpenAI's API (and mlx_lm.server's extensions of it): chat completions, completions, models.
+
+Every field OpenAI defines is implemented or refused with a 400 naming it; mlx_lm.server's
+extra fields (top_k, min_p, repetition_penalty and the penalties' context sizes,
+chat_template_kwargs, role_mapping) are taken as it takes them.
+"""
+
+import asyncio
+from typing import Any, Dict, List, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import __version__
+from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces, \
+    tool_call_message
+from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, error_response,
+                   event_stream, field, public, refuse_unknown, sse, stop_strings)
+
+COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "top_k",
+          "min_p", "seed", "stop", "max_tokens", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "repetition_context_size", "presence_context_size",
+          "frequency_context_size", "logit_bias", "logprobs", "top_logprobs", "user"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
+                 "parallel_tool_calls", "response_format", "chat_template_kwargs",
+                 "role_mapping", "metadata", "store"}
+COMPLETIONS = COMMON | {"prompt", "echo", "best_of"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class OpenAIAPI:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def routes(self):
+        s = self
+        return [Route("/v1/chat/completions", s.chat, methods=["POST"]),
+                Route("/chat/completions", s.chat, methods=["POST"]),
+                Route("/v1/completions", s.completions, methods=["POST"]),
+                Route("/v1/models", s.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", s.model, methods=["GET"])]
+
+    # -- models --------------------------------------------------------------------------
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.server.created,
+                "owned_by": "edgemoe"}
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [
+            self._card(n) for n in sorted(self.server.names, key=lambda n: (
+                n != self.server.model_id, n))]})
+
+    async def model(self, request: Request):
+        name = request.path_params["model"]
+        if name not in self.server.names:
+            return error_response(f"the model {name!r} does not exist", 404, "model")
+        return JSONResponse(self._card(name))
+
+    # -- requests ------------------------------------------------------------------------
+    def _options(self, body: dict, chat: bool) -> dict:
+        s = self.server
+        n = field(body, "n", int, 1)
+        if n != 1:
+            raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
+        if not chat and field(body, "best_of", int, 1) != 1:
+            raise BadRequest("'best_of' must be 1 (one choice per request)", "best_of")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        penalties = dict(
+            presence_penalty=field(body, "presence_penalty", NUMBER, 0.0, lo=-2, hi=2),
+            frequency_penalty=field(body, "frequency_penalty", NUMBER, 0.0, lo=-2, hi=2),
+            repetition_penalty=field(body, "repetition_penalty", NUMBER, 0.0, lo=0),
+            **{k: field(body, k, int, 20, lo=1) for k in (
+                "repetition_context_size", "presence_context_size", "frequency_context_size")})
+        if penalties["repetition_penalty"] in (0.0, 1.0):
+            penalties["repetition_penalty"] = None
+        stream = field(body, "stream", bool, False)
+        stream_options = field(body, "stream_options", dict, {})
+        if stream_options and not stream:
+            raise BadRequest("'stream_options' is only allowed with 'stream': true",
+                             "stream_options")
+        refuse_unknown(stream_options, {"include_usage"}, "stream_options",
+                       "stream_options.")
+        return dict(
+            stream=stream, include_usage=bool(stream_options.get("include_usage")),
+            model=s.model_name(body),
+            sampling=dict(temperature=field(body, "temperature", NUMBER, 0.0, lo=0, hi=2),
+                          top_p=field(body, "top_p", NUMBER, 1.0, lo=0, hi=1),
+                          top_k=s.top_k_field(body),
+                          min_p=field(body, "min_p", NUMBER, 0.0, lo=0, hi=1),
+                          seed=field(body, "seed", int, lo=0, hi=2**63 - 1),
+                          stop=stop_strings(body.get("stop")), penalties=penalties,
+                          logit_bias=s.logit_bias(body.get("logit_bias"))),
+            max_tokens=field(body, name, int, None, lo=1), max_tokens_name=name)
+
+    def _messages(self, body: dict) -> List[dict]:
+        messages = body.get("messages")
+        if messages is None:
+            raise BadRequest("'messages' is required", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array of "
+                             "{\"role\": ..., \"content\": ...} objects", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"{where} must be an object with a string 'role'",
+                                 "messages")
+            if m["role"] not in ROLES:
+                raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got "
+                                 f"{m['role']!r}", "messages")
+            refuse_unknown(m, {"role", "content", "name", "tool_calls", "tool_call_id",
+                               "refusal", "reasoning", "reasoning_content"},
+                           "messages", where + ".")
+            message: Dict[str, Any] = {"role": "system" if m["role"] == "developer"
+                                       else m["role"],
+                                       "content": text_of(m.get("content"), where)}
+            if m.get("tool_calls"):
+                if m["role"] != "assistant":
+                    raise BadRequest(f"{where}: only assistant messages have 'tool_calls'",
+                                     "messages")
+                message["tool_calls"] = tool_call_message(m["tool_calls"], where)
+            elif m.get("content") is None and m["role"] != "assistant":
+                raise BadRequest(f"{where}: 'content' is required", "messages")
+            for key in ("name", "tool_call_id"):
+                if m.get(key) is not None:
+                    message[key] = str(m[key])
+            if m["role"] == "tool" and "tool_call_id" not in message:
+                raise BadRequest(f"{where}: a tool message needs its 'tool_call_id'",
+                                 "messages")
+            clean.append(message)
+        return clean
+
+    def _grammar(self, body: dict, tools: Optional[list]):
+        """The grammar a response_format or a forced tool choice asks for, or None; and
+        whether tool calls are parsed."""
+        s = self.server
+        from .constrain import Grammar, GrammarError
+
+        choice = body.get("tool_choice")
+        fmt = field(body, "response_format", dict)
+        grammar, parse = None, bool(tools)
+        if fmt is not None:
+            kind = fmt.get("type")
+            try:
+                if kind == "json_object":
+                    grammar = Grammar.json(s.grammar_tokens())
+                elif kind == "json_schema":
+                    spec = fmt.get("json_schema")
+                    if not (isinstance(spec, dict) and isinstance(spec.get("schema", {}),
+                                                                  dict)):
+                        raise BadRequest("'response_format.json_schema' must be "
+                                         "{\"name\": ..., \"schema\": {...}}",
+                                         "response_format")
+                    grammar = Grammar.json(s.grammar_tokens(), spec.get("schema"))
+                elif kind != "text":
+                    raise BadRequest(f"'response_format.type' must be text, json_object or "
+                                     f"json_schema, got {kind!r}", "response_format")
+            except GrammarError as e:
+                raise BadRequest(f"'response_format' schema: {e}", "response_format") \
+                    from None
+        if choice in (None, "auto"):
+            return grammar, parse
+        if choice == "none":
+            return grammar, False
+        name = None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if not (choice.get("type") == "function" and isinstance(fn, dict)
+                    and isinstance(fn.get("name"), str)):
+                raise BadRequest("'tool_choice' must be none, auto, required or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                 "tool_choice")
+            name = fn["name"]
+        elif choice != "required":
+            raise BadRequest(f"'tool_choice' must be none, auto, required or a function, "
+                             f"got {choice!r}", "tool_choice")
+        if not tools:
+            raise BadRequest("'tool_choice' asks for a tool call, but no 'tools' are given",
+                             "tool_choice")
+        if name is not None and name not in [t["function"]["name"] for t in tools]:
+            raise BadRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
+                             "tool_choice")
+        if grammar is not None:
+            raise BadRequest("'response_format' and a forced 'tool_choice' cannot be "
+                             "combined", "response_format")
+        return forced_call(s, tools, name), True
+
+    def parse_chat(self, body: dict):
+        s = self.server
+        refuse_unknown(body, CHAT, "chat completions")
+        opts = self._options(body, chat=True)
+        logprobs = field(body, "logprobs", bool, False)
+        top = field(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if top and not logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if field(body, "parallel_tool_calls", bool, True) is False:
+            raise BadRequest("'parallel_tool_calls': false is not supported (the tool "
+                             "parser returns every call the model makes)",
+                             "parallel_tool_calls")
+        messages = self._messages(body)
+        tools = check_tools(body.get("tools"))
+        if tools and s.tokenizer.tool_parser is None:
+            raise BadRequest("this model's tokenizer has no tool-call parser (mlx-lm "
+                             "infers one from the chat template), so its calls could not "
+                             "be returned", "tools")
+        grammar, parse = self._grammar(body, tools)
+        template_args = {**s.template_args,
+                         **field(body, "chat_template_kwargs", dict, {})}
+        prompt = render(s.tokenizer, messages, tools if parse or grammar else None,
+                        template_args, field(body, "role_mapping", dict))
+        job = s.job(prompt, max_tokens=opts["max_tokens"],
+                    max_tokens_name=opts["max_tokens_name"], prompt_param="messages",
+                    grammar=grammar, id_prefix="chatcmpl-", want_logprobs=logprobs,
+                    top_logprobs=top, **opts["sampling"])
+        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=parse)
+
+    def parse_completion(self, body: dict):
+        s = self.server
+        refuse_unknown(body, COMPLETIONS, "completions")
+        opts = self._options(body, chat=False)
+        if body.get("prompt") is None:
+            raise BadRequest("'prompt' is required", "prompt")
+        # mlx_lm.server's logprobs is a boolean and top_logprobs a count; OpenAI's
+        # logprobs is the count: both are taken
+        logprobs = field(body, "logprobs", (bool, int), False)
+        top = field(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if not isinstance(logprobs, bool):
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise BadRequest(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, "
+                                 f"got {logprobs}", "logprobs")
+            top, logprobs = max(top, logprobs), True
+        opts["echo"] = field(body, "echo", bool, False)
+        prompt = s.text_tokens(body["prompt"])
+        job = s.job(prompt, max_tokens=opts["max_tokens"],
+                    max_tokens_name=opts["max_tokens_name"], prompt_param="prompt",
+                    id_prefix="cmpl-", want_logprobs=logprobs, top_logprobs=top,
+                    prompt_logprobs=opts["echo"] and logprobs,
+                    use_prompt_cache=not (opts["echo"] and logprobs), **opts["sampling"])
+        return job, opts, None
+
+    async def chat(self, request: Request):
+        return await self._complete(request, self.parse_chat)
+
+    async def completions(self, request: Request):
+        return await self._complete(request, self.parse_completion)
+
+    async def _complete(self, request: Request, parse):
+        s = self.server
+        try:
+            body = await s.body(request)
+            s.ready()
+            # tokenizing a long prompt, or compiling a grammar, must not hold up the loop
+            job, opts, reply = await asyncio.to_thread(parse, body)
+            events = await s.submit(job)
+        except BadRequest as e:
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            return error_response(e.message, e.status, e.param, kind)
+        view = View(s, job, opts, reply)
+        if opts["stream"]:
+            return event_stream(s.stream(job, events, view.chunks))
+        try:
+            tokens, last = await s.collect(request, job, events)
+        except ClientGone:
+            return error_response("client disconnected", 499)
+        if last["type"] == "error":
+            return error_response(public(last["message"]), 500, kind="server_error")
+        return JSONResponse(view.whole(tokens, last))
+
+
+def forced_call(server: Server, tools: list, name: Optional[str]):
+    """The grammar of one call of tool `name` (or of any of `tools`), as the model's tool
+    parser reads it: mlx-lm's JSON tool calls (json_tools) only."""
+    from .constrain import Grammar, GrammarError, tool_call_grammar
+
+    tok = server.tokenizer
+    if not tok.tool_parser.__module__.endswith(".json_tools"):
+        raise BadRequest(f"a forced tool call is supported for models whose tool calls "
+                         f"are JSON (mlx-lm's json_tools parser); this model's parser is "
+                         f"{tok.tool_parser.__module__.rsplit('.', 1)[-1]}", "tool_choice")
+    try:
+        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(
+            tok.tool_call_start, tok.tool_call_end, tools, name))
+    except GrammarError as e:
+        raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
+
+
+class View:
+    """One request's events as OpenAI's responses: whole, or as server-sent chunks."""
+
+    def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply]):
+        self.server, self.job, self.opts, self.reply = server, job, opts, reply
+        self.chat = reply is not None
+        self.started = False
+
+    def _base(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        return {"id": self.job.id, "object": kind, "created": self.server.created,
+                "model": self.opts["model"], "system_fingerprint": f"edgemoe-{__version__}"}
+
+    def _usage(self, last: dict) -> dict:
+        p, c = last["prompt_tokens"], last["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": last["cached_tokens"]}}
+
+    def _entries(self, events: List[dict]) -> List[dict]:
+        """Chat logprobs entries (also mlx_lm.server's completions form, with ids)."""
+        tok = self.server.tokenizer
+        ids = [e["token"] for e in events]
+        tops = [e["top"] or [] for e in events]
+        pieces = token_pieces(tok, ids + [t for top in tops for t, _ in top])
+        chosen, rest = pieces[:len(ids)], iter(pieces[len(ids):])
+        out = []
+        for e, (text, data), top in zip(events, chosen, tops):
+            entry = {"id": e["token"], "token": text, "logprob": e["logprob"],
+                     "bytes": data, "top_logprobs": []}
+            for t, lp in top:
+                t_text, t_data = next(rest)
+                entry["top_logprobs"].append({"id": t, "token": t_text, "logprob": lp,
+                                              "bytes": t_data})
+            out.append(entry)
+        return out
+
+    def _legacy(self, entries: List[dict], offset: int, prompt: Optional[List] = None):
+        """Completions logprobs in OpenAI's form (tokens, token_logprobs, top_logprobs,
+        text_offset), beside mlx_lm.server's `content`."""
+        entries = (prompt or []) + entries
+        offsets, at = [], offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        return {"tokens": [e["token"] for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                                 if e["top_logprobs"] else None for e in entries]
+                if self.job.top_logprobs else None,
+                "text_offset": offsets, "content": entries}
+
+    def _prompt_entries(self, last: dict) -> List[dict]:
+        scores = last.get("prompt_logprobs") or []
+        pieces = token_pieces(self.server.tokenizer, self.job.prompt)
+        return [{"id": t, "token": text, "logprob": lp, "bytes": data, "top_logprobs": []}
+                for t, (text, data), lp in zip(self.job.prompt, pieces, scores)]
+
+    def _echo(self) -> str:
+        return self.server.tokenizer.decode(self.job.prompt) if self.opts.get("echo") \
+            else ""
+
+    def whole(self, events: List[dict], last: dict) -> dict:
+        out = self._base(chunk=False)
+        text = "".join(e["text"] for e in events)
+        choice: Dict[str, Any] = {"index": 0, "finish_reason": last["finish_reason"],
+                                  "logprobs": None}
+        if self.chat:
+            content, reasoning, calls = self.reply.feed(text, final=True)
+            message: Dict[str, Any] = {"role": "assistant", "content": content or None}
+            if reasoning:
+                message["reasoning"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            choice["message"] = message
+            choice["finish_reason"] = self.reply.finish_reason(last["finish_reason"])
+            if self.job.want_logprobs:
+                choice["logprobs"] = {"content": self._entries(events)}
+        else:
+            echo = self._echo()
+            choice["text"] = echo + text
+            if self.job.want_logprobs:
+                prompt = self._prompt_entries(last) if self.opts["echo"] else None
+                choice["logprobs"] = self._legacy(self._entries(events),
+                                                  0 if prompt else len(echo), prompt)
+        out["choices"] = [choice]
+        out["usage"] = self._usage(last)
+        return out
+
+    def chunks(self, event: dict):
+        """The SSE chunks of one engine event."""
+        if event["type"] == "error":
+            yield sse({"error": {"message": public(event["message"]),
+                                 "type": "server_error", "param": None, "code": None}})
+            return
+        if not self.started and not self.chat and self.opts.get("echo"):
+            self.started = True
+            yield sse(self._chunk({"text": self._echo()}))
+        self.started = True
+        if event["type"] == "token":
+            yield from self._token_chunks(event)
+            return
+        finish = event["finish_reason"]
+        if self.chat:
+            content, reasoning, calls = self.reply.feed("", final=True)
+            if content or reasoning or calls:
+                yield sse(self._chunk(self._delta(content, reasoning, calls)))
+            finish = self.reply.finish_reason(finish)
+        yield sse(self._chunk({} if self.chat else {"text": ""}, finish))
+        if self.opts["include_usage"]:
+            usage = self._base(chunk=True)
+            usage.update(choices=[], usage=self._usage(event))
+            yield sse(usage)
+        yield "data: [DONE]\n\n"
+
+    def _token_chunks(self, event: dict):
+        logprobs = None
+        if self.job.want_logprobs:
+            entries = self._entries([event])
+            logprobs = {"content": entries} if self.chat else self._legacy(entries, 0)
+        if self.chat:
+            content, reasoning, calls = self.reply.feed(event["text"])
+            if content or reasoning or calls or logprobs:
+                yield sse(self._chunk(self._delta(content, reasoning, calls), None,
+                                      logprobs))
+        elif event["text"] or logprobs:
+            yield sse(self._chunk({"text": event["text"]}, None, logprobs))
+
+    def _delta(self, content: str, reasoning: str, calls: List[dict]) -> dict:
+        delta: Dict[str, Any] = {"role": "assistant"}
+        if content:
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning"] = reasoning
+        if calls:
+            first = len(self.reply.calls) - len(calls)
+            delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+        return delta
+
+    def _chunk(self, part: dict, finish: Optional[str] = None, logprobs=None) -> dict:
+        out = self._base(chunk=True)
+        choice: Dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = part
+        else:
+            choice.update(part)
+        out["choices"] = [choice]
+        return out
