@@ -56,6 +56,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="Completion length when a request gives none")
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--temp", type=number(float, 0), default=None,
+                   help="Sampling temperature of requests that give none (default: 0, "
+                        "greedy; Ollama's API: 0.8, Ollama's default)")
+    p.add_argument("--top-p", type=number(float, 0, 1), default=None,
+                   help="top_p of requests that give none (default: 1; Ollama's API: 0.9)")
+    p.add_argument("--top-k", type=number(int, 0), default=None,
+                   help="top_k of requests that give none (default: 0, off; Ollama's API: 40)")
+    p.add_argument("--min-p", type=number(float, 0, 1), default=None,
+                   help="min_p of requests that give none (default: 0, off)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="A web origin (https://app.example) whose pages may call this server "
+                        "from a browser (repeat it; '*' allows any). Default: none")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
                    help="Another model name requests may give (repeat it); any name that "
                         "is neither this nor the model's is a 404")
@@ -119,6 +131,9 @@ def build(args) -> Tuple[Engine, Server]:
                     allowed_hosts=allowed_hosts(args.host, args.allowed_host),
                     send_timeout_s=args.send_timeout, aliases=tuple(args.model_alias),
                     template_args=args.chat_template_args,
+                    sampling_defaults={k: v for k, v in (
+                        ("temperature", args.temp), ("top_p", args.top_p),
+                        ("top_k", args.top_k), ("min_p", args.min_p)) if v is not None},
                     model_type=str(config.get("model_type", "")),
                     model_bytes=sum(f.stat().st_size for f in info.files if f.exists()))
     return engine, server
@@ -184,7 +199,7 @@ def main(argv=None):
              info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,
              args.routing, server.context_length, args.host, args.port)
     try:
-        config = uvicorn.Config(make_app(server), log_level=args.log_level.lower(),
+        config = uvicorn.Config(make_app(server, cors_origins=args.cors_origin), log_level=args.log_level.lower(),
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5,
                                 limit_concurrency=args.max_connections,
                                 http=http_protocol(args.request_timeout))

@@ -40,6 +40,14 @@ def url():
 
 
 @pytest.fixture(scope="module")
+def other_url():
+    """A server with no prompt cache, server-wide sampling defaults and one web origin."""
+    with running_server(*server_args("--prompt-cache-size", "0", "--temp", "1.5",
+                                     "--cors-origin", "https://app.example")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def oa(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
 
@@ -301,7 +309,7 @@ def test_greedy_outputs_in_company_equal_their_outputs_alone_through_each_api(oa
             assert list(pool.map(run, PROMPTS)) == alone, run.__name__
 
 
-def test_a_second_turn_reuses_the_first_turns_prompt_cache(oa, url):
+def test_a_second_turn_reuses_the_first_turns_prompt_cache(oa, url, other_url):
     """The second turn of a conversation starts with the first's prompt: it is not
     prefilled again, so fewer expert bytes are read than by the same turn on a server
     with no prompt cache, and the answer is the same."""
@@ -321,14 +329,33 @@ def test_a_second_turn_reuses_the_first_turns_prompt_cache(oa, url):
     hit, read_hit, cache = second_turn(oa, url)
     assert hit.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 3
     assert cache["hits"] >= 1 and cache["bytes_read_saved_estimate"] > 0
-    with running_server(*server_args("--prompt-cache-size", "0")) as cold_url:
-        cold = openai.OpenAI(base_url=cold_url + "/v1", api_key="none", timeout=60,
-                             max_retries=0)
-        cold.chat.completions.create(model=MODEL, messages=first, max_tokens=2, temperature=0)
-        miss, read_miss, _ = second_turn(cold, cold_url)
+    cold = openai.OpenAI(base_url=other_url + "/v1", api_key="none", timeout=60,
+                         max_retries=0)
+    cold.chat.completions.create(model=MODEL, messages=first, max_tokens=2, temperature=0)
+    miss, read_miss, _ = second_turn(cold, other_url)
     assert miss.usage.prompt_tokens_details.cached_tokens == 0
     assert miss.choices[0].message.content == hit.choices[0].message.content
     assert read_hit < 0.8 * read_miss, (read_hit, read_miss)
+
+
+def test_server_wide_sampling_defaults_and_web_origins(oa, other_url):
+    """--temp applies where a request gives no temperature (greedy is the default);
+    --cors-origin lets that origin's pages read responses, and no other."""
+    warm = openai.OpenAI(base_url=other_url + "/v1", api_key="none", timeout=60,
+                         max_retries=0)
+    sampled = {warm.completions.create(model=MODEL, prompt="import", max_tokens=8,
+                                       seed=seed).choices[0].text for seed in (1, 2, 3)}
+    greedy = {oa.completions.create(model=MODEL, prompt="import", max_tokens=8,
+                                    seed=seed).choices[0].text for seed in (1, 2, 3)}
+    assert len(sampled) > 1 and len(greedy) == 1
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+    r = httpx.options(other_url + "/v1/chat/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(other_url + "/v1/chat/completions", timeout=30,
+                      headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
 
 
 def test_a_reply_is_split_into_reasoning_content_and_tool_calls(tmp_path):

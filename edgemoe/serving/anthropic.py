@@ -142,11 +142,14 @@ class AnthropicAPI:
             raise BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got "
                              f"{kind!r}", "tool_choice")
         prompt = render(s.tokenizer, messages, tools if parse else None, s.template_args)
+        d = s.sampling_defaults
         job = s.job(prompt, max_tokens=max_tokens, max_tokens_name="max_tokens",
                     prompt_param="messages",
-                    temperature=field(body, "temperature", NUMBER, 0.0, lo=0, hi=1),
-                    top_p=field(body, "top_p", NUMBER, 1.0, lo=0, hi=1),
-                    top_k=s.top_k_field(body),
+                    temperature=field(body, "temperature", NUMBER,
+                                      d.get("temperature", 0.0), lo=0, hi=1),
+                    top_p=field(body, "top_p", NUMBER, d.get("top_p", 1.0), lo=0, hi=1),
+                    top_k=s.top_k_field(body, default=d.get("top_k", 0)),
+                    min_p=d.get("min_p", 0.0),
                     stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
                     grammar=grammar, id_prefix="msg_")
         opts = {"model": model, "stream": field(body, "stream", bool, False)}

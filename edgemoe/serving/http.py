@@ -114,12 +114,14 @@ class Server:
                  allowed_hosts: Optional[List[str]] = None,
                  send_timeout_s: float = SEND_TIMEOUT_S,
                  aliases: Tuple[str, ...] = (), template_args: Optional[dict] = None,
-                 model_type: str = "", model_bytes: int = 0):
+                 sampling_defaults: Optional[dict] = None, model_type: str = "",
+                 model_bytes: int = 0):
         """`allowed_hosts`: the Host header names requests may carry (None: any), so
         that a web page cannot reach a local server by DNS rebinding. `send_timeout_s`:
         how long a streamed chunk may wait for its client to read before the request is
         cancelled and its batch row freed. `aliases`: other model names requests may
-        give (any other name is a 404)."""
+        give (any other name is a 404). `sampling_defaults`: temperature, top_p, top_k,
+        min_p of requests that give none, over each API's own."""
         self.engine = engine
         self.send_timeout_s = send_timeout_s
         self.sending: Dict[Job, Tuple[float, asyncio.Queue]] = {}  # chunks not yet taken
@@ -130,6 +132,7 @@ class Server:
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
         self.template_args = template_args or {}
+        self.sampling_defaults = sampling_defaults or {}
         self.model_type, self.model_bytes = model_type, model_bytes
         self.created = int(time.time())
         self._grammar_tokens = None
@@ -210,9 +213,11 @@ class Server:
                    max_tokens=max_tokens, emit=lambda e: None, sampling=sampling,
                    stop=stop or [], processors=processors, grammar=grammar, **flags)
 
-    def top_k_field(self, body: dict, name: str = "top_k", where: str = "") -> int:
+    def top_k_field(self, body: dict, name: str = "top_k", where: str = "",
+                    default: int = 0) -> int:
         vocab = self.vocab_size
-        return field(body, name, int, 0, lo=0, hi=vocab - 1 if vocab else None, where=where)
+        return field(body, name, int, default, lo=0, hi=vocab - 1 if vocab else None,
+                     where=where)
 
     def logit_bias(self, value, name: str = "logit_bias") -> Optional[Dict[int, float]]:
         """OpenAI's {"token id": bias in [-100, 100]}."""
@@ -404,7 +409,8 @@ async def _internal_error(request: Request, exc: Exception):
                           f"{public(str(exc))[:500]}", 500, kind="server_error")
 
 
-def make_app(server: Server) -> Starlette:
+def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starlette:
+    """The app; `cors_origins`: web origins whose pages may read its responses."""
     from .anthropic import AnthropicAPI
     from .ollama import OllamaAPI
     from .openai import OpenAIAPI
@@ -435,9 +441,14 @@ def make_app(server: Server) -> Starlette:
               Route("/metrics", server.metrics, methods=["GET"])]
     for api in (OpenAIAPI(server), AnthropicAPI(server), OllamaAPI(server)):
         routes += api.routes()
+    middleware = [Middleware(CheckHost)]
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins,
+                                     allow_methods=["GET", "POST"], allow_headers=["*"]))
     return Starlette(
         lifespan=lifespan,
-        middleware=[Middleware(CheckHost)],
+        middleware=middleware,
         routes=routes,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )

@@ -3,7 +3,8 @@ Ollama streams by default), `/api/tags`, `/api/show`, `/api/ps`, `/api/version`,
 Ollama's client and the apps built on it connect unchanged.
 
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9) where a request
-gives none: apps written for Ollama rely on them. Ollama's resource options (threads,
+gives none and the server sets none (--temp, --top-p, --top-k, --min-p): apps written for
+Ollama rely on them. Ollama's resource options (threads,
 GPU layers, batch size, mmap) have no meaning here, where the expert budget decides
 memory; they are accepted and do nothing. Any other option this server does not
 implement is a 400 naming it.
@@ -104,7 +105,8 @@ class OllamaAPI:
         s = self.server
         options = field(body, "options", dict, {})
         refuse_unknown(options, SAMPLING | RESOURCES, "Ollama's options", "options.")
-        o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+        o = {**DEFAULTS, **s.sampling_defaults,
+             **{k: v for k, v in options.items() if v is not None}}
         num_ctx = field(o, "num_ctx", int, s.context_length, lo=1, where="options.")
         if num_ctx > s.context_length:
             raise BadRequest(f"'options.num_ctx' is {num_ctx}; the model's context is "

@@ -60,6 +60,7 @@ class OpenAIAPI:
     # -- requests ------------------------------------------------------------------------
     def _options(self, body: dict, chat: bool) -> dict:
         s = self.server
+        d = s.sampling_defaults
         n = field(body, "n", int, 1)
         if n != 1:
             raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
@@ -85,10 +86,12 @@ class OpenAIAPI:
         return dict(
             stream=stream, include_usage=bool(stream_options.get("include_usage")),
             model=s.model_name(body),
-            sampling=dict(temperature=field(body, "temperature", NUMBER, 0.0, lo=0, hi=2),
-                          top_p=field(body, "top_p", NUMBER, 1.0, lo=0, hi=1),
-                          top_k=s.top_k_field(body),
-                          min_p=field(body, "min_p", NUMBER, 0.0, lo=0, hi=1),
+            sampling=dict(temperature=field(body, "temperature", NUMBER, d.get(
+                              "temperature", 0.0), lo=0, hi=2),
+                          top_p=field(body, "top_p", NUMBER, d.get("top_p", 1.0), lo=0, hi=1),
+                          top_k=s.top_k_field(body, default=d.get("top_k", 0)),
+                          min_p=field(body, "min_p", NUMBER, d.get("min_p", 0.0), lo=0,
+                                      hi=1),
                           seed=field(body, "seed", int, lo=0, hi=2**63 - 1),
                           stop=stop_strings(body.get("stop")), penalties=penalties,
                           logit_bias=s.logit_bias(body.get("logit_bias"))),
