@@ -6,6 +6,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
@@ -71,11 +72,39 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True,
                    help="Stream the text and print statistics when 'True' or 'T', only "
                         "print the response when 'False' or 'F' (as mlx_lm.generate)")
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="A KV cache saved by edgemoe.cache_prompt (or mlx_lm.cache_prompt, "
+                        "for the same model): the prompt continues it")
     p.add_argument("--trace", default=None,
                    help="Write the routing of every token and layer to this .npz file")
     add_debug_flag(p)
     StreamOptions.add_arguments(p)
     return p
+
+
+def saved_cache(args):
+    """(the KV cache in --prompt-cache-file, the model it was made for, its tokenizer
+    config), checked against the flags as mlx_lm.generate checks them."""
+    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
+    path = Path(args.prompt_cache_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-cache-file {path}: no such file")
+    cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+    saved = metadata.get("model") or None  # "": the bundled model
+    if args.model is not None and saved is not None and \
+            Path(args.model).resolve() != Path(saved).resolve():
+        raise ValueError(f"--prompt-cache-file {path} was made for the model {saved}, "
+                         f"not {args.model}")
+    if isinstance(cache[0], QuantizedKVCache) and (
+            (args.kv_bits is not None and args.kv_bits != cache[0].bits)
+            or args.kv_group_size != cache[0].group_size):
+        raise ValueError(f"--prompt-cache-file {path} holds a {cache[0].bits}-bit KV cache "
+                         f"in groups of {cache[0].group_size}; --kv-bits/--kv-group-size "
+                         f"differ")
+    config = json.loads(metadata.get("tokenizer_config") or "{}")
+    config.pop("trust_remote_code", None)
+    return cache, args.model or saved, config or None
 
 
 @tool("generate")
@@ -89,7 +118,11 @@ def main(argv=None):
                      "cache")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = load(args.model, **StreamOptions.from_args(args).load_kwargs())
+    prompt_cache, tokenizer_config = None, None
+    if args.prompt_cache_file is not None:
+        prompt_cache, args.model, tokenizer_config = saved_cache(args)
+    model, tokenizer = load(args.model, tokenizer_config=tokenizer_config,
+                            **StreamOptions.from_args(args).load_kwargs())
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -102,6 +135,12 @@ def main(argv=None):
         prompt = tokenizer.apply_chat_template(messages, tokenize=False,
                                                add_generation_prompt=True,
                                                **args.chat_template_config)
+        if prompt_cache is not None:  # the cache holds the turn's start: only the rest
+            messages[-1]["content"] = "<query>"
+            probe = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True,
+                                                  **args.chat_template_config)
+            prompt = prompt[probe.index("<query>"):]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     store = model.expert_store
@@ -110,7 +149,7 @@ def main(argv=None):
                     max_tokens=args.max_tokens, sampler=sampler,
                     max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                     kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                    quantized_kv_start=args.quantized_kv_start)
+                    quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
     if trace is not None:
         trace.save(args.trace)
     if args.verbose:

@@ -94,6 +94,36 @@ def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints):
         assert ours.strip() and ours == theirs, kv
 
 
+def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_path):
+    """edgemoe.cache_prompt writes mlx_lm.cache_prompt's file; edgemoe.generate continues
+    from either tool's file with mlx_lm.generate's text on the same checkpoint."""
+    model = str(checkpoints["qwen3_moe"][1])
+    context = "You read Python. Here is a module: import os, sys, json"
+    ask = ["--prompt", " What does it import?", "--max-tokens", "16", "--verbose", "F"]
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                              check=True).stdout
+
+    theirs_file, ours_file = tmp_path / "mlx_lm.safetensors", tmp_path / "edgemoe.safetensors"
+    run("mlx_lm.cache_prompt", "--model", model, "--prompt", context,
+        "--prompt-cache-file", str(theirs_file))
+    run("edgemoe.cache_prompt", "--model", model, "--prompt", context,
+        "--prompt-cache-file", str(ours_file), "--expert-budget", "50%")
+    theirs = run("mlx_lm.generate", "--prompt-cache-file", str(theirs_file),
+                 *ask).split("\n", 1)[1]  # after its notice
+    for saved in (ours_file, theirs_file):
+        ours = run("edgemoe.generate", "--prompt-cache-file", str(saved), *ask,
+                   "--expert-budget", "50%")
+        assert ours.strip() and ours == theirs, saved
+    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt-cache-file",
+                        str(ours_file), "--model", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"edgemoe.generate: error: --prompt-cache-file {ours_file} was made for the model "
+        f"{model}, not {tmp_path}")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--chat-template-config", "[1, 2]"],
      "--chat-template-config: expected a JSON object, found '[1, 2]'"),
