@@ -72,6 +72,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True,
                    help="Stream the text and print statistics when 'True' or 'T', only "
                         "print the response when 'False' or 'F' (as mlx_lm.generate)")
+    p.add_argument("--draft-model", default=None,
+                   help="An mlx-lm model with the same tokenizer, held in memory, that drafts "
+                        "tokens for speculative decoding (the output stays the model's)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="Draft from n-gram matches in the prompt and the text so far (no "
+                        "draft model)")
+    p.add_argument("--num-draft-tokens", type=number(int, 1), default=3,
+                   help="Tokens drafted per step (default: %(default)s)")
     p.add_argument("--prompt-cache-file", default=None,
                    help="A KV cache saved by edgemoe.cache_prompt (or mlx_lm.cache_prompt, "
                         "for the same model): the prompt continues it")
@@ -80,6 +88,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_debug_flag(p)
     StreamOptions.add_arguments(p)
     return p
+
+
+def draft_options(args, model) -> dict:
+    """mlx-lm's speculative decoding arguments for --draft-model / --prompt-lookup."""
+    if args.prompt_lookup:
+        from .model.lookup import PromptLookup
+        return {"draft_model": PromptLookup(args.num_draft_tokens)}
+    if args.draft_model:
+        from mlx_lm import load as mlx_lm_load
+        return {"draft_model": mlx_lm_load(args.draft_model)[0],
+                "num_draft_tokens": args.num_draft_tokens}
+    return {}
 
 
 def saved_cache(args):
@@ -116,6 +136,15 @@ def main(argv=None):
     if args.kv_bits is not None and args.max_kv_size is not None:
         parser.error("--kv-bits with --max-kv-size: mlx-lm cannot quantize a rotating KV "
                      "cache")
+    if args.draft_model and args.prompt_lookup:
+        parser.error("--draft-model or --prompt-lookup: one draft at a time")
+    speculative = bool(args.draft_model or args.prompt_lookup)
+    if speculative and args.max_kv_size is not None:
+        parser.error("--max-kv-size with a draft: speculative decoding needs a KV cache "
+                     "it can trim")
+    if speculative and args.routing.startswith("prerouted"):
+        parser.error(f"--routing {args.routing} with a draft: rejected drafts would leave "
+                     f"the predicted routing of tokens that are gone")
     if args.seed is not None:
         mx.random.seed(args.seed)
     prompt_cache, tokenizer_config = None, None
@@ -149,7 +178,8 @@ def main(argv=None):
                     max_tokens=args.max_tokens, sampler=sampler,
                     max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                     kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                    quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
+                    quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache,
+                    **draft_options(args, model))
     if trace is not None:
         trace.save(args.trace)
     if args.verbose:

@@ -8,6 +8,7 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from ..streaming.stats import ExpertStats
+from .lookup import PromptLookup, stream_lookup
 from ..streaming.telemetry import peak_rss_bytes
 
 
@@ -62,12 +63,19 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
         prompt = mx.array(prompt)
     split = _Split(snapshot, len(prompt))
     hooked = store is not None and draft_model is None and hasattr(model, "forward_hook")
+    # (speculative steps feed several tokens: decode_forwards counts tokens there)
     if hooked:
         model.forward_hook = split
     start = snapshot()
+    if isinstance(draft_model, PromptLookup):  # drafts of any length: our own loop
+        responses = stream_lookup(model, tokenizer, prompt, max_tokens, draft_model,
+                                  **kwargs)
+    else:
+        kwargs.pop("prompt_lookup", None)
+        responses = mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens,
+                                           draft_model, **kwargs)
     try:
-        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens,
-                                        draft_model, **kwargs):
+        for r in responses:
             if split.at is None:  # no hook (or a prompt cache): the first response
                 split.at = snapshot()
             yield GenerationResponse(
@@ -84,15 +92,19 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """`mlx_lm.generate`: the whole completion as a string."""
-    text, response = "", None
+    text, response, drafted = "", None, 0
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text
+        drafted += bool(response.from_draft)
     if verbose:
         print()
         if response is not None:
             print_stats(response)
+            if kwargs.get("draft_model") is not None:
+                print(f"Draft: {drafted} of {response.generation_tokens} tokens drafted "
+                      f"and kept")
     return text
 
 
