@@ -270,6 +270,7 @@ def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
         factory = lambda: make_policy(policy, learned)  # noqa: E731
     pack = replay_pack(plan.expert_bytes, plan.num_experts, plan.top_k)
     store = replay_store(pack, slots, factory)
+    store.gate_prefetches(prefetch and bool(trace.get("prefetch_gated", False)))
     pools = [store.pool(i) for i in range(routed.shape[1])]
     steps = [0] * len(pools)  # Belady's position in each layer's requests
     ahead = _prefetches(trace) if prefetch else {}

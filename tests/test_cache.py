@@ -278,3 +278,61 @@ def test_the_readmes_policy_ranking_holds_on_the_shipped_traces():
         assert all(rates["lfu"] > rates[p] for p in ("lru", "lfuda", "s3fifo")), rates
         assert rates["learned"] - rates["lfu"] <= 0.011, rates
         assert rates["belady"] >= max(rates.values()), rates
+
+
+def replay_with(trace, budget, predict, gated):
+    """The store's own slots over a trace's decode calls (cache_sim's replay), with
+    `predict(call, position)` prefetched for each layer as the previous layer runs."""
+    from edgemoe.cache_sim import replay_pack, replay_store, trace_calls, trace_plan
+    from edgemoe.streaming.calls import passes
+
+    routed, decode = trace["routed"], trace["decode"].astype(bool)
+    plan = trace_plan(trace)
+    slots = plan.slots(budget)
+    store = replay_store(replay_pack(plan.expert_bytes, plan.num_experts, plan.top_k),
+                         slots, "lfu")
+    store.gate_prefetches(gated)
+    pools = [store.pool(i) for i in range(routed.shape[1])]
+    for c, call in enumerate(trace_calls(trace)):
+        if not decode[call.start]:
+            continue
+        for position, pool in enumerate(pools):
+            if predict is not None and position + 1 < len(pools):
+                store.prefetch(position + 1, predict(call, position + 1), 0)
+            for g, group in enumerate(passes(np.unique(routed[call, position]), slots)):
+                pool.ensure(group, new_call=g == 0)
+                pool.release()
+    return store.snapshot()
+
+
+def test_advisory_prefetch_that_is_always_wrong_costs_nothing():
+    """A predictor that always names experts the next layer does not use: gated (as
+    advisory routing runs) it reads no extra byte and evicts nothing that is then
+    needed; ungated (as a prerouted prediction is trusted) it costs. A predictor that is
+    always right is trusted after a few calls and saves loads."""
+    from pathlib import Path
+
+    from edgemoe.streaming.trace import load_trace
+
+    trace = load_trace(Path(__file__).parent / "data" / "reference_traces" / "r0.npz")
+    routed = trace["routed"]
+    experts = int(trace["num_experts"].max())
+
+    def wrong(call, position):
+        used = set(np.unique(routed[call, position]).tolist())
+        return np.array([e for e in range(experts) if e not in used][:routed.shape[-1]])
+
+    def right(call, position):
+        return np.unique(routed[call, position])
+
+    for budget in ("10%", "25%"):
+        native = replay_with(trace, budget, None, gated=True)
+        gated = replay_with(trace, budget, wrong, gated=True)
+        assert gated.bytes_read <= 1.1 * native.bytes_read
+        assert gated.prefetch_evicted_needed == 0 and gated.prefetches == 0
+        ungated = replay_with(trace, budget, wrong, gated=False)
+        assert ungated.bytes_read > 1.1 * native.bytes_read  # what the gate prevents
+        assert ungated.prefetch_evicted_needed > 0 and ungated.prefetch_wasted_bytes > 0
+        good = replay_with(trace, budget, right, gated=True)
+        assert good.prefetches > 0 and good.on_demand < native.on_demand
+        assert good.precision == 1.0

@@ -100,6 +100,9 @@ def load(
         store.drop_page_cache()  # the resident weights are in memory now
     predictor = _predictor(routing, heads, model)
     if predictor is not None:
+        # an advisory prediction prefetches only where it proves right; a prerouted one
+        # is the routing itself
+        store.gate_prefetches(routing == "advisory")
         model.routing = PredictedRouting(predictor, store.prefetch)
         for layer, block in moe_blocks(model).items():
             object.__setattr__(experts[layer], "routing", model.routing)

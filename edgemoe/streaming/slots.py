@@ -3,6 +3,11 @@
 A slot is free, filling (the reader is writing it), ready, or in use (a computation
 reads it). Compute asks `ensure(experts)` for a slot table; missing experts are read on
 demand and waited for. A prediction may `prefetch` a layer's experts ahead of time.
+An advisory prediction (`gated`: the router still decides) must earn it: each layer
+scores its predictions against what its calls then request, and prefetches only while
+enough of them were used (MIN_PRECISION, after TRUST_AFTER calls); until then, and
+whenever they go wrong, it reads nothing for them, so a bad predictor costs no bytes
+and evicts nothing.
 The cache policy picks which ready slot to give up; filling and in-use slots are never
 evicted. Where a slot's bytes live is a backend's `SlotMemory`: MLX arrays in unified
 memory (edgemoe.model.experts), device tensors filled from pinned host rows
@@ -22,6 +27,9 @@ from .stats import ExpertStats
 
 FREE, FILLING, READY, IN_USE = range(4)
 WAIT_POLL_S = 0.05  # how often a waiting compute checks the reader and its deadline
+MIN_PRECISION = 0.5  # of a layer's recent advisory predictions used, to prefetch for it
+TRUST_AFTER = 4  # calls whose predictions a layer scores before it may trust them
+PRECISION_DECAY = 0.8  # weight of the past in a layer's running precision
 
 
 class SlotPool(Protocol):
@@ -119,6 +127,16 @@ class LayerSlots:
         self.on_demand = 0  # this layer's share of stats.on_demand
         self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
         self.read_timeout_s: Optional[float] = None  # a wait for a fill longer than this fails
+        self.gated = False  # advisory predictions: prefetch only while they prove right
+        self.scored, self.precision = 0, 0.0  # predictions scored; their running precision
+        self.prefetched: set = set()  # read by a prefetch, not requested since
+        self.evicted_for_prefetch: set = set()  # evicted to make room for a prefetch
+
+    @property
+    def trusted(self) -> bool:
+        """Whether this layer's predictions may be read ahead now."""
+        return not self.gated or (self.scored >= TRUST_AFTER
+                                  and self.precision >= MIN_PRECISION)
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -140,6 +158,11 @@ class LayerSlots:
                 self._score_prediction(wanted)
             for e in wanted:
                 slot = self.slot_of[e]
+                self.prefetched.discard(e)
+                if e in self.evicted_for_prefetch:
+                    self.evicted_for_prefetch.discard(e)
+                    if slot < 0:  # a prefetch took its slot, and now it is needed
+                        self.stats.prefetch_evicted_needed += 1
                 staged = e in self.staged  # read for this call by read_ahead: not a hit
                 self.staged.discard(e)
                 if staged and slot >= 0:
@@ -193,7 +216,7 @@ class LayerSlots:
             # experts predicted for the next call that found no room, or that this
             # call's own loads evicted: read them now, a call ahead still
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
-        if missing:
+        if missing and self.trusted:
             self._fill_ahead(np.array(sorted(missing)))
 
     def read_ahead(self, experts: np.ndarray):
@@ -227,7 +250,9 @@ class LayerSlots:
                 self.pending_prediction = set(experts.tolist())
             else:
                 self.next_prediction = set(experts.tolist())
-        self._fill_ahead(experts)
+            trusted = self.trusted
+        if trusted:  # (an untrusted prediction is only scored)
+            self._fill_ahead(experts)
 
     def _fill_ahead(self, experts: np.ndarray):
         new = []
@@ -240,17 +265,23 @@ class LayerSlots:
                         continue
                     if not self._has_room(pinned=pinned):
                         break  # release() reads the rest once this layer's call is done
-                    new.append(self._start_fill(e, pinned=pinned))
+                    new.append(self._start_fill(e, pinned=pinned, prefetch=True))
                     self.stats.prefetches += 1
+                    self.prefetched.add(e)
         finally:
             if new:
                 self.reader.submit(new)
 
     def _score_prediction(self, wanted):
-        if self.pending_prediction is not None:
+        if self.pending_prediction:
+            used = len(self.pending_prediction.intersection(wanted))
             self.stats.predicted += len(self.pending_prediction)
-            self.stats.predicted_used += len(self.pending_prediction.intersection(wanted))
+            self.stats.predicted_used += used
             self.stats.needed += len(wanted)
+            share = used / len(self.pending_prediction)
+            self.precision = share if not self.scored else \
+                PRECISION_DECAY * self.precision + (1 - PRECISION_DECAY) * share
+            self.scored += 1
         self.pending_prediction, self.next_prediction = self.next_prediction, None
 
     def _wait(self, fills, raise_errors=True):
@@ -282,7 +313,7 @@ class LayerSlots:
     def _has_room(self, pinned) -> bool:
         return bool((self.state == FREE).any()) or bool(self._evictable(pinned))
 
-    def _start_fill(self, expert: int, pinned) -> Fill:
+    def _start_fill(self, expert: int, pinned, prefetch: bool = False) -> Fill:
         """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
         free = np.flatnonzero(self.state == FREE)
         if len(free):
@@ -299,6 +330,11 @@ class LayerSlots:
             self.slot_of[victim] = -1
             self.policy.forget(victim)
             self.stats.evictions += 1
+            if victim in self.prefetched:  # read ahead and never used
+                self.prefetched.discard(victim)
+                self.stats.prefetch_wasted_bytes += self.layer.expert_bytes
+            if prefetch:
+                self.evicted_for_prefetch.add(victim)
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         self.state[slot] = FILLING

@@ -28,6 +28,8 @@ class ExpertStats:
     predicted: int = 0  # experts predicted for layer calls that then ran
     predicted_used: int = 0  # ... of which the call requested
     needed: int = 0  # experts requested by calls that had a prediction
+    prefetch_wasted_bytes: int = 0  # prefetched, then evicted before any call requested it
+    prefetch_evicted_needed: int = 0  # requests of experts a prefetch had evicted
     read_busy_s: float = 0.0  # wall time with a preadv in flight
     verify_s: float = 0.0  # CRC32 checks and O_DIRECT staging copies, summed over threads
 

@@ -71,6 +71,7 @@ class ExpertStore:
         self.stats = ExpertStats()
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
+        self.gated = False  # see gate_prefetches
         if memory is None:
             from ..model.slots import MLXSlotMemory as memory  # imports MLX only when used
         if not callable(cache_policy):  # a bad name or file fails before threads start
@@ -94,6 +95,13 @@ class ExpertStore:
     @property
     def layer_indices(self) -> List[int]:
         return sorted(self._by_index)
+
+    def gate_prefetches(self, gated: bool = True):
+        """Prefetch for a layer only while its predictions prove right (advisory routing:
+        edgemoe.streaming.slots), or always (prerouted: the prediction is the routing)."""
+        self.gated = gated
+        for pool in self._by_index.values():
+            pool.gated = gated
 
     def prefetch(self, layer_index: int, experts: np.ndarray, lead: int = 0):
         """Read `experts` of a layer ahead of its call `lead` calls from now (0: the next)."""
@@ -152,6 +160,7 @@ class ExpertStore:
                                    [l.expert_bytes for l in self.pack.layers],
                                    [l.num_experts for l in self.pack.layers],
                                    model=self.pack.fingerprint)
+        self.trace.prefetch_gated = self.gated  # for cache_sim's replay of the prefetches
         for slots in self.layers.values():
             slots.trace = self.trace
         return self.trace

@@ -34,6 +34,7 @@ class TraceRecorder:
         self.expert_bytes = list(expert_bytes)
         self.num_experts = list(num_experts)
         self.model = model
+        self.prefetch_gated = False  # the store gated advisory prefetches (slots.py)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
         self._pending: Dict[int, np.ndarray] = {}
         self._pending_decode = False
@@ -81,6 +82,7 @@ class TraceRecorder:
         )
         if self.model is not None:
             arrays["model"] = np.array(self.model)
+        arrays["prefetch_gated"] = np.array(self.prefetch_gated)
         if hasattr(path, "write"):
             np.savez_compressed(path, **arrays)
             return
