@@ -8,13 +8,15 @@ JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
                                    [--cold] [--fio] [--prerouter HEADS_DIR] [--adapter-path LORA_DIR]
+                                   [--read-bps 20M]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
 --prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
 modes. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
 25% with --prerouter) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
-record each, O_DIRECT) for a reference read rate.
+record each, O_DIRECT) for a reference read rate. --read-bps caps every run's disk reads
+(../shared/tools/constrained) as on a Mac, where reads dominate decode.
 """
 
 import argparse
@@ -121,6 +123,9 @@ def run_config(kind, path, args) -> dict:
         cmd += ["--adapter-path", args.adapter]
     cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
             "--readers", str(args.readers)]
+    if args.read_bps:
+        constrained = Path(__file__).resolve().parents[2] / "shared" / "tools" / "constrained"
+        cmd = [str(constrained), "--read-bps", args.read_bps, "--disk-of", str(path), "--"] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -162,7 +167,10 @@ def fio_read_rate(pack: Path) -> dict:
 
 
 def summarize(runs: dict) -> list:
-    base = statistics.median(r["decode_tps"] for r in runs["mlx-lm"])
+    """Medians over rounds; `decode_ratio` against mlx-lm resident (when it ran) and
+    `vs_native` against native routing at the same budget, round by round."""
+    base = statistics.median(r["decode_tps"] for r in runs["mlx-lm"]) if "mlx-lm" in runs \
+        else None
     rows = []
     for kind, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]
@@ -172,21 +180,26 @@ def summarize(runs: dict) -> list:
         else:
             budget, routing, *lora = kind.split(":")
             med["config"] = f"{routing} {float(budget):.0%}" + (" +LoRA" if lora else "")
+            native = runs.get(f"{budget}:native")
+            if native:
+                med["vs_native"] = statistics.median(
+                    r["decode_tps"] / n["decode_tps"] for r, n in zip(rs, native))
         for key in ("io",):
             if key in rs[0]:
                 med[key] = rs[0][key]
-        med["decode_ratio"] = med["decode_tps"] / base
+        med["decode_ratio"] = med["decode_tps"] / base if base else med.get("vs_native", 1.0)
         rows.append(med)
     return rows
 
 
 def print_table(rows):
-    print(f"{'config':18} {'decode tok/s':>12} {'ratio':>6} {'prompt tok/s':>12} "
+    print(f"{'config':18} {'decode tok/s':>12} {'ratio':>6} {'vs native':>9} {'prompt tok/s':>12} "
           f"{'peak MLX MB':>11} {'peak RSS MB':>11} {'pg cache MB':>11} "
           f"{'KB read/tok':>11} {'blocked ms/tok':>14} {'hit rate':>8} {'read GB/s':>9} "
           f"{'recall':>6}")
     for r in rows:
         print(f"{r['config']:18} {r['decode_tps']:12.1f} {r['decode_ratio']:6.2f} "
+              f"{r.get('vs_native', 1.0):9.2f} "
               f"{r['prompt_tps']:12.1f} {r['peak_mlx_bytes'] / 1e6:11.1f} "
               f"{r['peak_rss_bytes'] / 1e6:11.1f} {r['page_cache_bytes'] / 1e6:11.1f} "
               f"{r.get('expert_bytes_read_per_token', 0) / 1e3:11.1f} "
@@ -203,7 +216,7 @@ def plot(rows, png: Path):
     names = [r["config"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     for ax, key, title, scale in (
-        (axes[0], "decode_ratio", "decode tok/s (ratio to mlx-lm resident)", 1),
+        (axes[0], "decode_ratio", "decode tok/s (ratio to mlx-lm resident, else to native)", 1),
         (axes[1], "peak_mlx_bytes", "peak MLX memory (MB)", 1e-6),
         (axes[2], "blocked_ms_per_token", "ms blocked on expert loads per token", 1),
     ):
@@ -226,6 +239,10 @@ def main():
     p.add_argument("--cold", action="store_true",
                    help="Drop the page cache before each run; O_DIRECT expert reads")
     p.add_argument("--fio", action="store_true", help="Also measure the experts file with fio")
+    p.add_argument("--budgets", default=None,
+                   help="Budgets to run, e.g. 0.25,0.10 (default: 1.0,0.5,0.25,0.10)")
+    p.add_argument("--read-bps", default=None,
+                   help="Cap each run's disk reads at this rate (e.g. 20M), as on a Mac")
     p.add_argument("--text", default=None,
                    help="Take the prompt from this text file (default: random tokens)")
     p.add_argument("--temp", type=float, default=0.0,
@@ -245,16 +262,18 @@ def main():
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.mlx_model and args.pack:
-        mlx, pack = Path(args.mlx_model), Path(args.pack)
+    if args.pack:  # without --mlx-model, no resident baseline: ratios are to native
+        mlx, pack = (Path(args.mlx_model) if args.mlx_model else None), Path(args.pack)
     else:
         mlx, pack = default_model(out)
-    configs = ([("mlx-lm", mlx)] + [(f"{b}:native", pack) for b in BUDGETS]
-               + [(f"{b}:advisory", pack) for b in ADVISORY_BUDGETS])
+    budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS
+    advisory_budgets = [b for b in budgets if b in ADVISORY_BUDGETS] or budgets
+    configs = ([("mlx-lm", mlx)] if mlx else []) + ([(f"{b}:native", pack) for b in budgets]
+               + [(f"{b}:advisory", pack) for b in advisory_budgets])
     if args.prerouter:
         configs += [(f"{b}:{mode}", pack) for mode in ("advisory-heads", "prerouted",
                                                           "prerouted-set")
-                    for b in ADVISORY_BUDGETS]
+                    for b in advisory_budgets]
     if args.adapter:
         configs += [(f"{kind}:lora", pack) for kind in lora_pairs(args)]
     runs = {kind: [] for kind, _ in configs}
@@ -265,9 +284,10 @@ def main():
                   f"{runs[kind][-1]['decode_tps']:.1f} tok/s", file=sys.stderr)
     rows = summarize(runs)
     print_table(rows)
-    result = {"mlx_model": str(mlx), "pack": str(pack), "rounds": args.rounds,
+    result = {"mlx_model": str(mlx) if mlx else None, "pack": str(pack), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
               "cold": args.cold, "text": args.text, "temp": args.temp,
+              "read_bps": args.read_bps,
               "summary": rows, "runs": runs}
     if args.adapter:
         result["lora_decode_cost"] = {
