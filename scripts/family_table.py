@@ -154,6 +154,8 @@ def check_family(family: str, work: Path) -> dict:
         prerouter = heads if (mode, name) == ("advisory", "in place") else None
         model, _ = edgemoe.load(paths[name], expert_budget=budgets[label], routing=mode,
                                 prerouter_path=prerouter)
+        if mode == "advisory":  # read every prediction ahead, right or not: still exact
+            model.expert_store.gate_prefetches(False)
         got_tokens, got_logits = greedy(model, tokens)
         model.expert_store.close()
         row["exact"][f"{name}/{mode}/{label}"] = (

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,8 @@ def main(argv=None):
     p.add_argument("--only", nargs="*", default=None, help="Mutation names to run")
     args = p.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
-    results = [run(m) for m in chosen]
+    with ThreadPoolExecutor(2) as pool:  # each in its own copy: two at a time
+        results = list(pool.map(run, chosen))
     for r in results:
         print(f"{r['status']:>8}  {r['name']}: {r['detail']}", flush=True)
     return 0 if all(r["status"] == "killed" for r in results) else 1

@@ -436,6 +436,7 @@ def test_metrics_count_experts_as_the_store_does(packs):
                                          routing="advisory", return_config=True),
                     max_batch=4)
     engine.start(timeout=60)
+    engine.model.expert_store.gate_prefetches(False)  # every prediction read ahead
     try:
         done = [threading.Event() for _ in range(4)]
         for i, p in enumerate(prompts(4)):

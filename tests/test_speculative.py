@@ -1,6 +1,8 @@
 """Speculative decoding with a streamed target: a draft model through mlx-lm's own loop,
 and prompt lookup through ours; greedy output exactly the target's."""
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -76,9 +78,16 @@ def test_the_generate_cli_drafts_as_mlx_lm_generate_does(checkpoints):
 
     ours = run("edgemoe.generate", *common, "--expert-budget", "25%")
     assert ours.strip() and ours == run("mlx_lm.generate", *common).split("\n", 1)[1]
-    for argv, message in ((["--prompt-lookup", "--draft-model", draft], "one draft at a time"),
-                          (["--prompt-lookup", "--routing", "prerouted"],
-                           "rejected drafts would leave the predicted routing")):
-        r = subprocess.run([sys.executable, "-m", "edgemoe.generate", *argv],
-                           capture_output=True, text=True)
-        assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-lookup", "--draft-model", "x"], "one draft at a time"),
+    (["--prompt-lookup", "--routing", "prerouted"],
+     "rejected drafts would leave the predicted routing"),
+    (["--prompt-lookup", "--max-kv-size", "64"], "a KV cache it can trim")])
+def test_a_draft_generate_cannot_use_is_one_usage_line(argv, message, capsys):
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
+
+    with pytest.raises(SystemExit) as e:
+        generate_tool.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]

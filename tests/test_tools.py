@@ -4,6 +4,7 @@ what a new user hit: over-100% budgets, cache_sim --png without matplotlib, eval
 (non-editable) `pip install .` brings."""
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -65,11 +66,12 @@ def test_generate_cli_refuses_a_fractional_budget_over_1_in_one_line():
 
 @pytest.mark.parametrize("value,streams", [("F", False), ("false", False), ("True", True),
                                            ("T", True)])
-def test_generate_verbose_takes_what_mlx_lm_takes(value, streams):
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "def ",
-                        "--ignore-chat-template", "--max-tokens", "4", "--verbose", value],
-                       capture_output=True, text=True, check=True)
-    assert ("Generation: " in r.stdout) == streams
+def test_generate_verbose_takes_what_mlx_lm_takes(value, streams, capsys):
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
+
+    generate_tool.main(["--prompt", "def ", "--ignore-chat-template", "--max-tokens", "4",
+                        "--verbose", value])
+    assert ("Generation: " in capsys.readouterr().out) == streams
 
 
 def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints):
@@ -116,12 +118,12 @@ def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_
         ours = run("edgemoe.generate", "--prompt-cache-file", str(saved), *ask,
                    "--expert-budget", "50%")
         assert ours.strip() and ours == theirs, saved
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt-cache-file",
-                        str(ours_file), "--model", str(tmp_path)], capture_output=True,
-                       text=True)
-    assert r.returncode == 1 and r.stderr.strip() == (
-        f"edgemoe.generate: error: --prompt-cache-file {ours_file} was made for the model "
-        f"{model}, not {tmp_path}")
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
+
+    with pytest.raises(SystemExit) as e:  # the tool's one-line error
+        generate_tool.main(["--prompt-cache-file", str(ours_file), "--model", str(tmp_path)])
+    assert e.value.code == (f"edgemoe.generate: error: --prompt-cache-file {ours_file} was "
+                            f"made for the model {model}, not {tmp_path}")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -130,10 +132,13 @@ def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_
     (["--kv-bits", "4", "--max-kv-size", "64"],
      "--kv-bits with --max-kv-size: mlx-lm cannot quantize a rotating KV cache"),
 ])
-def test_generate_refuses_what_it_cannot_do_in_one_usage_line(argv, message):
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", *argv],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(message)
+def test_generate_refuses_what_it_cannot_do_in_one_usage_line(argv, message, capsys):
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
+
+    with pytest.raises(SystemExit) as e:
+        generate_tool.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
 
 
 def test_the_plain_install_has_every_package_the_server_imports():
