@@ -26,8 +26,8 @@ SEND_BUFFER_BYTES = 256 * 1024
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="OpenAI-compatible server streaming MoE "
-                                            "experts from disk.")
+    p = argparse.ArgumentParser(description="A server speaking OpenAI's, Anthropic's and "
+                                            "Ollama's APIs, streaming MoE experts from disk.")
     p.add_argument("--model", default=None,
                    help="An edgemoe pack or mlx-lm quantized checkpoint "
                         "(default: the bundled reference MoE)")

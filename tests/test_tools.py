@@ -21,16 +21,18 @@ from edgemoe.streaming.budget import BudgetError, parse_budget
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_tool_takes_the_same_streaming_flags():
+def test_every_tool_takes_the_same_streaming_flags(capsys):
     helps = {}
     for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora",
-                 "cache_sim"):
-        out = subprocess.run([sys.executable, "-m", f"edgemoe.{name}", "--help"],
-                             capture_output=True, text=True, check=True).stdout
-        helps[name] = " ".join(out.split())
+                 "cache_sim", "cache_prompt"):
+        with pytest.raises(SystemExit) as e:
+            importlib.import_module(f"edgemoe.{name}").main(["--help"])
+        assert e.value.code == 0
+        helps[name] = " ".join(capsys.readouterr().out.split())
     budget_help = ("a fraction (0.25), a percentage (25%), a size (2GB), or auto: what fits "
                    "in the memory available")
-    for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora"):
+    for name in ("generate", "server", "eval", "doctor", "train_prerouter", "train_lora",
+                 "cache_prompt"):
         assert "--expert-budget" in helps[name] and budget_help in helps[name], name
     for name in ("generate", "server", "eval"):
         for flag in ("--routing", "--prerouter", "--adapter-path", "--cache-policy", "--io",
@@ -74,7 +76,7 @@ def test_generate_verbose_takes_what_mlx_lm_takes(value, streams, capsys):
     assert ("Generation: " in capsys.readouterr().out) == streams
 
 
-def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints):
+def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints, capsys):
     """The sampling, KV-cache and prefill flags of mlx_lm.generate, passed the same way:
     greedy text equal to mlx_lm.generate's on the same int4 checkpoint (in place at a
     partial budget), with a quantized rotating KV cache and small prefill steps."""
@@ -88,15 +90,17 @@ def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints):
         return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
                               check=True).stdout
 
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
     # mlx-lm cannot quantize a rotating cache: the two KV-cache options apart
     for kv in (["--max-kv-size", "16", "--prefill-step-size", "3"],
                ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "4"]):
-        ours = run("edgemoe.generate", *common, *kv, "--expert-budget", "50%")
+        generate_tool.main([*common, *kv, "--expert-budget", "50%"])  # in this process
+        ours = capsys.readouterr().out
         theirs = run("mlx_lm.generate", *common, *kv).split("\n", 1)[1]  # after its notice
         assert ours.strip() and ours == theirs, kv
 
 
-def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_path):
+def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_path, capsys):
     """edgemoe.cache_prompt writes mlx_lm.cache_prompt's file; edgemoe.generate continues
     from either tool's file with mlx_lm.generate's text on the same checkpoint."""
     model = str(checkpoints["qwen3_moe"][1])
@@ -107,18 +111,20 @@ def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_
         return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
                               check=True).stdout
 
+    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
     theirs_file, ours_file = tmp_path / "mlx_lm.safetensors", tmp_path / "edgemoe.safetensors"
     run("mlx_lm.cache_prompt", "--model", model, "--prompt", context,
         "--prompt-cache-file", str(theirs_file))
-    run("edgemoe.cache_prompt", "--model", model, "--prompt", context,
-        "--prompt-cache-file", str(ours_file), "--expert-budget", "50%")
+    importlib.import_module("edgemoe.cache_prompt").main(
+        ["--model", model, "--prompt", context, "--prompt-cache-file", str(ours_file),
+         "--expert-budget", "50%"])
+    capsys.readouterr()
     theirs = run("mlx_lm.generate", "--prompt-cache-file", str(theirs_file),
                  *ask).split("\n", 1)[1]  # after its notice
-    for saved in (ours_file, theirs_file):
-        ours = run("edgemoe.generate", "--prompt-cache-file", str(saved), *ask,
-                   "--expert-budget", "50%")
+    for saved in (ours_file, theirs_file):  # in this process: the text it prints
+        generate_tool.main(["--prompt-cache-file", str(saved), *ask, "--expert-budget", "50%"])
+        ours = capsys.readouterr().out
         assert ours.strip() and ours == theirs, saved
-    generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
 
     with pytest.raises(SystemExit) as e:  # the tool's one-line error
         generate_tool.main(["--prompt-cache-file", str(ours_file), "--model", str(tmp_path)])

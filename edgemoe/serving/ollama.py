@@ -189,7 +189,7 @@ class OllamaAPI:
             out.append(message)
         return out
 
-    def _job(self, body: dict, prompt: List[int], grammar, **flags):
+    def _job(self, body: dict, prompt: List[int], grammar, prompt_param: str):
         s = self.server
         o = self._options(body)
         logprobs = field(body, "logprobs", bool, False)
@@ -198,11 +198,11 @@ class OllamaAPI:
             raise BadRequest(f"the prompt is {len(prompt)} tokens; 'options.num_ctx' is "
                              f"{o['num_ctx']}", "options.num_ctx")
         return s.job(prompt, max_tokens=o["max_tokens"],
-                     max_tokens_name="options.num_predict", prompt_param="messages",
+                     max_tokens_name="options.num_predict", prompt_param=prompt_param,
                      temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"],
                      min_p=o["min_p"], seed=o["seed"], stop=o["stop"],
                      penalties=o["penalties"], grammar=grammar, id_prefix="ollama-",
-                     want_logprobs=logprobs, top_logprobs=top, **flags)
+                     want_logprobs=logprobs, top_logprobs=top)
 
     def parse_chat(self, body: dict):
         s = self.server
@@ -215,7 +215,7 @@ class OllamaAPI:
         if not messages:
             return None, {"model": model, "chat": True}, None
         prompt = render(s.tokenizer, messages, tools, self._template_args(body))
-        job = self._job(body, prompt, self._format(body))
+        job = self._job(body, prompt, self._format(body), "messages")
         opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": True}
         return job, opts, Reply(s.tokenizer, prompt, tools)
 
@@ -237,7 +237,7 @@ class OllamaAPI:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": text}]
             prompt = render(s.tokenizer, messages, None, self._template_args(body))
-        job = self._job(body, prompt, self._format(body))
+        job = self._job(body, prompt, self._format(body), "prompt")
         opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": False}
         return job, opts, Reply(s.tokenizer, prompt, None)
 
