@@ -7,7 +7,7 @@ An advisory prediction (`gated`: the router still decides) must earn it: each la
 scores its predictions against what its calls then request, and prefetches only while
 enough of them were used (MIN_PRECISION, after TRUST_AFTER calls); until then, and
 whenever they go wrong, it reads nothing for them, so a bad predictor costs no bytes
-and evicts nothing.
+and evicts nothing. Even a trusted guess never evicts what the layer's last call used.
 The cache policy picks which ready slot to give up; filling and in-use slots are never
 evicted. Where a slot's bytes live is a backend's `SlotMemory`: MLX arrays in unified
 memory (edgemoe.model.experts), device tensors filled from pinned host rows
@@ -131,6 +131,7 @@ class LayerSlots:
         self.scored, self.precision = 0, 0.0  # predictions scored; their running precision
         self.prefetched: set = set()  # read by a prefetch, not requested since
         self.evicted_for_prefetch: set = set()  # evicted to make room for a prefetch
+        self.last_call: set = set()  # the experts this layer's last call requested
 
     @property
     def trusted(self) -> bool:
@@ -156,6 +157,9 @@ class LayerSlots:
         with self.lock:
             if new_call:
                 self._score_prediction(wanted)
+                self.last_call = set(wanted)
+            else:
+                self.last_call.update(wanted)
             for e in wanted:
                 slot = self.slot_of[e]
                 self.prefetched.discard(e)
@@ -258,8 +262,11 @@ class LayerSlots:
         new = []
         try:
             with self.lock:
-                # the experts predicted for this layer's next call stay too
+                # the experts predicted for this layer's next call stay too, and a guess
+                # never evicts what the layer's last call used (likely needed again)
                 pinned = set(experts.tolist()) | (self.pending_prediction or set())
+                if self.gated:
+                    pinned |= self.last_call
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
