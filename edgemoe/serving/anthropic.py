@@ -15,8 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .chat import BadRequest, Reply, render, text_of
-from .http import (NUMBER, ClientGone, Server, event_stream, field, public,
-                   refuse_unknown, stop_strings)
+from .http import NUMBER, Server, field, public, refuse_unknown, stop_strings
 from .http import sse as _sse
 from .openai import forced_call
 
@@ -171,24 +170,9 @@ class AnthropicAPI:
         return JSONResponse({"input_tokens": len(prompt)})
 
     async def messages(self, request: Request):
-        s = self.server
-        try:
-            body = await s.body(request)
-            s.ready()
-            job, opts, reply = await asyncio.to_thread(self.parse, body)
-            events = await s.submit(job)
-        except BadRequest as e:
-            return error(e.message, e.status)
-        view = MessageView(job, opts, reply)
-        if opts["stream"]:
-            return event_stream(s.stream(job, events, view.events))
-        try:
-            tokens, last = await s.collect(request, job, events)
-        except ClientGone:
-            return error("client disconnected", 499)
-        if last["type"] == "error":
-            return error(public(last["message"]), 500)
-        return JSONResponse(view.whole(tokens, last))
+        return await self.server.respond(request, self.parse, MessageView,
+                                         lambda message, status, param: error(message,
+                                                                              status))
 
 
 class MessageView:
@@ -234,7 +218,7 @@ class MessageView:
                              self._usage(last))
 
     # -- streaming -----------------------------------------------------------------------
-    def events(self, event: dict):
+    def chunks(self, event: dict):
         if event["type"] == "error":
             yield _sse({"type": "error", "error": {"type": "api_error",
                                                    "message": public(event["message"])}},

@@ -239,6 +239,34 @@ class Server:
         return bias
 
     # -- running a job ---------------------------------------------------------------
+    async def respond(self, request: Request, parse, view, error,
+                      media_type: str = "text/event-stream"):
+        """One request of any API, start to end: its body `parse`d off the event loop
+        (tokenizing a long prompt, or compiling a grammar, must not hold it up) into
+        (job, opts, reply), or (None, a response body, None) for a request answered
+        without generating; the job run; its events given by `view(job, opts, reply)`
+        (`.chunks(event)` streamed, `.whole(tokens, last)` at once); failures as the
+        API's `error(message, status, param)`."""
+        try:
+            body = await self.body(request)
+            self.ready()
+            job, opts, reply = await asyncio.to_thread(parse, body)
+            if job is None:
+                return JSONResponse(opts)
+            events = await self.submit(job)
+        except BadRequest as e:
+            return error(e.message, e.status, e.param)
+        shown = view(job, opts, reply)
+        if opts["stream"]:
+            return event_stream(self.stream(job, events, shown.chunks), media_type)
+        try:
+            tokens, last = await self.collect(request, job, events)
+        except ClientGone:
+            return error("client disconnected", 499, None)
+        if last["type"] == "error":
+            return error(public(last["message"]), 500, None)
+        return JSONResponse(shown.whole(tokens, last))
+
     async def submit(self, job: Job) -> asyncio.Queue:
         """Queue `job` on the engine; its events arrive on the returned queue."""
         loop = asyncio.get_running_loop()

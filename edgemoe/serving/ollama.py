@@ -10,7 +10,6 @@ memory; they are accepted and do nothing. Any other option this server does not
 implement is a 400 naming it.
 """
 
-import asyncio
 import json
 import time
 from datetime import datetime, timezone
@@ -22,8 +21,8 @@ from starlette.routing import Route
 
 from .. import __version__
 from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces
-from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, event_stream, field,
-                   public, refuse_unknown, stop_strings)
+from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, field, public, refuse_unknown,
+                   stop_strings)
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop",
@@ -39,6 +38,16 @@ GENERATE = COMMON | {"prompt", "system", "raw", "suffix", "images"}
 
 def error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def loaded(model: str, chat: bool) -> dict:
+    """The answer to a request without a prompt (Ollama loads the model and says so)."""
+    out = {"model": model, "created_at": now(), "done": True, "done_reason": "load"}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    return out
 
 
 def now() -> str:
@@ -212,8 +221,8 @@ class OllamaAPI:
         if tools and s.tokenizer.tool_parser is None:
             raise BadRequest(f"the model {self._name()!r} does not support tools", "tools")
         messages = self._messages(body)
-        if not messages:
-            return None, {"model": model, "chat": True}, None
+        if not messages:  # Ollama's way to load a model, which is loaded
+            return None, loaded(model, chat=True), None
         prompt = render(s.tokenizer, messages, tools, self._template_args(body))
         job = self._job(body, prompt, self._format(body), "messages")
         opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": True}
@@ -228,8 +237,8 @@ class OllamaAPI:
         if body.get("suffix"):
             raise BadRequest("'suffix' (fill in the middle) is not supported", "suffix")
         text = field(body, "prompt", str, "")
-        if not text:
-            return None, {"model": model, "chat": False}, None
+        if not text:  # Ollama's way to load a model, which is loaded
+            return None, loaded(model, chat=False), None
         system = field(body, "system", str)
         if field(body, "raw", bool, False) or not s.tokenizer.has_chat_template:
             prompt = s.tokenizer.encode((system + "\n\n" if system else "") + text)
@@ -248,27 +257,10 @@ class OllamaAPI:
         return await self._run(request, self.parse_generate)
 
     async def _run(self, request: Request, parse):
-        s = self.server
-        try:
-            body = await s.body(request)
-            s.ready()
-            job, opts, reply = await asyncio.to_thread(parse, body)
-            if job is None:  # no prompt: Ollama's way to load a model, which is loaded
-                return JSONResponse(Lines(s, None, opts, None).loaded())
-            events = await s.submit(job)
-        except BadRequest as e:
-            return error(e.message, e.status)
-        view = Lines(s, job, opts, reply)
-        if opts["stream"]:
-            return event_stream(s.stream(job, events, view.lines),
-                                media_type="application/x-ndjson")
-        try:
-            tokens, last = await s.collect(request, job, events)
-        except ClientGone:
-            return error("client disconnected", 499)
-        if last["type"] == "error":
-            return error(public(last["message"]), 500)
-        return JSONResponse(view.whole(tokens, last))
+        return await self.server.respond(
+            request, parse, lambda job, opts, reply: Lines(self.server, job, opts, reply),
+            lambda message, status, param: error(message, status),
+            media_type="application/x-ndjson")
 
 
 class Lines:
@@ -278,15 +270,6 @@ class Lines:
         self.server, self.job, self.opts, self.reply = server, job, opts, reply
         self.started = time.perf_counter()
         self.first: Optional[float] = None
-
-    def loaded(self) -> dict:
-        out = {"model": self.opts["model"], "created_at": now(), "done": True,
-               "done_reason": "load"}
-        if self.opts["chat"]:
-            out["message"] = {"role": "assistant", "content": ""}
-        else:
-            out["response"] = ""
-        return out
 
     def _piece(self, content: str, reasoning: str, calls: List[dict],
                events: List[dict]) -> dict:
@@ -340,7 +323,7 @@ class Lines:
         text = "".join(e["text"] for e in events)
         return self._done(self._piece(*self.reply.feed(text, final=True), events), last)
 
-    def lines(self, event: dict):
+    def chunks(self, event: dict):
         if event["type"] == "error":
             yield json.dumps({"error": public(event["message"])}) + "\n"
             return

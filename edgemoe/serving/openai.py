@@ -5,7 +5,6 @@ extra fields (top_k, min_p, repetition_penalty and the penalties' context sizes,
 chat_template_kwargs, role_mapping) are taken as it takes them.
 """
 
-import asyncio
 from typing import Any, Dict, List, Optional
 
 from starlette.requests import Request
@@ -15,8 +14,8 @@ from starlette.routing import Route
 from .. import __version__
 from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces, \
     tool_call_message
-from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, error_response,
-                   event_stream, field, public, refuse_unknown, sse, stop_strings)
+from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, error_response, field, public,
+                   refuse_unknown, sse, stop_strings)
 
 COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "max_tokens", "presence_penalty", "frequency_penalty",
@@ -250,26 +249,11 @@ class OpenAIAPI:
         return await self._complete(request, self.parse_completion)
 
     async def _complete(self, request: Request, parse):
-        s = self.server
-        try:
-            body = await s.body(request)
-            s.ready()
-            # tokenizing a long prompt, or compiling a grammar, must not hold up the loop
-            job, opts, reply = await asyncio.to_thread(parse, body)
-            events = await s.submit(job)
-        except BadRequest as e:
-            kind = "invalid_request_error" if e.status < 500 else "server_error"
-            return error_response(e.message, e.status, e.param, kind)
-        view = View(s, job, opts, reply)
-        if opts["stream"]:
-            return event_stream(s.stream(job, events, view.chunks))
-        try:
-            tokens, last = await s.collect(request, job, events)
-        except ClientGone:
-            return error_response("client disconnected", 499)
-        if last["type"] == "error":
-            return error_response(public(last["message"]), 500, kind="server_error")
-        return JSONResponse(view.whole(tokens, last))
+        return await self.server.respond(
+            request, parse, lambda job, opts, reply: View(self.server, job, opts, reply),
+            lambda message, status, param: error_response(
+                message, status, param,
+                "invalid_request_error" if status < 500 else "server_error"))
 
 
 def forced_call(server: Server, tools: list, name: Optional[str]):
