@@ -212,15 +212,15 @@ class Pack:
         if not self.resident_crc32:
             raise PackError(f"{manifest_path}: no checksums for {RESIDENT_FILE}; {fix}")
 
-    def verify_resident(self):
+    def verify_resident(self, uncached: bool = False):
         """Check every resident tensor against its CRC32: a PackError names the first that
         differs. Reads every resident tensor (in place: those of every shard, beside the
-        experts)."""
+        experts); `uncached` drops the pages read as it goes (for --io direct)."""
         files = self.files if self.in_place else [self.path / RESIDENT_FILE]
         found = {}  # tensor -> (crc, the file it lies in)
         for f in files:
             names = set(self.resident_crc32) if self.in_place else None
-            found.update({n: (crc, f) for n, crc in resident_checksums(f, names=names).items()})
+            found.update({n: (crc, f) for n, crc in resident_checksums(f, names=names, uncached=uncached).items()})
         for name, crc in sorted(self.resident_crc32.items()):
             if name not in found:
                 raise PackError(f"{files[0]}: tensor {name}: missing (its checksum is listed)")
@@ -301,10 +301,10 @@ class ExpertsWriter:
         return self.offset
 
 
-def resident_checksums(path: Path, chunk: int = 16 * 2**20,
-                       names: Optional[set] = None) -> Dict[str, int]:
+def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set] = None,
+                       uncached: bool = False) -> Dict[str, int]:
     """CRC32 of every tensor's bytes in a safetensors file (of `names` only, if given),
-    read in chunks."""
+    read in chunks; with `uncached`, each chunk's pages dropped once read."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -324,6 +324,9 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20,
                 if not data:
                     raise PackError(f"{path}: truncated inside tensor {name}")
                 crc, left = zlib.crc32(data, crc), left - len(data)
+                if uncached and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), f.tell() - len(data), len(data),
+                                     os.POSIX_FADV_DONTNEED)
             crcs[name] = crc
     return crcs
 

@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 
 from ..format.families import routed_experts
@@ -16,6 +18,7 @@ from ..routing.prerouter import load_prerouter
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
+from ..streaming.telemetry import drop_cached_pages
 from .experts import hand_input, install, streaming_class
 
 
@@ -68,7 +71,7 @@ def load(
               f"its weights are not verified (`python -m edgemoe.verify --model {path}` "
               f"indexes them once)", file=sys.stderr)
     elif verify:
-        source.verify_resident()
+        source.verify_resident(uncached=io == "direct")
     if is_auto(expert_budget):  # what fits in the memory available, before loading
         expert_budget = _auto_budget(source, path)
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
@@ -89,15 +92,16 @@ def load(
 
         return build, args_class
 
+    uncached = io == "direct" and not lazy
     try:
-        model, config = load_model(path, lazy, model_config=model_config,
+        model, config = load_model(path, lazy or uncached, model_config=model_config,
                                    get_model_classes=streaming_classes)
+        if uncached:
+            _load_uncached(model, sorted(path.glob("model*.safetensors")))
     except BaseException:
         store.close()
         raise
     model.expert_store = store
-    if store.reader.io == "direct" and not lazy:
-        store.drop_page_cache()  # the resident weights are in memory now
     predictor = _predictor(routing, heads, model)
     if predictor is not None:
         # an advisory prediction prefetches only where it proves right; a prerouted one
@@ -115,6 +119,24 @@ def load(
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
+
+
+def _load_uncached(model, files, chunk_bytes: int = 32 * 2**20):
+    """Read the resident weights a chunk at a time, dropping the files' cached pages after
+    each, so that with --io direct they are held once (as arrays) and never a second time
+    in the page cache, not even while loading."""
+    batch, size = [], 0
+    for _, p in tree_flatten(model.parameters()):
+        batch.append(p)
+        size += p.nbytes
+        if size >= chunk_bytes:
+            mx.eval(batch)
+            batch, size = [], 0
+            for f in files:
+                drop_cached_pages(f)
+    mx.eval(batch)
+    for f in files:
+        drop_cached_pages(f)
 
 
 def _auto_budget(source, path: Path) -> int:

@@ -13,7 +13,6 @@ experts for layer l with this lead".
     store.close()
 """
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,19 +139,6 @@ class ExpertStore:
     def page_cache_bytes(self) -> int:
         """Bytes of the expert files in the OS page cache now."""
         return sum(page_cache_bytes(f) for f in self.pack.files)
-
-    def drop_page_cache(self):
-        """Ask the OS to drop the expert files' cached pages: with O_DIRECT the experts
-        never come through it, but a checkpoint read in place also holds the resident
-        weights, read once at load through the cache."""
-        if not hasattr(os, "posix_fadvise"):  # macOS: F_NOCACHE reads add nothing to it
-            return
-        for f in self.pack.files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
     def start_trace(self) -> TraceRecorder:
         """Record the routing of every forward call, and every prefetch, from now on."""

@@ -52,6 +52,18 @@ def page_cache_bytes(path) -> int:
         os.close(fd)
 
 
+def drop_cached_pages(path, offset: int = 0, length: int = 0):
+    """Ask the OS to drop `path`'s clean cached pages in [offset, offset + length) (0: to
+    the end). macOS has no posix_fadvise; there F_NOCACHE keeps reads out instead."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def available_memory_bytes() -> int:
     """Memory this process can still take without swapping: on Linux the kernel's
     MemAvailable, or less under a memory cgroup's limit (its usage less the page cache it
