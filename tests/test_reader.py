@@ -175,6 +175,53 @@ def test_adjacent_records_are_merged_into_one_read(packs):
     assert runs == [[3, 4, 5], [7], [9]]
 
 
+def test_in_place_slices_are_read_concurrently_and_a_failed_slice_fails_its_fill_once(
+        checkpoints, monkeypatch):
+    """An expert read in place is one queued read per tensor slice, finished by the last
+    to land; one slice failing fails its expert alone, once, with a clear error."""
+    from edgemoe.format.inplace import open_mlx_lm
+    from edgemoe.streaming.reader import Fill, Reader, Slice
+
+    pack = open_mlx_lm(checkpoints["qwen3_moe"][1])
+    layer = pack.layers[0]
+    closed = Reader(pack, threads=1)
+    closed.close()  # inspect the queue without threads taking from it
+    closed.submit([Fill(0, e, 0, layer.records[e], [], lambda *a: None) for e in (2, 5)])
+    queued = [closed.queue.get() for _ in range(closed.queue.qsize())]
+    slices = [(q.fill.expert, q.index) for q in queued if isinstance(q, Slice)]
+    n = len(layer.records[2].segments)
+    assert n > 1 and slices == [(e, i) for e in (2, 5) for i in range(n)]
+
+    bad_offset = layer.records[5].segments[n - 1][1]
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: (
+        _raise(OSError(errno.EIO, "EIO")) if offset == bad_offset else
+        real_preadv(fd, bufs, offset)))
+    results = []
+    reader = Reader(pack, threads=4)
+    fills = [Fill(0, e, 0, layer.records[e],
+                  [np.empty(length, np.uint8) for _, _, length in layer.records[e].segments],
+                  lambda f, nbytes, err: (results.append((f.expert, err)), f.done.set()))
+             for e in (2, 5, 7)]
+    reader.submit(fills)
+    for f in fills:
+        assert f.done.wait(10)
+    reader.close()
+    assert sorted(e for e, _ in results) == [2, 5, 7]  # each finished exactly once
+    errors = dict(results)
+    assert errors[2] is None and errors[7] is None
+    assert "layer 0 expert 5: read failed" in str(errors[5])
+    for f in (fills[0], fills[2]):
+        for (i, offset, length), buf in zip(f.record.segments, f.buffers):
+            with open(pack.files[i], "rb") as file:
+                file.seek(offset)
+                assert buf.tobytes() == file.read(length)
+
+
+def _raise(e):
+    raise e
+
+
 class FakeClock:
     def __init__(self):
         self.t = 0.0

@@ -2,7 +2,9 @@
 
 `os.preadv` releases the GIL, so reads proceed while MLX computes on the main
 thread. Fills of one layer are submitted together; records adjacent in the file
-are merged into one read. With O_DIRECT the page cache is bypassed: a read of the
+are merged into one read. An expert read in place is several tensor slices, each queued
+on its own so that the threads keep as many reads in flight as for a pack (a slice of
+100-800 KB is one request to the disk, where a 3 MB record is several). With O_DIRECT the page cache is bypassed: a read of the
 4 KiB-aligned span around a record (or, in place, around each tensor slice) lands in an
 aligned staging buffer and is copied into the slots (whose rows are not 4 KiB aligned);
 a filesystem that refuses O_DIRECT falls back to buffered reads followed by
@@ -46,6 +48,19 @@ class Fill:
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[Exception] = None
     before_read: Optional[Callable[[int], None]] = None
+    # in place: slices still to land, the first failure, set once before_read has run
+    pending: int = 0
+    failed: Optional[Exception] = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Slice:
+    """Tensor slice `index` of a fill read in place; the last of its fill to land
+    finishes the fill."""
+
+    fill: Fill
+    index: int
 
 
 class Reader:
@@ -108,10 +123,16 @@ class Reader:
         return "buffered+dontneed" if self.drop_cache else "buffered"
 
     def submit(self, fills: List[Fill]):
-        """Queue one layer's fills, merging records that lie back to back."""
+        """Queue one layer's fills, merging records that lie back to back; a record in
+        place goes as its slices."""
         fills = sorted(fills, key=lambda f: (f.record.segments[0][0], f.record.offset))
         run: List[Fill] = []
         for f in fills:
+            if len(f.record.segments) > 1:
+                f.pending = len(f.record.segments)
+                for i in range(f.pending):  # slice 0 first: it runs before_read
+                    self.queue.put(Slice(f, i))
+                continue
             if run and not _adjacent(run[-1].record, f.record):
                 self.queue.put(run)
                 run = []
@@ -137,6 +158,9 @@ class Reader:
             run = self.queue.get()
             if run is None:
                 return
+            if isinstance(run, Slice):
+                staging = self._read_slice(run, staging)
+                continue
             try:
                 for f in run:
                     if f.before_read is not None:
@@ -151,48 +175,73 @@ class Reader:
                         f.on_done(f, 0, _describe(self.pack, f, e))
 
     def _read_buffered(self, run: List[Fill]):
-        if all(len(f.record.segments) == 1 for f in run):
-            file_index, offset, _ = run[0].record.segments[0]
-            buffers = []
-            for i, f in enumerate(run):
-                buffers += f.buffers
-                if i + 1 < len(run):  # the alignment gap between two records
-                    gap = run[i + 1].record.offset - (f.record.offset + f.record.length)
-                    if gap:
-                        buffers.append(bytearray(gap))
-            total = sum(memoryview(b).nbytes for b in buffers)
-            n = self._pread(self.fds[file_index], buffers, offset)
-            if n != total:
-                raise PackError(f"short read (expected {total} bytes, got {n}); "
-                                f"the file is truncated")
-            if self.drop_cache:
-                os.posix_fadvise(self.fds[file_index], offset, total, os.POSIX_FADV_DONTNEED)
-        else:  # in place: one read per tensor
-            for f in run:
-                for (file_index, offset, length), buf in zip(f.record.segments, f.buffers):
-                    n = self._pread(self.fds[file_index], [buf], offset)
-                    if n != length:
-                        raise PackError(f"short read (expected {length} bytes, got {n}); "
-                                        f"the file is truncated")
+        """A run of pack records: one read of their span, the alignment gaps between
+        them read into scratch."""
+        file_index, offset, _ = run[0].record.segments[0]
+        buffers = []
+        for i, f in enumerate(run):
+            buffers += f.buffers
+            if i + 1 < len(run):  # the alignment gap between two records
+                gap = run[i + 1].record.offset - (f.record.offset + f.record.length)
+                if gap:
+                    buffers.append(bytearray(gap))
+        total = sum(memoryview(b).nbytes for b in buffers)
+        n = self._pread(self.fds[file_index], buffers, offset)
+        if n != total:
+            raise PackError(f"short read (expected {total} bytes, got {n}); "
+                            f"the file is truncated")
+        if self.drop_cache:
+            os.posix_fadvise(self.fds[file_index], offset, total, os.POSIX_FADV_DONTNEED)
         for f in run:
             self._finish(f)
 
     def _read_direct(self, run: List[Fill], staging):
-        """A run of pack records: one read of their span. A record in place: one read
-        per tensor slice, each of its aligned span."""
-        if len(run[0].record.segments) > 1:
-            (f,) = run
-            for (file_index, offset, length), buf in zip(f.record.segments, f.buffers):
-                staging, at = self._read_span(file_index, offset, offset + length, staging)
-                self._copy_out(staging, at, [buf])
-            self._finish(f)
-            return staging
+        """A run of pack records: one read of their span, copied out of staging."""
         file_index, start, _ = run[0].record.segments[0]
         end = run[-1].record.offset + run[-1].record.length
         staging, base = self._read_span(file_index, start, end, staging)
         for f in run:
             self._copy_out(staging, base + f.record.offset - start, f.buffers)
             self._finish(f)
+        return staging
+
+    def _read_slice(self, s: Slice, staging):
+        """One tensor slice of a record in place (with O_DIRECT, its aligned span)."""
+        f = s.fill
+        file_index, offset, length = f.record.segments[s.index]
+        buf = f.buffers[s.index]
+        try:
+            if s.index == 0:
+                if f.before_read is not None:
+                    f.before_read(f.slot)
+                f.ready.set()
+            else:
+                f.ready.wait()
+            if f.failed is None:
+                if self.direct_fds:
+                    staging, at = self._read_span(file_index, offset, offset + length,
+                                                  staging)
+                    self._copy_out(staging, at, [buf])
+                else:
+                    n = self._pread(self.fds[file_index], [buf], offset)
+                    if n != length:
+                        raise PackError(f"short read (expected {length} bytes, got {n}); "
+                                        f"the file is truncated")
+                    if self.drop_cache:
+                        os.posix_fadvise(self.fds[file_index], offset, length,
+                                         os.POSIX_FADV_DONTNEED)
+        except Exception as e:
+            f.ready.set()  # the other slices stop waiting, and skip their reads
+            with self.lock:
+                f.failed = f.failed or _describe(self.pack, f, e)
+        with self.lock:
+            f.pending -= 1
+            last = f.pending == 0
+        if last:
+            if f.failed is not None:
+                f.on_done(f, 0, f.failed)
+            else:
+                self._finish(f)
         return staging
 
     def _read_span(self, file_index: int, start: int, end: int, staging):
