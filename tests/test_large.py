@@ -6,6 +6,7 @@ layers): an mlx-lm int4 one and a Hugging Face bf16 one with per-expert tensors.
 """
 
 import filecmp
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,46 @@ def test_a_checkpoint_3x_its_memory_cap_converts_under_it_to_the_same_pack(conve
     assert size > 2.5 * peak, (size, peak)  # the cap held it (page cache included)
     for name in ("experts.bin", "model.safetensors", "manifest.json"):
         assert filecmp.cmp(tmp_path / "pack" / name, reference / name, shallow=False), name
+
+
+def test_the_gguf_for_llama_cpp_holds_the_same_weights(tmp_path):
+    """scripts/mlx_to_gguf.py (bench_large's llama.cpp row): every tensor of the GGUF,
+    dequantized by gguf's own reader, equals the mlx-lm tensor it came from up to the
+    float16 rounding of the scales and biases (4-bit codes as Q4_1, the 8-bit routers and
+    norms as F32); every llama.cpp qwen3moe tensor of every layer is there."""
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+    from mlx_to_gguf import NAMES
+
+    src = make(tmp_path / "mlx", "mlx", "float32", 2)
+    dst = tmp_path / "model.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mlx_to_gguf.py"), str(src),
+                    str(dst)], check=True, capture_output=True)
+    weights = {}
+    for f in src.glob("model*.safetensors"):
+        weights.update(mx.load(str(f)))
+    quant = json.loads((src / "config.json").read_text())["quantization"]
+    reader = gguf.GGUFReader(dst)
+    names = {t.name for t in reader.tensors}
+    per_layer = {"attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                 "attn_q_norm", "attn_k_norm", "ffn_gate_inp", "ffn_gate_exps",
+                 "ffn_up_exps", "ffn_down_exps"}
+    assert names == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{t}.weight" for i in range(2) for t in per_layer}
+    mlx_of = {v: k for k, v in NAMES.items()}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        module = (f"model.layers.{parts[1]}.{mlx_of[parts[2]]}" if parts[0] == "blk"
+                  else mlx_of[parts[0]])
+        w = weights[module + ".weight"]
+        if module + ".scales" in weights:
+            bits = quant.get(module, quant)["bits"]
+            scales, biases = weights[module + ".scales"], weights[module + ".biases"]
+            expected = mx.dequantize(w, scales, biases, 64, bits)
+            # what float16 scales and biases change: at most half an ulp of each, per code
+            slack = np.array(mx.abs(scales).max() * 15 + mx.abs(biases).max()) * 2.0 ** -11
+        else:
+            expected, slack = w, 0.0
+        found = gguf.quants.dequantize(t.data, t.tensor_type).reshape(expected.shape)
+        assert np.abs(found - np.array(expected, dtype=np.float32)).max() <= slack + 1e-7, t.name
