@@ -19,14 +19,14 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load as mlx_lm_load
-from mlx_lm.utils import quantize_model, save_config
+from mlx_lm.utils import MAX_FILE_SIZE_GB, quantize_model, save_config
 from tqdm import tqdm
 
 from .cli import add_debug_flag, tool
-from .format.source import model_path
+from .format.source import SHARD_INDEX, model_path
 from .format.families import check_supported, layer_index, routed_experts, skeleton
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
@@ -39,9 +39,11 @@ Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
             q_group_size: Optional[int] = None, overwrite: bool = False,
-            q_mode: str = "affine", quantize: bool = True) -> Path:
+            q_mode: str = "affine", quantize: bool = True,
+            max_shard_bytes: int = MAX_FILE_SIZE_GB << 30) -> Path:
     """An unquantized source is quantized as `mlx_lm.convert -q --q-mode q_mode` does
-    (bits and group size default to the mode's), unless `quantize` is False."""
+    (bits and group size default to the mode's), unless `quantize` is False. The resident
+    weights go in shards of at most `max_shard_bytes`, as mlx-lm's save_model writes them."""
     src, dst = model_path(hf_path), Path(mlx_path)
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
@@ -65,7 +67,7 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
     tmp.mkdir()
     (tmp / OURS).touch()  # what we write, we may remove
     try:
-        _write_pack(tmp, model, config)
+        _write_pack(tmp, model, config, max_shard_bytes)
         save_config(config, config_path=tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         if (src / "generation_config.json").exists():
@@ -90,16 +92,12 @@ def _cast_like_mlx_lm(model, config):
     ))
 
 
-def _write_pack(out: Path, model, config):
+def _write_pack(out: Path, model, config, max_shard_bytes: int):
+    """The experts, a layer at a time, then the resident weights a shard at a time: memory
+    holds one layer of experts, then one shard."""
     paths, k = routed_experts(model, out)
     found = expert_modules(model)
     experts = {path: found[path] for path in paths}
-    expert_keys = {f"{path}." for path in experts}
-    resident = {k: v for k, v in tree_flatten(model.parameters())
-                if not any(k.startswith(p) for p in expert_keys)}
-    mx.save_safetensors(str(out / RESIDENT_FILE), resident, metadata={"format": "mlx"})
-    del resident
-
     writer = ExpertsWriter(out / EXPERTS_FILE)
     layers = []
     total = sum(_nbytes(m) for m in experts.values())
@@ -107,7 +105,32 @@ def _write_pack(out: Path, model, config):
         for path, module in experts.items():
             layers.append(_write_layer(writer, path, module, bar))
     size = writer.close()
+    _write_resident(out, model, max_shard_bytes)
     write_manifest(out, config["model_type"], k, layers, size)
+
+
+def _write_resident(out: Path, model, max_shard_bytes: int):
+    """Everything but the routed experts (already written and emptied), as mlx-lm's
+    save_model writes a model: one model.safetensors, or shards with an index."""
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if v.size}
+    shards = [{}]
+    for name, v in weights.items():
+        if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + v.nbytes > max_shard_bytes:
+            shards.append({})
+        shards[-1][name] = v
+    names = ([RESIDENT_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": {k: names[i] for i, shard in enumerate(shards) for k in shard}}
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # as save_model donates
+    del weights
+    for i, name in enumerate(names):
+        shard, shards[i] = shards[i], None  # a shard is freed once written
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        del shard
+    if len(names) > 1:
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        (out / SHARD_INDEX).write_text(json.dumps(index, indent=4))
 
 
 def _nbytes(module) -> int:

@@ -49,6 +49,37 @@ def test_deepseek_keeps_shared_experts_and_dense_layers_resident(packs):
     assert any(k.endswith("e_score_correction_bias") for k in resident)
 
 
+def test_resident_weights_in_shards_as_mlx_lm_saves_them(packs, checkpoints, tmp_path):
+    """Resident weights over the shard limit go in shards with mlx-lm's names and index:
+    the pack's tensors are the single file's, it loads, computes the same logits, and a
+    damaged second shard is named by the verification."""
+    import edgemoe
+    from edgemoe.format.pack import PackError
+
+    whole = packs["qwen3_moe"]["mlx"]
+    dst = convert(checkpoints["qwen3_moe"][1], tmp_path / "sharded", max_shard_bytes=2**16)
+    shards = sorted(dst.glob("model*.safetensors"))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert len(shards) >= 2 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (dst / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == {f.name for f in shards}
+    found = {}
+    for f in shards:
+        found.update(mx.load(str(f)))
+    expected = mx.load(str(whole / "model.safetensors"))
+    assert set(found) == set(expected) == set(index["weight_map"])
+    assert all(mx.array_equal(found[k], v).item() for k, v in expected.items())
+    assert (dst / "experts.bin").read_bytes() == (whole / "experts.bin").read_bytes()
+    prompt = mx.array([[1, 5, 9, 14]])
+    logits = [edgemoe.load(p, expert_budget=0.5)[0](prompt) for p in (whole, dst)]
+    assert mx.array_equal(*logits).item()
+    data = bytearray(shards[1].read_bytes())
+    data[-1] ^= 0xFF
+    shards[1].write_bytes(bytes(data))
+    with pytest.raises(PackError, match=f"{shards[1].name}: tensor .*checksum mismatch"):
+        edgemoe.load(dst)
+
+
 def test_refuses_to_overwrite_unless_asked(checkpoints, tmp_path):
     hf = checkpoints["mixtral"][0]
     dst = convert(hf, tmp_path / "pack")

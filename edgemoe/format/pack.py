@@ -1,6 +1,7 @@
 """The edgemoe pack: resident weights, one aligned record per routed expert, a manifest.
 
-    model.safetensors   everything but the routed experts, as mlx-lm names it
+    model.safetensors   everything but the routed experts, as mlx-lm names it (over 5 GB:
+                        model-0000i-of-0000N.safetensors and their index, as mlx-lm shards)
     experts.bin         one contiguous record per (layer, expert), 16 KiB aligned
     manifest.json       format version, per-layer record layout, offsets, CRC32s
     config.json, tokenizer files
@@ -135,9 +136,15 @@ class Pack:
         return sum(l.expert_bytes * l.num_experts for l in self.layers)
 
     @property
+    def resident_files(self) -> List[Path]:
+        """model.safetensors, or the shards of a large model's resident weights (in place:
+        the checkpoint's shards, which hold the experts too)."""
+        return sorted(self.path.glob("model*.safetensors"))
+
+    @property
     def resident_bytes(self) -> int:
-        files = self.path.glob("model*.safetensors")
-        return sum(f.stat().st_size for f in files) - (self.expert_bytes if self.in_place else 0)
+        size = sum(f.stat().st_size for f in self.resident_files)
+        return size - (self.expert_bytes if self.in_place else 0)
 
     @classmethod
     def open(cls, path, verify: bool = True) -> "Pack":
@@ -216,7 +223,7 @@ class Pack:
         """Check every resident tensor against its CRC32: a PackError names the first that
         differs. Reads every resident tensor (in place: those of every shard, beside the
         experts); `uncached` drops the pages read as it goes (for --io direct)."""
-        files = self.files if self.in_place else [self.path / RESIDENT_FILE]
+        files = self.resident_files
         found = {}  # tensor -> (crc, the file it lies in)
         for f in files:
             names = set(self.resident_crc32) if self.in_place else None
@@ -333,9 +340,12 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
 
 def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
                    experts_file_size: int, resident_crc32: Optional[Dict[str, int]] = None):
-    """`resident_crc32` defaults to the checksums of path/model.safetensors as it is."""
+    """`resident_crc32` defaults to the checksums of the resident files as they are."""
+    files = sorted(path.glob("model*.safetensors"))
     if resident_crc32 is None:
-        resident_crc32 = resident_checksums(path / RESIDENT_FILE)
+        resident_crc32 = {}
+        for f in files:
+            resident_crc32.update(resident_checksums(f))
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -345,7 +355,7 @@ def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLay
         "experts_file": EXPERTS_FILE,
         "experts_file_size": experts_file_size,
         "layers": [l.to_json() for l in layers],
-        "resident": {"file": RESIDENT_FILE, "crc32": resident_crc32},
+        "resident": {"files": [f.name for f in files], "crc32": resident_crc32},
     }
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
