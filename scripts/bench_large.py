@@ -178,7 +178,7 @@ def prepare(args, report):
             sys.exit(f"bench_large: make_large_checkpoint failed ({rc}): {err[-2000:]}")
         report["make"] = {"seconds": time.time() - tic, "peak_memory_bytes": peak}
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    if not pack.exists():
+    if not pack.exists() and "pack" in args.sources.split(","):
         drop_caches()
         tic = time.time()
         rc, peak, _, err = constrained(args.memory, sys.executable, "-m", "edgemoe.convert",
@@ -191,12 +191,12 @@ def prepare(args, report):
     from edgemoe.format.inplace import open_mlx_lm
     from edgemoe.format.pack import Pack
 
-    p = Pack.open(pack, verify=False)
-    report["resident_bytes"] = p.resident_bytes
-    report["expert_bytes"] = p.expert_bytes
-    report["record_bytes"] = p.layers[0].expert_bytes
-    report["slice_bytes"] = [n for _, _, n in open_mlx_lm(ckpt, verify=False)
-                             .layers[0].records[0].segments]
+    in_place = open_mlx_lm(ckpt, verify=False)
+    report["slice_bytes"] = [n for _, _, n in in_place.layers[0].records[0].segments]
+    source = Pack.open(pack, verify=False) if pack.exists() else in_place
+    report["resident_bytes"] = source.resident_bytes
+    report["expert_bytes"] = source.expert_bytes
+    report["record_bytes"] = source.layers[0].expert_bytes
     return ckpt, pack
 
 
