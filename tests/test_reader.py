@@ -158,21 +158,28 @@ def test_direct_io_in_place_leaves_the_page_cache_empty(checkpoints, tmp_path):
     assert sum(page_cache_bytes(f) for f in shards) == 0
 
 
-def test_adjacent_records_are_merged_into_one_read(packs):
+def test_adjacent_records_are_merged_into_one_read_of_bounded_length(packs, monkeypatch):
+    from edgemoe.streaming import reader as reader_module
     from edgemoe.streaming.reader import Fill, Reader
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
     reader = Reader(pack, threads=1)
     reader.close()  # inspect the queue without threads taking from it
     layer = pack.layers[0]
-    fills = [Fill(0, e, 0, layer.records[e], [], lambda *a: None) for e in (7, 3, 4, 5, 9)]
-    reader.submit(fills)
-    runs = []
-    while not reader.queue.empty():
-        run = reader.queue.get()
-        if run is not None:
-            runs.append([f.expert for f in run])
-    assert runs == [[3, 4, 5], [7], [9]]
+
+    def runs_of(experts):
+        reader.submit([Fill(0, e, 0, layer.records[e], [], lambda *a: None) for e in experts])
+        runs = []
+        while not reader.queue.empty():
+            run = reader.queue.get()
+            if run is not None:
+                runs.append([f.expert for f in run])
+        return runs
+
+    assert runs_of((7, 3, 4, 5, 9)) == [[3, 4, 5], [7], [9]]
+    two = layer.records[4].offset + layer.records[4].length - layer.records[3].offset
+    monkeypatch.setattr(reader_module, "MAX_RUN_BYTES", two)  # a read spans two at most
+    assert runs_of((7, 3, 4, 5, 9)) == [[3, 4], [5], [7], [9]]
 
 
 def test_in_place_slices_are_read_concurrently_and_a_failed_slice_fails_its_fill_once(

@@ -100,27 +100,29 @@ def test_generate_takes_mlx_lm_generates_flags_and_gives_its_text(checkpoints, c
         assert ours.strip() and ours == theirs, kv
 
 
-def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_path, capsys):
+def test_a_saved_prompt_cache_continues_as_mlx_lm_continues_it(checkpoints, tmp_path, capsys,
+                                                               monkeypatch):
     """edgemoe.cache_prompt writes mlx_lm.cache_prompt's file; edgemoe.generate continues
     from either tool's file with mlx_lm.generate's text on the same checkpoint."""
     model = str(checkpoints["qwen3_moe"][1])
     context = "You read Python. Here is a module: import os, sys, json"
     ask = ["--prompt", " What does it import?", "--max-tokens", "16", "--verbose", "F"]
 
-    def run(*argv):
-        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
-                              check=True).stdout
+    def mlx_lm_tool(name, *argv):  # mlx-lm's own CLI, in this process: what it prints
+        monkeypatch.setattr(sys, "argv", [name, *argv])
+        importlib.import_module(name).main()
+        return capsys.readouterr().out
 
     generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
     theirs_file, ours_file = tmp_path / "mlx_lm.safetensors", tmp_path / "edgemoe.safetensors"
-    run("mlx_lm.cache_prompt", "--model", model, "--prompt", context,
-        "--prompt-cache-file", str(theirs_file))
+    mlx_lm_tool("mlx_lm.cache_prompt", "--model", model, "--prompt", context,
+                "--prompt-cache-file", str(theirs_file))
     importlib.import_module("edgemoe.cache_prompt").main(
         ["--model", model, "--prompt", context, "--prompt-cache-file", str(ours_file),
          "--expert-budget", "50%"])
     capsys.readouterr()
-    theirs = run("mlx_lm.generate", "--prompt-cache-file", str(theirs_file),
-                 *ask).split("\n", 1)[1]  # after its notice
+    theirs = mlx_lm_tool("mlx_lm.generate", "--prompt-cache-file", str(theirs_file),
+                         *ask).split("\n", 1)[1]  # after its notice
     for saved in (ours_file, theirs_file):  # in this process: the text it prints
         generate_tool.main(["--prompt-cache-file", str(saved), *ask, "--expert-budget", "50%"])
         ours = capsys.readouterr().out

@@ -28,6 +28,10 @@ import numpy as np
 from ..format.pack import ALIGNMENT, Pack, PackError
 
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+# A merged read spans at most this much (one record may be longer): larger reads gain no
+# bandwidth, and an O_DIRECT staging buffer grows to the longest read of its thread (a
+# prefill needing most experts would otherwise merge a whole pass into one read).
+MAX_RUN_BYTES = 8 * 2**20
 F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3.13 lacks it)
 
 
@@ -133,7 +137,8 @@ class Reader:
                 for i in range(f.pending):  # slice 0 first: it runs before_read
                     self.queue.put(Slice(f, i))
                 continue
-            if run and not _adjacent(run[-1].record, f.record):
+            if run and (not _adjacent(run[-1].record, f.record) or
+                        f.record.offset + f.record.length - run[0].record.offset > MAX_RUN_BYTES):
                 self.queue.put(run)
                 run = []
             run.append(f)
