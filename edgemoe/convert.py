@@ -113,11 +113,13 @@ def _write_resident(out: Path, model, max_shard_bytes: int):
     """Everything but the routed experts (already written and emptied), as mlx-lm's
     save_model writes a model: one model.safetensors, or shards with an index."""
     weights = {k: v for k, v in tree_flatten(model.parameters()) if v.size}
-    shards = [{}]
+    shards, size = [{}], 0  # as mlx-lm's make_shards, whose limit is whole gigabytes
     for name, v in weights.items():
-        if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + v.nbytes > max_shard_bytes:
+        if shards[-1] and size + v.nbytes > max_shard_bytes:
             shards.append({})
+            size = 0
         shards[-1][name] = v
+        size += v.nbytes
     names = ([RESIDENT_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},

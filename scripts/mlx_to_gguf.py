@@ -13,11 +13,13 @@ it runs beside a model larger than memory. Needs `gguf` (pip install -e '.[peers
 import argparse
 import json
 import re
-import struct
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+
+from edgemoe.format.inplace import safetensors_header
 
 ARCH = "qwen3moe"
 Q4_1_BLOCK = 32
@@ -32,6 +34,16 @@ NAMES = {
     "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
 _DTYPES = {"U32": np.uint32, "F32": np.float32, "F16": np.float16}
+# GGUF writer setter -> config key
+METADATA = {
+    "add_context_length": "max_position_embeddings", "add_embedding_length": "hidden_size",
+    "add_block_count": "num_hidden_layers", "add_feed_forward_length": "intermediate_size",
+    "add_expert_feed_forward_length": "moe_intermediate_size",
+    "add_head_count": "num_attention_heads", "add_head_count_kv": "num_key_value_heads",
+    "add_key_length": "head_dim", "add_value_length": "head_dim",
+    "add_rope_freq_base": "rope_theta", "add_layer_norm_rms_eps": "rms_norm_eps",
+    "add_expert_count": "num_experts", "add_expert_used_count": "num_experts_per_tok",
+}
 
 
 class Shards:
@@ -40,15 +52,12 @@ class Shards:
     def __init__(self, path: Path):
         self.where = {}  # name -> (file, offset, dtype, shape)
         for f in sorted(path.glob("model*.safetensors")):
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            header.pop("__metadata__", None)
+            header, data_start = safetensors_header(f)
             for name, e in header.items():
                 if e["dtype"] not in _DTYPES:
                     sys.exit(f"mlx_to_gguf: {f}: tensor {name}: dtype {e['dtype']}, expected "
                              f"one of {', '.join(_DTYPES)} (scales in bf16 are not handled)")
-                self.where[name] = (f, 8 + n + e["data_offsets"][0], _DTYPES[e["dtype"]],
+                self.where[name] = (f, data_start + e["data_offsets"][0], _DTYPES[e["dtype"]],
                                     tuple(e["shape"]))
 
     def read(self, name: str, rows=slice(None)) -> np.ndarray:
@@ -70,13 +79,10 @@ def q4_1(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarr
     return np.concatenate([per_block(scales), per_block(biases), qs], axis=-1).reshape(*lead, -1)
 
 
-def dequantize(weight, scales, biases, bits: int) -> np.ndarray:
-    """MLX affine codes of any width dividing 32 as float32 (the 8-bit routers)."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint32) * bits
-    codes = (weight[..., None] >> shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(*weight.shape[:-1], scales.shape[-1], -1).astype(np.float32)
-    return (codes * scales[..., None] + biases[..., None]).reshape(*weight.shape[:-1], -1)
+def dequantize(weight, scales, biases, group_size: int, bits: int) -> np.ndarray:
+    """MLX affine codes of another width (the 8-bit routers) as float32, by MLX itself."""
+    return np.array(mx.dequantize(mx.array(weight), mx.array(scales), mx.array(biases),
+                                  group_size, bits).astype(mx.float32))
 
 
 def gguf_name(module: str) -> str:
@@ -102,7 +108,8 @@ def tensors(shards: Shards, config: dict):
             yield (gguf_name(module), weight, np.float32, None,
                    lambda rows, m=module: shards.read(m + ".weight", rows).astype(np.float32))
             continue
-        bits = quant.get(module, quant)["bits"]
+        q = quant.get(module, quant)
+        bits = q["bits"]
         get = lambda part, rows, m=module: shards.read(f"{m}.{part}", rows)  # noqa: E731
         if bits == 4:
             shape = (*weight[:-1], weight[-1] * 8 // Q4_1_BLOCK * 20)
@@ -112,24 +119,14 @@ def tensors(shards: Shards, config: dict):
         else:
             shape = (*weight[:-1], weight[-1] * 32 // bits)
             yield (gguf_name(module), shape, np.float32, None,
-                   lambda rows, g=get, b=bits: dequantize(g("weight", rows), g("scales", rows),
-                                                          g("biases", rows), b))
+                   lambda rows, g=get, q=q: dequantize(g("weight", rows), g("scales", rows),
+                                                       g("biases", rows), q["group_size"],
+                                                       q["bits"]))
 
 
 def add_metadata(w, config: dict, tokenizer: dict):
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_expert_count(config["num_experts"])
-    w.add_expert_used_count(config["num_experts_per_tok"])
+    for setter, key in METADATA.items():
+        getattr(w, setter)(config[key])
     w.add_file_type(3)  # mostly Q4_1
     # the tokenizer: byte-level BPE, as Qwen's
     model = tokenizer["model"]

@@ -97,7 +97,7 @@ def load(
         model, config = load_model(path, lazy or uncached, model_config=model_config,
                                    get_model_classes=streaming_classes)
         if uncached:
-            _load_uncached(model, sorted(path.glob("model*.safetensors")))
+            _load_uncached(model, source.resident_files)
     except BaseException:
         store.close()
         raise

@@ -55,7 +55,7 @@ class Fill:
     # in place: slices still to land, the first failure, set once before_read has run
     pending: int = 0
     failed: Optional[Exception] = None
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: Optional[threading.Event] = None
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Reader:
         run: List[Fill] = []
         for f in fills:
             if len(f.record.segments) > 1:
-                f.pending = len(f.record.segments)
+                f.pending, f.ready = len(f.record.segments), threading.Event()
                 for i in range(f.pending):  # slice 0 first: it runs before_read
                     self.queue.put(Slice(f, i))
                 continue
