@@ -293,8 +293,13 @@ def main():
     if args.worker:
         return worker(args)
 
+    import importlib.util
+
     from edgemoe.streaming.budget import parse_budget
 
+    if args.gguf and importlib.util.find_spec("llama_cpp") is None:  # before an hour's run
+        sys.exit("bench_large: --gguf runs llama.cpp, which needs llama-cpp-python: "
+                 "pip install -e '.[peers]'")
     report = {"memory_cap": args.memory, "memory_cap_bytes": parse_budget(
         args.memory.replace("G", "GiB").replace("M", "MiB"), 0),
         "prompt_tokens": args.prompt_tokens, "runs": []}

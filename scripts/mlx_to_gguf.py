@@ -149,7 +149,10 @@ def add_metadata(w, config: dict, tokenizer: dict):
 
 
 def convert(src: Path, dst: Path, rows_per_chunk: int = 8):
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        sys.exit("mlx_to_gguf: needs the gguf package: pip install -e '.[peers]'")
     from tqdm import tqdm
 
     config = json.loads((src / "config.json").read_text())
