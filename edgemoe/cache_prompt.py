@@ -38,7 +38,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-kv-start", type=number(int, 0),
                    default=DEFAULT_QUANTIZED_KV_START)
     add_debug_flag(p)
-    StreamOptions.add_arguments(p)
+    StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     return p
 
 

@@ -1,12 +1,14 @@
 """Convert a Hugging Face or mlx-lm MoE checkpoint into an edgemoe pack.
 
     python -m edgemoe.convert --hf-path SRC --mlx-path DST [--q-mode affine|mxfp4|nvfp4|mxfp8]
-        [--q-bits 4] [--q-group-size 64] [--no-quantize]
+        [--q-bits 4] [--q-group-size 64] [--no-quantize] [--shard i/N [--partition TRACE]]
 
 An unquantized source is quantized exactly as `mlx_lm.convert -q` does it (mlx-lm's
 own loader, dtype cast, quantization predicates, modes); an mlx-lm quantized source keeps
 its quantization, whatever its modes and per-layer recipe. The pack is written to a temporary folder beside DST and renamed at the
-end, so an interrupted conversion leaves nothing half-written at DST.
+end, so an interrupted conversion leaves nothing half-written at DST. `--shard i/N` writes
+host i's pack of N (edgemoe.distributed): the resident weights whole, the routed experts
+host i owns (round-robin, or balanced by a routing trace), and the partition in the manifest.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import mlx.core as mx
@@ -26,6 +29,7 @@ from mlx_lm.utils import MAX_FILE_SIZE_GB, quantize_model, save_config
 from tqdm import tqdm
 
 from .cli import add_debug_flag, tool
+from .distributed import Partition, make_partition, parse_shard
 from .format.source import SHARD_INDEX, model_path
 from .format.families import check_supported, layer_index, routed_experts, skeleton
 from .model.experts import expert_modules
@@ -40,10 +44,17 @@ Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
             q_group_size: Optional[int] = None, overwrite: bool = False,
             q_mode: str = "affine", quantize: bool = True,
-            max_shard_bytes: int = MAX_FILE_SIZE_GB << 30) -> Path:
+            max_shard_bytes: int = MAX_FILE_SIZE_GB << 30, shard: Optional[str] = None,
+            partition: Optional[str] = None) -> Path:
     """An unquantized source is quantized as `mlx_lm.convert -q --q-mode q_mode` does
     (bits and group size default to the mode's), unless `quantize` is False. The resident
-    weights go in shards of at most `max_shard_bytes`, as mlx-lm's save_model writes them."""
+    weights go in shards of at most `max_shard_bytes`, as mlx-lm's save_model writes them.
+    `shard` ("i/N") writes host i's share of the experts, as `partition` (a routing trace)
+    deals them out, or round-robin."""
+    host = parse_shard(shard) if shard is not None else None
+    if partition is not None and host is None:
+        raise ValueError("--partition: only with --shard i/N (a whole pack holds every "
+                         "expert; hosts take their share of it with --partition at load)")
     src, dst = model_path(hf_path), Path(mlx_path)
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
@@ -60,14 +71,15 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
         if quantize:
             model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
 
+    owners = _partition(model, src, host, partition)
     tmp = dst.parent / f".{dst.name}.partial"
     _remove_ours(tmp, "an interrupted conversion's leftovers")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    check_disk_space(dst, model)
+    check_disk_space(dst, model, 1.0 if host is None else 1 / host[1])
     tmp.mkdir()
     (tmp / OURS).touch()  # what we write, we may remove
     try:
-        _write_pack(tmp, model, config, max_shard_bytes)
+        _write_pack(tmp, model, config, max_shard_bytes, owners, host)
         save_config(config, config_path=tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         if (src / "generation_config.json").exists():
@@ -92,21 +104,38 @@ def _cast_like_mlx_lm(model, config):
     ))
 
 
-def _write_pack(out: Path, model, config, max_shard_bytes: int):
+def _partition(model, src: Path, host, trace) -> Optional[Partition]:
+    """Who owns which expert, for --shard (None: a whole pack)."""
+    if host is None:
+        return None
+    layers = [SimpleNamespace(index=layer_index(path), num_experts=_num_experts(module))
+              for path, module in expert_modules(model).items()]
+    return make_partition(SimpleNamespace(layers=layers, shard=None, path=src), host[1], trace)
+
+
+def _write_pack(out: Path, model, config, max_shard_bytes: int,
+                partition: Optional[Partition] = None, host=None):
     """The experts, a layer at a time, then the resident weights a shard at a time: memory
-    holds one layer of experts, then one shard."""
+    holds one layer of experts, then one shard. With a `partition`, only host `host[0]`'s
+    experts are written."""
     paths, k = routed_experts(model, out)
     found = expert_modules(model)
     experts = {path: found[path] for path in paths}
+    owned = partition.owned(host[0]) if partition is not None else {}
     writer = ExpertsWriter(out / EXPERTS_FILE)
     layers = []
-    total = sum(_nbytes(m) for m in experts.values())
+    total = sum(_nbytes(m) * _share(owned.get(layer_index(p))) for p, m in experts.items())
     with tqdm(total=total, desc="experts", unit="B", unit_scale=True) as bar:
         for path, module in experts.items():
-            layers.append(_write_layer(writer, path, module, bar))
+            layers.append(_write_layer(writer, path, module, bar, owned.get(layer_index(path))))
     size = writer.close()
     _write_resident(out, model, max_shard_bytes)
-    write_manifest(out, config["model_type"], k, layers, size)
+    write_manifest(out, config["model_type"], k, layers, size,
+                   shard=partition.shard_info(host[0]) if partition is not None else None)
+
+
+def _share(owned: Optional[np.ndarray]) -> float:
+    return 1.0 if owned is None else float(owned.mean())
 
 
 def _write_resident(out: Path, model, max_shard_bytes: int):
@@ -140,12 +169,16 @@ def _nbytes(module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
-def check_disk_space(dst: Path, model):
+def check_disk_space(dst: Path, model, share: float = 1.0):
     """Refuse before writing when the pack cannot fit on DST's disk (its size is known
-    from the model's shapes: every weight, plus at most one alignment per record)."""
+    from the model's shapes: every weight, plus at most one alignment per record; a
+    host's shard holds `share` of the experts)."""
     params = tree_flatten(model.parameters())
-    records = sum(_num_experts(m) for m in expert_modules(model).values())
-    needed = sum(v.nbytes for _, v in params) + records * ALIGNMENT
+    modules = expert_modules(model).values()
+    records = sum(_num_experts(m) for m in modules) * share
+    experts = sum(_nbytes(m) for m in modules)
+    needed = int(sum(v.nbytes for _, v in params) - experts * (1 - share)
+                 + records * ALIGNMENT)
     free = shutil.disk_usage(dst.parent).free
     if needed > free:
         raise OSError(errno.ENOSPC, f"the pack needs {needed / 1e9:.2f} GB, the disk has "
@@ -156,9 +189,11 @@ def _num_experts(module) -> int:
     return next(v for _, v in tree_flatten(module.parameters())).shape[0]
 
 
-def _write_layer(writer: ExpertsWriter, path: str, module, bar) -> PackLayer:
-    """Write one layer's experts, computed (read, cast, quantized) only now, then drop
-    them from the model: memory holds one layer of experts whatever the model's size."""
+def _write_layer(writer: ExpertsWriter, path: str, module, bar,
+                 owned: Optional[np.ndarray] = None) -> PackLayer:
+    """Write one layer's experts (those `owned`, if given), computed (read, cast,
+    quantized) only now, then drop them from the model: memory holds one layer of experts
+    whatever the model's size."""
     params = dict(tree_flatten(module.parameters()))
     mx.eval(params)
     arrays = {k: _as_numpy(v) for k, v in params.items()}
@@ -166,6 +201,9 @@ def _write_layer(writer: ExpertsWriter, path: str, module, bar) -> PackLayer:
     layout = record_layout(arrays, dtypes)
     records = []
     for e in range(next(iter(arrays.values())).shape[0]):
+        if owned is not None and not owned[e]:
+            records.append(None)  # another host's
+            continue
         records.append(writer.write([arrays[t.name][e] for t in layout]))
         bar.update(records[-1].length)
     layer = PackLayer(path, layer_index(path), layout, _quantization(module), records)
@@ -260,10 +298,18 @@ def main(argv=None):
     parser.add_argument("--no-quantize", action="store_true",
                         help="Keep an unquantized source's weights unquantized")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing DST")
+    parser.add_argument("--shard", metavar="i/N", default=None,
+                        help="Write host i's pack of N (counted from 0) for --distributed: "
+                             "the resident weights and host i's share of the experts")
+    parser.add_argument("--partition", metavar="TRACE", default=None,
+                        help="With --shard: share the experts out by the routing in this "
+                             "trace (edgemoe.generate --trace), so hosts do equal work "
+                             "(default: round-robin)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,
-                  args.q_mode, not args.no_quantize)
+                  args.q_mode, not args.no_quantize, shard=args.shard,
+                  partition=args.partition)
     print(f"[edgemoe] wrote {dst}")
 
 

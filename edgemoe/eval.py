@@ -148,7 +148,7 @@ def main(argv=None):
     p.add_argument("--routing-stats", action="store_true",
                    help="Per-layer expert usage and routing entropy of the first model")
     p.add_argument("--json", default=None, help="Also write the result here")
-    StreamOptions.add_arguments(p)
+    StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     add_debug_flag(p)
     args = p.parse_args(argv)
     args.model = args.model or [str(BUNDLED_MODEL)]

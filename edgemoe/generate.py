@@ -173,6 +173,13 @@ def main(argv=None):
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     store = model.expert_store
+    share = getattr(model, "host_share", None)
+    if share is not None:  # hosts that sample draw alike
+        mx.random.seed(args.seed if args.seed is not None else share.common_seed())
+    if share is not None and share.rank > 0:  # every host computes; the first one speaks
+        args.verbose, args.trace, speak = False, None, False
+    else:
+        speak = True
     trace = store.start_trace() if args.trace else None
     text = generate(model, tokenizer, tokens, verbose=args.verbose,
                     max_tokens=args.max_tokens, sampler=sampler,
@@ -185,7 +192,7 @@ def main(argv=None):
     if args.verbose:
         print(f"Page cache held by the expert files: {store.page_cache_bytes() / 1e9:.3f} GB "
               f"({store.info().io} reads)")
-    if not args.verbose:
+    if speak and not args.verbose:
         print(text)
 
 

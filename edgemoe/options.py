@@ -12,6 +12,7 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Sequence
 
+from .distributed import DEFAULT_TIMEOUT_S, connect
 from .routing.modes import ROUTING_MODES
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
@@ -52,12 +53,18 @@ class StreamOptions:
     readers: int = 2
     read_timeout: float = 30.0  # seconds a compute may wait for one read
     verify: bool = True  # checksums must be present, and are checked
+    distributed: bool = False  # one host of the group mlx.launch started
+    partition: Optional[str] = None  # a routing trace the experts are shared out by
+    group_timeout: float = DEFAULT_TIMEOUT_S  # seconds a host may keep the others waiting
 
     def load_kwargs(self) -> dict:
+        """`edgemoe.load`'s arguments; with `distributed`, this joins the group."""
+        group = connect(self.group_timeout) if self.distributed else None
         return dict(expert_budget=self.expert_budget, cache_policy=self.cache_policy,
                     io=self.io, routing=self.routing, prerouter_path=self.prerouter,
                     adapter_path=self.adapter, readers=self.readers,
-                    read_timeout=self.read_timeout, verify=self.verify)
+                    read_timeout=self.read_timeout, verify=self.verify, group=group,
+                    partition=self.partition, group_timeout=self.group_timeout)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "StreamOptions":
@@ -67,6 +74,13 @@ class StreamOptions:
 
     def replace(self, **changes) -> "StreamOptions":
         return StreamOptions(**{**asdict(self), **changes})
+
+    GROUP = ("distributed", "partition", "group_timeout")  # generate and server only
+
+    @classmethod
+    def single_host(cls) -> list:
+        """The flags of a tool that runs on one host."""
+        return [f.name for f in fields(cls) if f.name not in cls.GROUP]
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser,
@@ -115,6 +129,23 @@ class StreamOptions:
                 help="Read a pack whose checksums are missing, and skip checking its "
                      "resident weights at load (expert records with a checksum are still "
                      "checked as they are read)")),
+            "distributed": (("--distributed",), dict(
+                action="store_true",
+                help="Run as one host of the group mlx.launch started: this host holds and "
+                     "reads only its share of the experts (a shard pack's, or as "
+                     "--partition deals them), and the hosts' outputs are summed at every "
+                     "MoE layer")),
+            "partition": (("--partition",), dict(
+                default=None, metavar="TRACE",
+                help="With --distributed: share the experts out by the routing in this "
+                     "trace (edgemoe.generate --trace), so hosts do equal work (default: "
+                     "round-robin, or the share a shard pack carries)")),
+            "group_timeout": (("--group-timeout",), dict(
+                type=number(float, 0, above=True), default=DEFAULT_TIMEOUT_S,
+                metavar="SECONDS",
+                help="With --distributed: a host that keeps the others waiting this long is "
+                     "taken as gone, and every host stops with an error naming it (default: "
+                     "%(default)s)")),
         }
         for name, (names, kwargs) in flags.items():
             if name in wanted:

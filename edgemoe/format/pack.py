@@ -77,11 +77,20 @@ class PackLayer:
     index: int  # decoder layer index
     tensors: List[TensorLayout]
     quantization: Dict[str, Optional[dict]]  # projection -> {group_size, bits, mode}
-    records: List[Record]
+    records: List[Optional[Record]]  # by expert id; None: another host's (a shard)
 
     @property
     def num_experts(self) -> int:
         return len(self.records)
+
+    @property
+    def owned(self) -> np.ndarray:
+        """Which experts this pack holds: all, or one host's share (edgemoe.distributed)."""
+        return np.array([r is not None for r in self.records])
+
+    @property
+    def num_owned(self) -> int:
+        return int(self.owned.sum())
 
     @property
     def expert_bytes(self) -> int:
@@ -97,7 +106,8 @@ class PackLayer:
                 for t in self.tensors
             ],
             "quantization": self.quantization,
-            "records": [[r.offset, r.length, r.crc32] for r in self.records],  # one segment
+            "records": [None if r is None else [r.offset, r.length, r.crc32]
+                        for r in self.records],  # one segment each
         }
 
     @classmethod
@@ -108,7 +118,8 @@ class PackLayer:
             tensors=[TensorLayout(t["name"], t["dtype"], tuple(t["shape"]),
                                   t["offset"], t["nbytes"]) for t in d["tensors"]],
             quantization=d["quantization"],
-            records=[Record(((0, offset, length),), crc) for offset, length, crc in d["records"]],
+            records=[None if r is None else Record(((0, r[0], r[1]),), r[2])
+                     for r in d["records"]],
         )
 
 
@@ -122,6 +133,7 @@ class Pack:
     files: List[Path] = field(default_factory=list)  # what records' segments index
     in_place: bool = False  # an mlx-lm checkpoint read as it is, not a repacked pack
     resident_crc32: Optional[Dict[str, int]] = None  # tensor of model.safetensors -> CRC32
+    shard: Optional[dict] = None  # one host's share of the experts (edgemoe.distributed)
 
     def __post_init__(self):
         self.files = self.files or [self.path / EXPERTS_FILE]
@@ -132,8 +144,8 @@ class Pack:
 
     @property
     def expert_bytes(self) -> int:
-        """All routed-expert bytes (payload, without alignment padding)."""
-        return sum(l.expert_bytes * l.num_experts for l in self.layers)
+        """All routed-expert bytes this pack holds (payload, without alignment padding)."""
+        return sum(l.expert_bytes * l.num_owned for l in self.layers)
 
     @property
     def resident_files(self) -> List[Path]:
@@ -144,7 +156,8 @@ class Pack:
     @property
     def resident_bytes(self) -> int:
         size = sum(f.stat().st_size for f in self.resident_files)
-        return size - (self.expert_bytes if self.in_place else 0)
+        every_expert = sum(l.expert_bytes * l.num_experts for l in self.layers)
+        return size - (every_expert if self.in_place else 0)
 
     @classmethod
     def open(cls, path, verify: bool = True) -> "Pack":
@@ -180,6 +193,7 @@ class Pack:
                 layers=[PackLayer.from_json(l) for l in m["layers"]],
                 experts_file_size=m["experts_file_size"],
                 resident_crc32=(m.get("resident") or {}).get("crc32"),
+                shard=m.get("shard"),
             )
         except KeyError as e:
             raise PackError(f"{manifest_path}: missing field {e}; convert the checkpoint "
@@ -198,6 +212,8 @@ class Pack:
         experts file (a damaged manifest is named here, not as a failed read later)."""
         for layer in self.layers:
             for e, record in enumerate(layer.records):
+                if record is None:  # another host's expert
+                    continue
                 where = f"{manifest_path}: layer {layer.index} expert {e}"
                 if record.offset % ALIGNMENT:
                     raise PackError(f"{where}: record offset {record.offset} is not "
@@ -213,7 +229,7 @@ class Pack:
         fix = "convert the checkpoint again, or pass --no-verify to read it unchecked"
         for layer in self.layers:
             for e, record in enumerate(layer.records):
-                if record.crc32 is None:
+                if record is not None and record.crc32 is None:
                     raise PackError(f"{manifest_path}: layer {layer.index} expert {e} has no "
                                     f"checksum; {fix}")
         if not self.resident_crc32:
@@ -255,7 +271,8 @@ class Pack:
         """A short hash of the routed experts' layout and checksums (for a checkpoint read
         in place, of where its tensors lie): routing traces name the model they came from."""
         layout = [self.model_type, self.top_k, self.experts_file_size,
-                  [[l.index, l.to_json()["tensors"], [list(r.segments) + [r.crc32]
+                  [[l.index, l.to_json()["tensors"], [None if r is None else
+                                                     list(r.segments) + [r.crc32]
                                                      for r in l.records]]
                    for l in self.layers]]
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
@@ -339,8 +356,10 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
 
 
 def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
-                   experts_file_size: int, resident_crc32: Optional[Dict[str, int]] = None):
-    """`resident_crc32` defaults to the checksums of the resident files as they are."""
+                   experts_file_size: int, resident_crc32: Optional[Dict[str, int]] = None,
+                   shard: Optional[dict] = None):
+    """`resident_crc32` defaults to the checksums of the resident files as they are;
+    `shard` describes one host's share (edgemoe.distributed.Partition.shard_info)."""
     files = sorted(path.glob("model*.safetensors"))
     if resident_crc32 is None:
         resident_crc32 = {}
@@ -357,6 +376,8 @@ def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLay
         "layers": [l.to_json() for l in layers],
         "resident": {"files": [f.name for f in files], "crc32": resident_crc32},
     }
+    if shard is not None:
+        manifest["shard"] = shard
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / MANIFEST)

@@ -24,7 +24,9 @@ class StreamingExperts(nn.Module):
 
     It owns its compute pool: mlx-lm's own expert module over the layer's slot arrays
     (`build_pool`). `routing`, when set, is told of each call's routing (advisory and
-    prerouted modes: edgemoe.routing.modes).
+    prerouted modes: edgemoe.routing.modes). `share`, when set, makes it one host of
+    several: it computes the rows routed to this host's experts, and the hosts' outputs
+    are summed (edgemoe.distributed).
     """
 
     routed_experts = True  # what edgemoe.routing.gates looks for beside mlx-lm's switch layers
@@ -36,6 +38,7 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "pool", pool)
         object.__setattr__(self, "routing", None)
         object.__setattr__(self, "block_input", None)  # set by its block (hand_input)
+        object.__setattr__(self, "share", None)  # a host's share of several (distributed)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         ids = np.array(indices)  # the host learns this layer's routing here (a sync)
@@ -53,6 +56,10 @@ class StreamingExperts(nn.Module):
             mx.eval(out)  # every read of the slots is done before any can be refilled
             return out
 
+        if self.share is not None:
+            mine = np.flatnonzero(self.share.owned(layer)[ids].reshape(-1))
+            parts = run_call(self.slots, ids, compute, routed, rows=mine)
+            return self.share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed)
         if len(parts) == 1:
             return parts[0][1]

@@ -9,7 +9,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
 
+from ..distributed import DEFAULT_TIMEOUT_S, share_for
 from ..format.families import routed_experts
+from ..format.pack import PackError
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
@@ -37,6 +39,9 @@ def load(
     readers: int = 2,
     read_timeout: Optional[float] = 30.0,
     verify: bool = True,
+    group=None,
+    partition: Optional[str] = None,
+    group_timeout: float = DEFAULT_TIMEOUT_S,
 ):
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
@@ -57,6 +62,14 @@ def load(
     `edgemoe.verify` has indexed its checksums (without an index, stderr says they are not
     checked).
 
+    `group` (an `mx.distributed` group of several hosts, e.g. edgemoe.distributed.connect())
+    makes this process one host of several: it holds, reads and budgets only its share of
+    the routed experts (a percentage budget is of that share), and the hosts' outputs are
+    summed at every MoE layer, bit-identical to one host (edgemoe.distributed). The share
+    is the one a shard pack carries (convert --shard), else balanced by the routing trace
+    `partition` (a .npz), else round-robin. A collective waiting over `group_timeout`
+    seconds means a host is gone: the process exits with an error naming it.
+
     The model is mlx-lm's own class for the family with each MoE block's expert
     module streaming from disk; it works with mlx-lm's generate_step, samplers and
     KV caches. Its store is `model.expert_store` (see ExpertStore: `info()`,
@@ -72,10 +85,17 @@ def load(
               f"indexes them once)", file=sys.stderr)
     elif verify:
         source.verify_resident(uncached=io == "direct")
-    if is_auto(expert_budget):  # what fits in the memory available, before loading
-        expert_budget = _auto_budget(source, path)
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    share = None
+    if group is not None and group.size() > 1:
+        source, share = share_for(source, group, partition, group_timeout)
+    elif source.shard is not None and source.shard["hosts"] > 1:
+        raise PackError(f"{path}: holds host {source.shard['index']}'s share of "
+                        f"{source.shard['hosts']}; run it with its group (--distributed, "
+                        f"launched by mlx.launch)")
+    if is_auto(expert_budget):  # what fits in the memory available, before loading
+        expert_budget = _auto_budget(source, path)
     store = ExpertStore(source, expert_budget, cache_policy, io, readers,
                         learned_policy=pack_asset(path, "cache_policy"),
                         read_timeout_s=read_timeout)
@@ -102,6 +122,10 @@ def load(
         store.close()
         raise
     model.expert_store = store
+    if share is not None:
+        for streaming in experts.values():
+            object.__setattr__(streaming, "share", share)
+        model.host_share = share
     predictor = _predictor(routing, heads, model)
     if predictor is not None:
         # an advisory prediction prefetches only where it proves right; a prerouted one

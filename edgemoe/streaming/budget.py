@@ -110,14 +110,17 @@ class SlotPlan:
     """The MoE layers' record sizes and expert counts, and what a budget buys of them."""
 
     expert_bytes: Sequence[int]  # one expert record, per MoE layer
-    num_experts: Sequence[int]  # per MoE layer
+    num_experts: Sequence[int]  # per MoE layer: those this host holds (all, on one host)
     top_k: int
 
     @classmethod
     def of(cls, pack) -> "SlotPlan":
-        """The plan of a Pack (anything with `layers` and `top_k`)."""
-        return cls(tuple(l.expert_bytes for l in pack.layers),
-                   tuple(l.num_experts for l in pack.layers), pack.top_k)
+        """The plan of a Pack (anything with `layers` and `top_k`). A host of several
+        (edgemoe.distributed) plans for its own share: a percentage is of its experts, and
+        a token may route all its top-k to them."""
+        owned = tuple(getattr(l, "num_owned", l.num_experts) for l in pack.layers)
+        return cls(tuple(l.expert_bytes for l in pack.layers), owned,
+                   min(pack.top_k, *owned) if owned else pack.top_k)
 
     @property
     def slot_bytes(self) -> int:

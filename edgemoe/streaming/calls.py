@@ -11,6 +11,9 @@ A backend supplies only `compute(rows, slot_ids)`:
 - one pass: `rows` is None and `slot_ids` has the shape of `ids` (every entry's slot);
 - several passes: `rows` are the flat (token * k + j) entries this pass covers and
   `slot_ids` their slots, flat.
+A host of several (edgemoe.distributed) computes only the entries routed to its own
+experts: `rows` given to `run_call` are those, and every pass gets its share of them
+(none at all, when no entry is this host's: `compute` then gets empty rows).
 `compute` must not return before the slots' reads are done or ordered on the device
 (MLX: evaluated; CUDA: an event recorded), since a released slot may be refilled.
 """
@@ -39,15 +42,18 @@ def passes(experts: np.ndarray, num_slots: int) -> List[np.ndarray]:
 
 def run_call(slots: LayerSlots, ids: np.ndarray,
              compute: Callable[[Optional[np.ndarray], np.ndarray], T],
-             routed: Optional[Callable[[], None]] = None) -> List[Tuple[Optional[np.ndarray], T]]:
+             routed: Optional[Callable[[], None]] = None,
+             rows: Optional[np.ndarray] = None) -> List[Tuple[Optional[np.ndarray], T]]:
     """Compute one layer call over the slots; (rows, output) for each pass.
 
     `routed()` runs once the first pass's experts are in slots and before compute, so the
     reads it starts (prefetches for later layers) overlap this layer's computation.
+    `rows`: only these flat entries (a host's own), always computed by rows.
     """
     slots.record_routing(ids)
     flat = ids.reshape(-1)
-    groups = passes(np.unique(flat), slots.num_slots)
+    chosen = flat if rows is None else flat[rows]
+    groups = passes(np.unique(chosen), slots.num_slots)
     results = []
     for i, group in enumerate(groups):
         slot_of = slots.ensure(group, new_call=i == 0)
@@ -56,11 +62,12 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
                 slots.read_ahead(groups[i + 1])
             if i == 0 and routed is not None:
                 routed()
-            if len(groups) == 1:
+            if len(groups) == 1 and rows is None:
                 results.append((None, compute(None, slot_of[ids])))
             else:
-                rows = np.flatnonzero(np.isin(flat, group))
-                results.append((rows, compute(rows, slot_of[flat[rows]])))
+                part = np.flatnonzero(np.isin(flat, group)) if rows is None else \
+                    rows[np.isin(chosen, group)]
+                results.append((part, compute(part, slot_of[flat[part]])))
         finally:
             slots.release()
     return results

@@ -118,6 +118,7 @@ class LayerSlots:
         self.layer, self.num_slots, self.policy = layer, num_slots, policy
         self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
+        self.owned = layer.owned  # all experts, or one host's share (edgemoe.distributed)
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
         self.state = np.full(num_slots, FREE, dtype=np.int8)
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
@@ -249,6 +250,7 @@ class LayerSlots:
         prediction about the current token, 1 for one about the next token. What finds
         no room now is read as soon as this layer's current call releases its slots.
         """
+        experts = experts[self.owned[experts]]  # a host reads ahead only its own experts
         with self.lock:
             if lead == 0:
                 self.pending_prediction = set(experts.tolist())
@@ -322,6 +324,9 @@ class LayerSlots:
 
     def _start_fill(self, expert: int, pinned, prefetch: bool = False) -> Fill:
         """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
+        if self.layer.records[expert] is None:
+            raise PackError(f"layer {self.layer.index} expert {expert}: another host's "
+                            f"(this host holds only its share)")
         free = np.flatnonzero(self.state == FREE)
         if len(free):
             slot = int(free[0])
