@@ -12,6 +12,7 @@ policy -> compute, and the module that holds each box:
     cache policy         edgemoe.streaming.cache
     compute              edgemoe.streaming.calls (the protocol), edgemoe.model.experts (MLX),
                          edgemoe.cuda (PyTorch)
+    several hosts        edgemoe.distributed (each owns a share of the experts; all_sum)
 
 Entry points (the modules at this level): generate, convert, server, eval, doctor,
 cache_sim, train_prerouter, train_lora; `options` holds the flags they share.

@@ -325,6 +325,19 @@ class HostShare:
     def owned(self, layer: int) -> np.ndarray:
         return self.partition.owners[layer] == self.rank
 
+    def broadcast(self, obj, what: str):
+        """Host 0's `obj` (any picklable value), on every host (as mlx_lm.server shares
+        its requests: its size, then its bytes, each an all_sum with zeros elsewhere)."""
+        import pickle
+
+        import mlx.core as mx
+
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == 0 else None
+        size = self.watch.all_sum(mx.array([0 if data is None else len(data)]), what)
+        buffer = mx.array(data) if data is not None else mx.zeros(int(size.item()), mx.uint8)
+        shared = self.watch.all_sum(buffer, what)
+        return obj if self.rank == 0 else pickle.loads(bytes(np.array(shared)))
+
     def combine(self, parts, shape, layer: int):
         """The layer's output on every host: this host's rows (`parts`: (rows, values) of
         edgemoe.streaming.calls, rows flat over (token, k)) beside exact zeros for the

@@ -58,7 +58,7 @@ def in_page_cache(fd: int, offset: int, length: int, buf: memoryview) -> bool:
 
 
 def calibrate_disk(pack: Pack, seed: int = 0) -> Disk:
-    records = [r for l in pack.layers for r in l.records]
+    records = [r for l in pack.layers for r in l.records if r is not None]
     rng = random.Random(seed)
     chosen = rng.sample(records, min(2 * DISK_RECORDS, len(records)))
     found, cold = chosen[::2], chosen[1::2] or chosen[::2]

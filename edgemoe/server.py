@@ -3,6 +3,8 @@ share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
            [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
+    mlx.launch --backend ring --hosts IP1,IP2 -- -m edgemoe.server --distributed --model M
+        (several hosts as one: host 0 serves HTTP, each host streams its share of the experts)
 
 The HTTP layer is edgemoe.serving.http (with .openai, .anthropic and .ollama); the engine
 thread that owns the model and decodes every request in flight together is
@@ -193,6 +195,11 @@ def main(argv=None):
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, server = build(args)
+    if not engine.leader:  # a group's other hosts compute; host 0 serves (edgemoe.distributed)
+        log.info("%s: following host 0 of the group; it serves HTTP",
+                 engine.share.watch.me)
+        engine.thread.join()
+        return
     info = engine.model.expert_store.info()
     log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts), %s "
              "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,

@@ -186,6 +186,22 @@ def test_silent_host_times_out(checkpoints, tmp_path):
     assert "no answer from host 1 (127.0.0.1:" in last and "--group-timeout" in last, last
 
 
+def test_group_that_never_forms(checkpoints, tmp_path):
+    """Host 1 never starts: host 0 gives up after --group-timeout, with one line."""
+    base = free_port_base(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    tic = time.monotonic()
+    done = subprocess.run([PYTHON, "-m", "edgemoe.generate", "--distributed", "--model",
+                           str(checkpoints["qwen3_moe"][1]), "--group-timeout", "2"],
+                          env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and time.monotonic() - tic < 30
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("edgemoe: error: host 0: the group of 2 hosts (127.0.0.1:") and \
+        "did not come up within 2 s (--group-timeout)" in last, last
+
+
 def test_wrong_shard_fails_every_host(shards, tmp_path):
     """Both hosts given host 0's shard: host 1 says why, host 0 names host 1."""
     spec = tmp_path / "runs.json"
@@ -199,7 +215,7 @@ def test_wrong_shard_fails_every_host(shards, tmp_path):
     assert "host 1 (127.0.0.1:" in done.stderr and "failed opening its share" in done.stderr
 
 
-def test_shard_packs(checkpoints, shards, tmp_path):
+def test_shard_packs(checkpoints, shards, tmp_path, capsys):
     """A shard holds its host's records only, says whose it is, and is refused alone."""
     whole = Pack.open(convert(checkpoints["mixtral"][1], tmp_path / "whole"))
     parts = [Pack.open(shards / f"mixtral-shard{i}") for i in range(2)]
@@ -209,6 +225,9 @@ def test_shard_packs(checkpoints, shards, tmp_path):
             assert layer.owned.tolist() == [e % 2 == i for e in range(full.num_experts)]
         assert part.experts_path.stat().st_size < whole.experts_path.stat().st_size
     assert sum(p.expert_bytes for p in parts) == whole.expert_bytes
+    tool_module("verify").main(["--model", str(shards / "mixtral-shard1")])
+    assert f"ok ({sum(l.num_owned for l in parts[1].layers)} expert records" in \
+        capsys.readouterr().out
     generate = tool_module("generate")
     message = error_line(generate.main, "--model", shards / "mixtral-shard1", "-m", "1")
     assert "holds host 1's share of 2; run it with its group (--distributed" in message
@@ -253,3 +272,78 @@ def test_partitions(packs):
         from edgemoe.distributed import host_share
         half = host_share(pack, rr, 0)
         host_share(half, rr, 1)
+
+
+def _serve(model, port: int, env=None, *flags):
+    return subprocess.Popen([PYTHON, "-m", "edgemoe.server", "--model", str(model),
+                             "--port", str(port), "--log-level", "WARNING", *flags],
+                            env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(port: int, procs, deadline_s: float = 120):
+    import httpx
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        for p in procs:
+            assert p.poll() is None, p.stderr.read()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server never came up"
+        time.sleep(0.3)
+
+
+def test_group_server_answers_as_one_host(checkpoints, tmp_path):
+    """`edgemoe.server --distributed` on two hosts: host 0 serves; concurrent requests (a
+    batch) give one host's text and logprobs, and a stream cancelled midway (a shared
+    cancellation) leaves the group in step for the next request."""
+    import concurrent.futures as cf
+
+    import openai
+
+    model = checkpoints["qwen3_moe"][1]
+    base = free_port_base(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    one_port, group_port = free_port_base(1), free_port_base(1)
+    procs = [_serve(model, one_port, None, "--expert-budget", "0.25")]
+    procs += [_serve(model, group_port, {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
+                     "--distributed", "--expert-budget", "0.5") for r in range(2)]
+    try:
+        _wait_ready(one_port, procs)
+        _wait_ready(group_port, procs)
+        prompts = [("hello there", 12), ("the quick brown fox", 20), ("one two three", 8),
+                   ("a b c d e f", 16)]
+
+        def ask(port, prompt, n):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-")
+            r = client.completions.create(model=str(model), prompt=prompt, max_tokens=n,
+                                          temperature=0, logprobs=1)
+            return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+        answers = {}
+        for port in (one_port, group_port):
+            with cf.ThreadPoolExecutor(len(prompts)) as pool:
+                answers[port] = list(pool.map(lambda p: ask(port, *p), prompts))
+        assert answers[group_port] == answers[one_port]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{group_port}/v1", api_key="-")
+        stream = client.completions.create(model=str(model), prompt="hello there",
+                                           max_tokens=500, temperature=0, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        assert ask(group_port, *prompts[1]) == answers[one_port][1]
+    finally:
+        for p in procs[:2]:  # the leaders; host 1 follows host 0's stop
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert procs[2].returncode == 0, procs[2].stderr.read()[-2000:]  # host 1 followed the stop

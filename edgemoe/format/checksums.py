@@ -59,6 +59,9 @@ def expert_crc32s(pack: Pack, progress: Callable[[int], None] = lambda n: None):
         for layer in pack.layers:
             out[layer.module] = []
             for record in layer.records:
+                if record is None:  # another host's expert (a shard)
+                    out[layer.module].append(None)
+                    continue
                 out[layer.module].append(record_crc32(fds, record))
                 progress(record.length)
         return out

@@ -14,6 +14,15 @@ left-padded cache with masked pads) do not mix rows. The prompt's last token is 
 the batch, as mlx-lm's `generate_step` decodes it apart from the prefill, so a request's
 greedy tokens equal `edgemoe.generate`'s.
 
+Run by a group of hosts (--distributed, edgemoe.distributed), host 0 is the leader: it
+alone takes requests, samples and decides when a request ends. Every host runs this same
+loop in lockstep: at each turn the leader shares the requests that arrived or were
+cancelled (`_share_turn`), all hosts run the same prefill chunk and decode step (their
+MoE layers sum each host's experts), and the leader shares the tokens it chose and the
+rows that go on (`_share_outcome`). A forward pass that fails on one host leaves the
+others waiting inside it, so in a group that is fatal: the engine stops, and the other
+hosts' group timeout ends them with an error naming this one.
+
 MLX streams belong to the thread that made them (shared/GUIDE.md), so the model is loaded
 and run on the engine thread only; the HTTP layer talks to it through `submit` and
 `cancel`, and receives events through each job's `emit` callback.
@@ -34,6 +43,7 @@ from mlx_lm.models.cache import (LRUPromptCache, can_trim_prompt_cache, make_pro
                                  trim_prompt_cache)
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from ..distributed import GroupError
 from ..routing.state import RoutingState, bind, sequence_state
 from ..streaming.stats import ExpertStats
 
@@ -194,6 +204,7 @@ class Engine:
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
         self._stop = threading.Event()
+        self.share = None  # the model's HostShare when it is one host of a group
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
 
     # ---- HTTP side -------------------------------------------------------------
@@ -206,6 +217,11 @@ class Engine:
     def stop(self):
         self._stop.set()
         self.thread.join(timeout=10)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this engine takes requests: alone, or host 0 of a group."""
+        return self.share is None or self.share.rank == 0
 
     @property
     def alive(self) -> bool:
@@ -241,6 +257,7 @@ class Engine:
             self.model, self.tokenizer, self.config = self._load()
             self.metrics = Metrics(self.model.expert_store)
             self.eos = set(self.tokenizer.eos_token_ids)
+            self.share = getattr(self.model, "host_share", None)
         except BaseException as e:  # reported by start()
             self.load_error = e
             gc.collect()
@@ -248,28 +265,74 @@ class Engine:
             self.ready.set()
             return
         self.ready.set()
-        while not self._stop.is_set():
-            self._admit(block=not self.active and not self.pending)
-            self._drop_cancelled()
+        try:
+            self._serve()
+        except GroupError as e:  # the group is gone: so is every request
+            log.error("%s", e)
+            self._fail_all(f"the server lost a host: {e}")
+        self._release()
+
+    def _serve(self):
+        while True:
+            if self.leader:
+                new = self._admit(block=not self.active and not self.pending)
+            if self.share is None:
+                if self._stop.is_set():
+                    return
+                self._drop_cancelled()
+            else:
+                go_on, cancelled = self._share_turn(new if self.leader else [])
+                if not go_on:
+                    return
+                self._drop_cancelled(cancelled)
             tic = time.perf_counter()
             if self.pending and len(self.active) < self.max_batch:
                 job = self.pending[0]
                 try:
                     self._prefill_chunk(job)
                 except Exception as e:
+                    self._fatal_in_group(e)
                     log.exception("request %s: prefill failed", job.id)
                     self._fail([job], f"prompt processing failed: {type(e).__name__}: {e}")
             if self.active:
                 try:
                     self._step()
                 except Exception as e:  # a failed step poisons the batch: fail its rows
+                    self._fatal_in_group(e)
                     log.exception("decode step failed")
                     self._fail(list(self.active),
                                f"generation failed: {type(e).__name__}: {e}")
             if self.active or self.pending:
                 with self.metrics.lock:
                     self.metrics.busy_s += time.perf_counter() - tic
-        self._release()
+
+    def _fatal_in_group(self, e: Exception):
+        """In a group, a failed forward pass stops this engine (see the module doc)."""
+        if self.share is None:
+            return
+        if isinstance(e, GroupError):
+            raise e
+        raise GroupError(f"{self.share.watch.me}: a forward pass failed here "
+                         f"({type(e).__name__}: {e}); the group cannot go on without "
+                         f"this host") from e
+
+    # ---- a group's turns (leader: host 0) ----------------------------------------
+    SPEC = ("id", "prompt", "max_tokens", "use_prompt_cache")  # what followers need of a job
+
+    def _share_turn(self, new: List[Job]):
+        """The leader tells the others which requests arrived and which were cancelled
+        (or that the server stops); the others add the same. (go on, the ids every host
+        drops now: a cancellation that comes later waits for the next turn)."""
+        turn = None
+        if self.leader:
+            cancelled = [j.id for j in [*self.pending, *self.active] if j.cancelled]
+            turn = {"stop": self._stop.is_set(), "cancelled": cancelled,
+                    "new": [{k: getattr(j, k) for k in self.SPEC} for j in new]}
+        turn = self.share.broadcast(turn, "sharing the requests")
+        if not self.leader:
+            for spec in turn["new"]:
+                self.pending.append(Job(emit=lambda event: None, **spec))
+        return not turn["stop"], set(turn["cancelled"])
 
     def _release(self):
         """Free the model's arrays and this thread's streams on this thread: with
@@ -285,23 +348,29 @@ class Engine:
         mx.synchronize()
         mx.clear_streams()
 
-    def _admit(self, block: bool):
+    def _admit(self, block: bool) -> List[Job]:
+        """Move the jobs submitted since into `pending`; return them."""
+        new = []
         try:
             job = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
             while True:
-                self.pending.append(job)
+                new.append(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:
             pass
+        self.pending.extend(new)
+        return new
 
-    def _drop_cancelled(self):
-        for job in [j for j in self.pending if j.cancelled]:
+    def _drop_cancelled(self, ids: Optional[set] = None):
+        """Drop the cancelled jobs (in a group: those whose `ids` the leader shared)."""
+        gone = (lambda j: j.cancelled) if ids is None else (lambda j: j.id in ids)
+        for job in [j for j in self.pending if gone(j)]:
             self.pending.remove(job)
             self._count_cancelled(job)
-        keep = [i for i, j in enumerate(self.active) if not j.cancelled]
+        keep = [i for i, j in enumerate(self.active) if not gone(j)]
         if len(keep) < len(self.active):
             for i, j in enumerate(self.active):
-                if j.cancelled:
+                if gone(j):
                     self._count_cancelled(j)
             self._keep_rows(keep)
 
@@ -416,6 +485,11 @@ class Engine:
         before = self.metrics.store_stats()
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
+        if not self.leader:  # the leader chooses; this host follows
+            mx.eval(logits, [c.state for c in self.batch_cache])
+            outcome = self.share.broadcast(None, "sharing the tokens")
+            self._follow(outcome["tokens"], outcome["keep"])
+            return
         failed = {}
         logits = self._process(logits, failed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -448,6 +522,16 @@ class Engine:
             top = _top(logprobs[i], job.top_logprobs) if job.top_logprobs else None
             if not self._advance(job, tokens[i], chosen[i], top):
                 keep.append(i)
+        if self.share is not None:
+            self.share.broadcast({"tokens": tokens, "keep": keep}, "sharing the tokens")
+        if len(keep) < len(self.active):
+            self._keep_rows(keep)
+
+    def _follow(self, tokens: List[int], keep: List[int]):
+        """A follower's step: the leader's tokens for the rows that go on."""
+        for i in keep:
+            self.active[i].tokens.append(tokens[i])
+            self.active[i].next_input = tokens[i]
         if len(keep) < len(self.active):
             self._keep_rows(keep)
 
