@@ -13,12 +13,14 @@ import json
 import os
 import sys
 
-import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+sys.modules.setdefault("torch", None)  # transformers need not import it here (seconds)
 
-import edgemoe
-from edgemoe.distributed import connect
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+import edgemoe  # noqa: E402
+from edgemoe.distributed import connect  # noqa: E402
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 STEPS = 6

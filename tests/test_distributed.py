@@ -106,31 +106,27 @@ def shards(checkpoints, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_two_hosts_equal_one(family, checkpoints, packs, shards, tmp_path):
-    """Native in place and from packs (mixtral: each host its own shard), and advisory:
-    tokens and logits equal one host's bit for bit; each host read only its experts."""
-    mlx = checkpoints[family][1]
-    pack = packs[family]["mlx"]
-    # (name, the group's model, its routing, the one host's model: native routing)
-    runs = [("inplace", mlx, "native", mlx), ("advisory", mlx, "advisory", mlx),
-            ("pack", shards / "mixtral-shard{rank}" if family == "mixtral" else pack,
-             "native", pack)]
-    launch([{"model": str(m), "budget": 0.5, "routing": r, "out": str(tmp_path / f"g-{n}")}
-            for n, m, r, _ in runs], tmp_path)
-    alone([{"model": str(m), "budget": 0.5, "routing": "native",
-            "out": str(tmp_path / f"s-{n}")} for n, _, _, m in runs])
-    for name, *_ in runs:
+def test_two_hosts_equal_one(checkpoints, packs, shards, tmp_path):
+    """One group, launched once, runs each case; each equals one host's run bit for bit
+    (tokens and logits), and each host read only its own experts. Native in place and
+    from packs (mixtral: each host its own shard), advisory (held to native), and the
+    bundled model's prerouted routing (its heads run on every host alike)."""
+    cases = []  # (name, the group's model, its routing, the one host's model and routing)
+    for family in ("qwen3_moe", "mixtral"):
+        mlx, pack = checkpoints[family][1], packs[family]["mlx"]
+        cases += [(f"{family}-inplace", mlx, "native", mlx, "native"),
+                  (f"{family}-advisory", mlx, "advisory", mlx, "native"),
+                  (f"{family}-pack", shards / "mixtral-shard{rank}" if family == "mixtral"
+                   else pack, "native", pack, "native")]
+    cases.append(("reference-prerouted", BUNDLED_MODEL, "prerouted", BUNDLED_MODEL,
+                  "prerouted"))
+    budget = lambda name: 0.25 if name.startswith("reference") else 0.5
+    launch([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"g-{n}")}
+            for n, m, r, _, _ in cases], tmp_path)
+    alone([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"s-{n}")}
+           for n, _, _, m, r in cases])
+    for name, *_ in cases:
         check_same(tmp_path / f"s-{name}", tmp_path / f"g-{name}")
-
-
-def test_prerouted_hosts_equal_one(tmp_path):
-    """The bundled model's prerouter heads run on every host alike: prerouted decode of a
-    group equals prerouted decode on one host."""
-    spec = {"model": str(BUNDLED_MODEL), "budget": 0.25, "routing": "prerouted"}
-    launch([{**spec, "out": str(tmp_path / "g")}], tmp_path)
-    alone([{**spec, "out": str(tmp_path / "s")}])
-    check_same(tmp_path / "s", tmp_path / "g")
 
 
 def _start_pair(tmp_path: Path, model, *flags):
