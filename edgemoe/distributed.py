@@ -1,6 +1,6 @@
 """Several hosts as one model: each owns a share of every MoE layer's routed experts.
 
-    mlx.launch --backend ring --hosts IP1,IP2 -- -m edgemoe.generate --distributed --model M
+    mlx.launch --backend ring --hosts IP1,IP2 -- python -m edgemoe.generate --distributed --model M
     model, tokenizer = edgemoe.load(M, group=edgemoe.distributed.connect())
 
 Built on MLX's own distributed layer (`mx.distributed`, launched by `mlx.launch`). Every

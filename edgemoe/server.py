@@ -3,7 +3,7 @@ share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
            [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
-    mlx.launch --backend ring --hosts IP1,IP2 -- -m edgemoe.server --distributed --model M
+    mlx.launch --backend ring --hosts IP1,IP2 -- python -m edgemoe.server --distributed --model M
         (several hosts as one: host 0 serves HTTP, each host streams its share of the experts)
 
 The HTTP layer is edgemoe.serving.http (with .openai, .anthropic and .ollama); the engine

@@ -1,10 +1,10 @@
 """One host of a test group (tests/test_distributed.py), or the single host it is held to.
 
-    mlx.launch --backend ring -n 2 -- tests/distributed_worker.py RUNS.json
+    mlx.launch --backend ring -n 2 --python PYTHON -- tests/distributed_worker.py RUNS.json
     python tests/distributed_worker.py RUNS.json --alone
 
-RUNS.json lists runs: {"model", "budget", "routing", "out"}; "{rank}" in a model path is
-this host's rank (each host its own shard). Each run greedy-decodes a fixed prompt and
+RUNS.json lists runs: {"model", "budget", "routing", "out"[, "partition"]}; "{rank}" in a
+model path is this host's rank (each host its own shard). Each run greedy-decodes a fixed prompt and
 writes OUT.RANK.npz: the logits of every step, the tokens, the (layer, expert) of every
 read this host made, and which experts it owns per MoE layer.
 """
@@ -30,7 +30,7 @@ def run(spec: dict, group):
     rank = group.rank() if group is not None else 0
     model, tokenizer = edgemoe.load(spec["model"].format(rank=rank),
                                     expert_budget=spec["budget"], routing=spec["routing"],
-                                    group=group)
+                                    group=group, partition=spec.get("partition"))
     store = model.expert_store
     reads, submit = [], store.reader.submit
 

@@ -110,7 +110,8 @@ def test_two_hosts_equal_one(checkpoints, packs, shards, tmp_path):
     """One group, launched once, runs each case; each equals one host's run bit for bit
     (tokens and logits), and each host read only its own experts. Native in place and
     from packs (mixtral: each host its own shard), advisory (held to native), and the
-    bundled model's prerouted routing (its heads run on every host alike)."""
+    bundled model's prerouted routing (its heads run on every host alike), and experts
+    shared out by a routing trace (--partition)."""
     cases = []  # (name, the group's model, its routing, the one host's model and routing)
     for family in ("qwen3_moe", "mixtral"):
         mlx, pack = checkpoints[family][1], packs[family]["mlx"]
@@ -120,13 +121,36 @@ def test_two_hosts_equal_one(checkpoints, packs, shards, tmp_path):
                    else pack, "native", pack, "native")]
     cases.append(("reference-prerouted", BUNDLED_MODEL, "prerouted", BUNDLED_MODEL,
                   "prerouted"))
+    mlx = checkpoints["qwen3_moe"][1]
+    cases.append(("qwen3_moe-partition", mlx, "native", mlx, "native"))
+    trace = _skewed_trace(Pack.open(packs["qwen3_moe"]["mlx"]), tmp_path / "trace.npz")
     budget = lambda name: 0.25 if name.startswith("reference") else 0.5
-    launch([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"g-{n}")}
+    launch([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"g-{n}"),
+             "partition": str(trace) if n.endswith("partition") else None}
             for n, m, r, _, _ in cases], tmp_path)
     alone([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"s-{n}")}
            for n, _, _, m, r in cases])
     for name, *_ in cases:
         check_same(tmp_path / f"s-{name}", tmp_path / f"g-{name}")
+    dealt = Partition.balanced(Pack.open(packs["qwen3_moe"]["mlx"]), 2, np.load(trace))
+    for rank in range(2):
+        got = np.load(tmp_path / f"g-qwen3_moe-partition.{rank}.npz")
+        assert [dealt.owned(rank)[l].tolist() for l in got["layers"].tolist()] == \
+            got["owned"].tolist()
+        assert got["owned"].tolist() != \
+            np.load(tmp_path / f"g-qwen3_moe-inplace.{rank}.npz")["owned"].tolist()
+
+
+def _skewed_trace(pack, path: Path) -> Path:
+    """A routing trace where a few experts take most rows (as edgemoe.generate --trace
+    writes one)."""
+    layers = [l.index for l in pack.layers]
+    n = pack.layers[0].num_experts
+    weights = np.arange(n, 0, -1, dtype=float) ** 2
+    routed = np.random.default_rng(1).choice(n, size=(300, len(layers), pack.top_k),
+                                             p=weights / weights.sum())
+    np.savez(path, layers=np.array(layers), routed=routed, decode=np.ones(300, bool))
+    return path
 
 
 def _start_pair(tmp_path: Path, model, *flags):
