@@ -18,7 +18,6 @@ import json
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +25,18 @@ import torch
 
 from edgemoe.cuda.int4 import gather_qmm
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load
-from edgemoe.format.pack import (ALIGNMENT, RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
+from edgemoe.format.pack import (RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
                           write_manifest)
 
 PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
-# stated tolerances against the CPU MLX path (float32): float32 must match logit for logit
-# (max |difference| < 1e-2; logits reach ~16); bfloat16 rounds every activation, so it is
-# judged on distributions: mean KL(MLX || backend) per position < 0.01 nats and the argmax
-# agreeing with MLX's greedy token at >= 90% of positions. Measured with PyTorch on the CPU
-# (--device cpu, reference model): float32 1.3e-5; bfloat16 max |difference| 1.5,
-# argmax agreement 100%.
-TOLERANCE = {"float32": {"max_abs_diff": 1e-2, "argmax_agreement": 1.0},
-             "bfloat16": {"mean_kl": 1e-2, "argmax_agreement": 0.9}}
+# stated tolerances against the CPU MLX path, as the README states them: float32 must match
+# logit for logit (max |difference| < 1e-3; logits reach ~16); bfloat16 rounds every
+# activation, so it is judged on distributions: mean KL(MLX || backend) per position < 0.01
+# nats, and the argmax agreeing with MLX's greedy token at all but one of the positions (a
+# near-tie may flip). Measured with PyTorch on the CPU (--device cpu, reference model):
+# float32 1.3e-5; bfloat16 max |difference| 1.5, argmax agreement 100%.
+TOLERANCE = {"float32": {"max_abs_diff": 1e-3, "argmax_agreement": 1.0},
+             "bfloat16": {"mean_kl": 1e-2, "argmax_agreement": 1 - 1 / DECODE}}
 KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative to max |output|
 
 
@@ -74,7 +73,7 @@ def check_exactness(device, dtypes):
         prompt, tokens, ref = mlx_reference(budget)
         for dtype in dtypes:
             model, _ = load(None, budget, device=device, dtype=getattr(torch, dtype),
-                            tokenizer=False)
+                            tokenizer=False, kernel=_kernel_wanted(device))
             run = greedy(model, prompt, DECODE, forced=tokens)
             model.expert_store.close()
             logits = run.logits.float().cpu().numpy()
@@ -100,12 +99,17 @@ def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
+def _kernel_wanted(device):
+    """On a GPU the Triton kernel must be there: no quiet dequantize-then-matmul instead."""
+    return True if torch.device(device).type == "cuda" else None
+
+
 def check_kernel(device):
     """The Triton kernel against the PyTorch reference at Qwen3-30B-A3B's shapes."""
     try:
         from edgemoe.kernels.int4_moe import gather_qmv
     except ImportError as e:
-        return [{"skipped": f"no Triton ({e})"}]
+        return [{"skipped": f"no Triton ({e})", "ok": False}]
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for n, k in ((768, 2048), (2048, 768)):
@@ -191,7 +195,8 @@ def _random_expert(rng, hidden, moe):
 
 
 def bench(path, device, budget, io, tokens=BENCH_TOKENS):
-    model, _ = load(path, budget, device=device, io=io, tokenizer=False)
+    model, _ = load(path, budget, device=device, io=io, tokenizer=False,
+                    kernel=_kernel_wanted(device))
     store = model.expert_store
     if budget == 1.0:
         _load_everything(store)
@@ -229,6 +234,14 @@ def run_benchmarks(device, synthetic):
                 rows.append(bench(path, device, budget, io))
                 print(f"  {rows[-1]}", flush=True)
     return rows
+
+
+def verdict(exactness, kernel, cuda: bool) -> bool:
+    """Every check passed. On a GPU a kernel row that did not run (skipped, or no row at
+    all) is a failure; only the CPU dry run may leave the kernel out."""
+    if cuda and not kernel:
+        return False
+    return all(r.get("ok", not cuda) for r in exactness + kernel)
 
 
 def summary(result) -> str:
@@ -280,7 +293,7 @@ def main(argv=None):
         synthetic = synthetic_pack(Path(tmp) / ("synthetic-small" if small else "synthetic-30b"),
                                    **shape)
         result["bench"] = run_benchmarks(device, synthetic)
-    result["ok"] = all(r.get("ok", True) for r in result["exactness"] + result["kernel"])
+    result["ok"] = verdict(result["exactness"], result["kernel"], cuda)
     result["wall_s"] = round(time.perf_counter() - tic, 1)
     print(summary(result))
     if args.json:
