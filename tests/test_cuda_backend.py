@@ -472,6 +472,29 @@ def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
         assert stats.evictions > 0
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "olmoe", "reference"])
+def test_advisory_routing_prefetches_and_keeps_the_mlx_paths_tokens(model, packs, mlx_runs):
+    """Advisory on the CUDA backend (CPU mode): the next layer's router prefetches (gate
+    off, so every prediction is read ahead), the router still decides: the MLX path's
+    tokens, and the backend's own native logits bit for bit."""
+    path = str(DEFAULT_MODEL if model == "reference" else packs[model]["hf"])
+    amount = minimum_bytes(Pack.open(path)) * 2
+    ref_tokens, ref_logits = mlx_runs(path, amount)
+    runs, stats = {}, {}
+    for routing in ("native", "advisory"):
+        torch_model, _ = load(path, amount, device="cpu", tokenizer=False, routing=routing)
+        torch_model.expert_store.gate_prefetches(routing == "native")
+        runs[routing] = greedy(torch_model, prompt(500), DECODE)
+        stats[routing] = torch_model.expert_store.snapshot()
+        torch_model.expert_store.close()
+    assert runs["advisory"].tokens == ref_tokens
+    assert np.abs(runs["advisory"].logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+    assert torch.equal(runs["advisory"].logits, runs["native"].logits)
+    assert stats["native"].prefetches == 0 < stats["advisory"].prefetches
+    assert stats["advisory"].predicted_used > 0
+    assert stats["advisory"].on_demand < stats["native"].on_demand
+
+
 def test_tiny_model_matches_mlx_lm(packs, checkpoints):
     from mlx_lm.utils import load as mlx_lm_load
 

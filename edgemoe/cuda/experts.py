@@ -22,11 +22,14 @@ DECODE_ROWS = 64  # up to this many rows per matmul, the Triton kernel (on a GPU
 
 
 class StreamingExperts(nn.Module):
-    """A SwiGLU expert bank (gate, up, down projections) read from a layer's slots."""
+    """A SwiGLU expert bank (gate, up, down projections) read from a layer's slots.
+    `advise`, when set (advisory routing), is called with the layer's input once its
+    experts are in slots, so that the reads it starts overlap this layer's compute."""
 
     def __init__(self, slots: LayerSlots, act: Callable, kernel: Callable = None):
         super().__init__()
         self.slots, self.act, self.kernel = slots, act, kernel
+        self.advise = None  # advisory routing: called with this layer's input (below)
         self.quant = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
             q = slots.layer.quantization.get(name)
@@ -46,7 +49,8 @@ class StreamingExperts(nn.Module):
             rows[self._index(picked)] = self._swiglu(hidden_states, ids, picked,
                                                      slot_ids.reshape(-1))
 
-        run_call(self.slots, ids, compute)  # edgemoe's one call protocol
+        routed = None if self.advise is None else lambda: self.advise(hidden_states)
+        run_call(self.slots, ids, compute, routed)  # edgemoe's one call protocol
         rows = rows.view(*ids.shape, -1) * top_k_weights[..., None].to(rows.dtype)
         return rows.sum(dim=1)
 

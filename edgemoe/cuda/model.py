@@ -35,18 +35,26 @@ SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 # mlx-lm's resident names -> transformers' (the routed experts are streamed, not renamed)
 RENAMES = {"mixtral": ((".block_sparse_moe.gate.", ".mlp.gate."),)}
 NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers would act on it
+ROUTINGS = ("native", "advisory")
 
 
 def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
          cache_policy: str = DEFAULT_POLICY, io: str = "buffered", streams=None,
-         kernel: Optional[bool] = None, tokenizer: bool = True):
+         kernel: Optional[bool] = None, tokenizer: bool = True, routing: str = "native"):
     """The pack's model on `device` holding at most `expert_budget` of its experts.
+
+    `routing` is "native" or "advisory": the next MoE layer's own router, applied to this
+    layer's input, prefetches that layer's experts while this one computes (gated by its
+    precision, as in the MLX path); the router still decides, so the output is native's.
 
     `dtype` defaults to bfloat16 on a GPU and float32 on the CPU. `streams` orders
     copies and compute (edgemoe.cuda.streams; tests pass a fake). `kernel` uses the
     Triton int4 kernel for decode rows; by default on a GPU when Triton is installed.
     Returns (model, tokenizer or None); the store is at `model.expert_store`.
     """
+    if routing not in ROUTINGS:
+        raise ValueError(f"--routing {routing!r}: the CUDA backend routes "
+                         f"{' or '.join(ROUTINGS)}")
     path = model_path(pack_path)
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
@@ -61,6 +69,8 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     model = _build(config, dtype)
     _install(model, store, _kernel(device, kernel))
     _load_resident(model, path, config, dtype, device, skip=tuple(f"{m}." for m in store.layers))
+    if routing == "advisory":
+        _advise(model, store)
     model.expert_store = store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
@@ -103,6 +113,24 @@ def _install(model, store: ExpertStore, kernel):
                                f"edgemoe.cuda replaces an experts module called with "
                                f"{EXPERTS_CALL} (transformers 5)")
         block.experts = StreamingExperts(slots, act, kernel)
+
+
+def _advise(model, store: ExpertStore):
+    """Advisory routing: each MoE layer's input through the next MoE layer's router (its
+    top-k) is a prefetch for that layer; prefetches are gated by their precision."""
+    blocks = {slots.layer.index: model.model.layers[slots.layer.index].mlp
+              for slots in store.layers.values()}
+    layers = sorted(blocks)
+    store.gate_prefetches(True)
+    for layer, target in zip(layers, layers[1:]):
+        gate = blocks[target].gate
+
+        def advise(x, target=target, gate=gate):
+            with torch.no_grad():
+                indices = gate(x)[-1]  # transformers 5's routers: (logits, scores, indices)
+            store.prefetch(target, indices.reshape(-1).cpu().numpy())
+
+        blocks[layer].experts.advise = advise
 
 
 def _load_resident(model, path: Path, config: dict, dtype, device, skip=()):
