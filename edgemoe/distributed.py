@@ -221,7 +221,6 @@ class GroupWatch:
         self.rank, self.size = group.rank(), group.size()
         self.hosts = ring_hosts()
         self.collective_s = 0.0  # time spent in collectives (the benchmark's share)
-        self.collectives = 0
         self._deadline: Optional[float] = None
         self._what = ""
         self._thread = threading.Thread(target=self._watch, name="edgemoe-group-watch",
@@ -242,22 +241,16 @@ class GroupWatch:
         import mlx.core as mx
 
         out = mx.distributed.all_sum(array, group=self.group)
-        self.wait(out, what)
-        return out
-
-    def wait(self, array, what: str):
-        import mlx.core as mx
-
         self._what, tic = what, time.perf_counter()
         self._deadline = time.monotonic() + self.timeout_s
         try:
-            mx.eval(array)
+            mx.eval(out)
         except RuntimeError as e:
             raise GroupError(f"{self.me}: {what}: lost {self.peers()} ({e})") from None
         finally:
             self._deadline = None
             self.collective_s += time.perf_counter() - tic
-            self.collectives += 1
+        return out
 
     def _watch(self):
         while True:
@@ -321,9 +314,6 @@ class HostShare:
             seed[:] = np.random.randint(0, 2**31 - 1, size=2)
         seed = np.array(self.watch.all_sum(mx.array(seed), "agreeing on a random seed"))
         return int(seed[0]) << 31 | int(seed[1])
-
-    def owned(self, layer: int) -> np.ndarray:
-        return self.partition.owners[layer] == self.rank
 
     def broadcast(self, obj, what: str):
         """Host 0's `obj` (any picklable value), on every host (as mlx_lm.server shares

@@ -174,12 +174,11 @@ def main(argv=None):
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     store = model.expert_store
     share = getattr(model, "host_share", None)
+    follower = share is not None and share.rank > 0  # every host computes; host 0 speaks
     if share is not None:  # hosts that sample draw alike
         mx.random.seed(args.seed if args.seed is not None else share.common_seed())
-    if share is not None and share.rank > 0:  # every host computes; the first one speaks
-        args.verbose, args.trace, speak = False, None, False
-    else:
-        speak = True
+    if follower:
+        args.verbose, args.trace = False, None
     trace = store.start_trace() if args.trace else None
     text = generate(model, tokenizer, tokens, verbose=args.verbose,
                     max_tokens=args.max_tokens, sampler=sampler,
@@ -192,7 +191,7 @@ def main(argv=None):
     if args.verbose:
         print(f"Page cache held by the expert files: {store.page_cache_bytes() / 1e9:.3f} GB "
               f"({store.info().io} reads)")
-    if speak and not args.verbose:
+    if not follower and not args.verbose:
         print(text)
 
 

@@ -57,7 +57,7 @@ class StreamingExperts(nn.Module):
             return out
 
         if self.share is not None:
-            mine = np.flatnonzero(self.share.owned(layer)[ids].reshape(-1))
+            mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
             return self.share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed)
