@@ -169,15 +169,15 @@ def test_predictor_carries_the_previous_token(packs):
     predictor = HeadsPredictor(prerouter, blocks)
     source, target = 1, 2
     x, now = inputs(model, blocks, source, length=6)
-    whole = predictor.predict(RoutingState(), source, x, np.array(now))[target]
+    whole = np.array(predictor.predict(RoutingState(), source, x, now)[target])
     state = RoutingState()
-    steps = [predictor.predict(state, source, x[:, i:i + 1], np.array(now[:, i:i + 1]))[target]
+    steps = [np.array(predictor.predict(state, source, x[:, i:i + 1], now[:, i:i + 1])[target])
              for i in range(6)]
     assert np.array_equal(np.concatenate(steps, axis=1), whole)
     state = RoutingState()  # a new request starts with no previous token
-    first = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
+    first = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target])
     assert np.array_equal(first, whole[:, :1])
-    shifted = predictor.predict(state, source, x[:, :1], np.array(now[:, :1]))[target]
+    shifted = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target])
     expected = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
     assert np.array_equal(shifted, np.array(expected))
 

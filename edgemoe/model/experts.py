@@ -41,11 +41,17 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "share", None)  # a host's share of several (distributed)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        ids = np.array(indices)  # the host learns this layer's routing here (a sync)
         layer = self.slots.layer.index
-        seen = x if self.block_input is None else self.block_input
-        routed = None if self.routing is None else (
-            lambda: self.routing.observe(layer, seen, ids))  # its prefetches overlap compute
+        predicted = {}
+        if self.routing is not None:
+            seen = x if self.block_input is None else self.block_input
+            predicted = self.routing.predict(layer, seen, indices)
+        # the host learns this layer's routing here, and any prediction, in one sync
+        mx.eval(indices, *predicted.values())
+        self.slots.stats.host_syncs += 1
+        ids = np.array(indices)
+        routed = None if not predicted else (  # its prefetches overlap this layer's compute
+            lambda: self.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()}))
 
         def compute(rows, slot_ids):
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
@@ -54,6 +60,7 @@ class StreamingExperts(nn.Module):
                 tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
                 out = self.pool(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
             mx.eval(out)  # every read of the slots is done before any can be refilled
+            self.slots.stats.host_syncs += 1
             return out
 
         if self.share is not None:

@@ -7,13 +7,14 @@
 
 `PredictedRouting` is the driver of the non-native modes. The model's forward call
 opens `sequence(inputs, cache)`, which makes the calling sequence's RoutingState current;
-each streaming expert module calls `observe(layer, x, ids)` once its layer's routing is
-known, and the driver runs the predictor on that state and hands its predictions to
+each streaming expert module calls `predict(layer, x, ids)` before its layer's routing
+is evaluated, so the predictor's graph is evaluated in the same host sync, and hands the
+evaluated predictions to `prefetch_all` once its own experts are in slots; that calls
 `prefetch(layer, experts, lead)`, the only thing the expert store is told of routing.
 """
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -46,8 +47,9 @@ class PredictedRouting:
             for gate in getattr(self.predictor, "gates", ()):
                 gate.set_prediction(None)  # a prediction never outlives its forward call
 
-    def observe(self, layer: int, x: mx.array, ids: np.ndarray):
-        """Layer `layer` routed its input `x` to `ids`; predict and prefetch."""
+    def predict(self, layer: int, x: mx.array, ids: mx.array) -> Dict[int, mx.array]:
+        """Layer `layer` routes its input `x` to `ids`: the predictions it makes, lazy (the
+        caller evaluates them with `ids`, in one sync)."""
         state = self.state if self.state is not None else RoutingState()
         if x.ndim == 2:  # a block that flattens its tokens (OLMoE)
             x = x.reshape(self.rows, -1, x.shape[-1])
@@ -55,5 +57,9 @@ class PredictedRouting:
         ids = ids.reshape(x.shape[0], x.shape[1], ids.shape[-1])
         predictions = self.predictor.predict(state, layer, x, ids)
         state.rows = x.shape[0]
+        return predictions
+
+    def prefetch_all(self, predictions: Dict[int, np.ndarray]):
+        """Hand evaluated predictions to the store."""
         for target, experts in predictions.items():
             self.prefetch(target, experts, self.predictor.lead)

@@ -3,9 +3,11 @@ will need.
 
 `predict(state, layer, x, ids)` sees one call of MoE layer `layer`: its input `x`
 (rows, L, D), the expert ids its router chose `ids` (rows, L, k), and the calling
-sequence's RoutingState. It returns {target layer: expert ids}. Each predictor says its
-`lead`: 0 when the prediction is about this call (the same token), 1 when it is about
-the next call (the next token, a whole token ahead).
+sequence's RoutingState. It returns {target layer: expert ids}, all of them lazy MLX
+arrays: the caller evaluates them together with the layer's own routing, so that a
+prediction costs no host sync of its own. Each predictor says its `lead`: 0 when the
+prediction is about this call (the same token), 1 when it is about the next call (the
+next token, a whole token ahead).
 
 - NextRouterPredictor: the free baseline, the next layer's own router on this input.
 - HeadsPredictor: trained prerouter heads (advisory: the router still decides).
@@ -16,7 +18,6 @@ from typing import Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from .gates import RouterTap, gate_logits, indices_from_logits, install_tap
 from .prerouter import Prerouter
@@ -30,14 +31,21 @@ class NextRouterPredictor:
 
     def __init__(self, blocks: Dict[int, nn.Module]):
         layers = sorted(blocks)
-        self.next = {a: (b, blocks[b]) for a, b in zip(layers, layers[1:])}
+        # compiled: the block's own routing code is traced once per input shape, so a
+        # prediction costs no Python on the decode path (the router's weights are fixed)
+        self.next = {a: (b, mx.compile(self._router_of(blocks[b])))
+                     for a, b in zip(layers, layers[1:])}
+
+    @staticmethod
+    def _router_of(block: nn.Module):
+        return lambda x: indices_from_logits(block, gate_logits(block, x))
 
     def predict(self, state: RoutingState, layer: int, x: mx.array,
-                ids: np.ndarray) -> Dict[int, np.ndarray]:
+                ids: mx.array) -> Dict[int, mx.array]:
         if layer not in self.next:
             return {}
-        target, block = self.next[layer]
-        return {target: np.array(indices_from_logits(block, gate_logits(block, x)))}
+        target, route = self.next[layer]
+        return {target: route(x)}
 
 
 class HeadsPredictor:
@@ -60,11 +68,11 @@ class HeadsPredictor:
     def lead(self) -> int:
         return 0 if self.same_token else 1
 
-    def routing_now(self, state: RoutingState, layer: int, ids: np.ndarray):
+    def routing_now(self, state: RoutingState, layer: int, ids: mx.array):
         """This call's ids (rows, L, k) and the previous token's at each position; the
         last token's ids are kept for the sequence's next call."""
         rows, length, k = ids.shape
-        now = mx.array(ids.astype(np.int32))
+        now = mx.array(ids).astype(mx.int32)
         last = state.previous.get(layer)
         if last is None or last.shape != (rows, k):
             last = mx.full((rows, k), -1, dtype=mx.int32)  # -1: no expert, all zeros
@@ -80,8 +88,8 @@ class HeadsPredictor:
                 xs, nows, prevs = x, now, prev
             else:  # only the last token's head output is about a token still to come
                 xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
-            inds = self.prerouter.route(target, self.blocks[target], xs, nows, prevs)
-            predictions[target] = np.array(inds)
+            predictions[target] = self.prerouter.route(target, self.blocks[target], xs, nows,
+                                                       prevs)
         return predictions
 
 
@@ -126,5 +134,5 @@ class PreroutedPredictor(HeadsPredictor):
                     self.taps[target].set_prediction(allowed=inds)
                 else:
                     self.taps[target].set_prediction(shifted)
-            ahead[target] = np.array(indices_from_logits(block, logits[:, -1]))
+            ahead[target] = indices_from_logits(block, logits[:, -1])
         return ahead

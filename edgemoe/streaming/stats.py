@@ -32,6 +32,7 @@ class ExpertStats:
     prefetch_evicted_needed: int = 0  # requests of experts a prefetch had evicted
     read_busy_s: float = 0.0  # wall time with a preadv in flight
     verify_s: float = 0.0  # CRC32 checks and O_DIRECT staging copies, summed over threads
+    host_syncs: int = 0  # evaluations the expert path waited on (routing, each pass's compute)
 
     @property
     def requests(self) -> int:
