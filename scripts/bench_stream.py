@@ -44,7 +44,7 @@ def drop_page_cache(folder: Path):
 
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
            prerouter=None, text=None, temp=0.0, adapter=None, cache_policy="lfu",
-           readers=2) -> dict:
+           readers=2, trace=None) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -75,6 +75,8 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     else:
         prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
     mx.random.seed(0)
+    if trace and store:
+        store.start_trace()
     steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(temp, 0.9))
     tic = time.perf_counter()
     next(steps)
@@ -103,9 +105,12 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
             "prefetch_precision": d.precision,
             "prefetch_recall": d.recall,
             "late_fills_per_token": d.late_fills / n,
+            "host_syncs_per_token": d.host_syncs / n,
             "on_demand_per_token": d.on_demand / n,
             "io": store.info().io,
         }
+        if trace:
+            store.trace.save(trace)
     return result
 
 
@@ -123,11 +128,58 @@ def run_config(kind, path, args) -> dict:
         cmd += ["--adapter-path", args.adapter]
     cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
             "--readers", str(args.readers)]
+    if kind.endswith(":native"):  # its routing, for the exact-mode limit
+        trace = Path(args.out) / "traces" / f"{kind.split(':')[0]}.npz"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        cmd += ["--trace", str(trace)]
     if args.read_bps:
         constrained = Path(__file__).resolve().parents[2] / "shared" / "tools" / "constrained"
         cmd = [str(constrained), "--read-bps", args.read_bps, "--disk-of", str(path), "--"] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    if kind.endswith(":native"):
+        result["belady_bytes_per_token"] = belady_bytes(trace, float(kind.split(":")[0]))
+    return result
+
+
+def belady_bytes(trace: Path, budget: float) -> float:
+    """Expert bytes per decoded token that Belady's policy (which knows the future) reads
+    on this run's own routing at this budget: the fewest any exact mode can read."""
+    import numpy as np
+
+    from edgemoe.cache_sim import simulate
+
+    r = simulate(dict(np.load(trace)), budget, "belady")
+    return r.decode_bytes_read / max(r.decode_tokens, 1)
+
+
+def add_limits(rows: list, runs: dict, read_bps):
+    """The exact-mode limit beside each row: the best step native routing allows at its
+    budget, max(compute, Belady's bytes / read rate). Compute is native's step less the
+    time it was blocked on reads; the read rate is the cap (unthrottled: the disk's rate
+    while reading, as native measured it)."""
+    for row in rows:
+        budget = row.get("budget")
+        native = runs.get(f"{budget}:native")
+        if not native:
+            continue
+        compute_ms = statistics.median(1000 / r["decode_tps"] - r["blocked_ms_per_token"]
+                                       for r in native)
+        rate = parse_bps(read_bps) if read_bps else \
+            statistics.median(r["read_gbps"] for r in native) * 1e9
+        belady = statistics.median(r["belady_bytes_per_token"] for r in native)
+        read_ms = 1000 * belady / rate if rate else 0.0
+        row["limit_tps"] = 1000 / max(compute_ms, read_ms)
+        row["limit_bound"] = "reads" if read_ms > compute_ms else "compute"
+        row["of_limit"] = row["decode_tps"] / row["limit_tps"]
+        row["belady_bytes_per_token"] = belady
+
+
+def parse_bps(text: str) -> float:
+    """'20M' -> 20 MiB/s, as the cap (numfmt --from=iec) reads it."""
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    return float(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units \
+        else float(text)
 
 
 def lora_pairs(args) -> list:
@@ -180,6 +232,7 @@ def summarize(runs: dict) -> list:
         else:
             budget, routing, *lora = kind.split(":")
             med["config"] = f"{routing} {float(budget):.0%}" + (" +LoRA" if lora else "")
+            med["budget"], med["routing"] = budget, routing
             native = runs.get(f"{budget}:native")
             if native:
                 med["vs_native"] = statistics.median(
@@ -196,15 +249,21 @@ def print_table(rows):
     print(f"{'config':18} {'decode tok/s':>12} {'ratio':>6} {'vs native':>9} {'prompt tok/s':>12} "
           f"{'peak MLX MB':>11} {'peak RSS MB':>11} {'pg cache MB':>11} "
           f"{'KB read/tok':>11} {'blocked ms/tok':>14} {'hit rate':>8} {'read GB/s':>9} "
-          f"{'recall':>6}")
+          f"{'precision':>9} {'recall':>6} {'syncs/tok':>9} {'limit tok/s':>11} {'of limit':>8}")
     for r in rows:
+        limit = (f"{r['limit_tps']:6.1f} ({r['limit_bound'][0]})" if "limit_tps" in r
+                 else "")
         print(f"{r['config']:18} {r['decode_tps']:12.1f} {r['decode_ratio']:6.2f} "
               f"{r.get('vs_native', 1.0):9.2f} "
               f"{r['prompt_tps']:12.1f} {r['peak_mlx_bytes'] / 1e6:11.1f} "
               f"{r['peak_rss_bytes'] / 1e6:11.1f} {r['page_cache_bytes'] / 1e6:11.1f} "
               f"{r.get('expert_bytes_read_per_token', 0) / 1e3:11.1f} "
               f"{r.get('blocked_ms_per_token', 0):14.2f} {r.get('hit_rate', 1):8.1%} "
-              f"{r.get('read_gbps', 0):9.2f} {r.get('prefetch_recall', 0):6.1%}")
+              f"{r.get('read_gbps', 0):9.2f} {r.get('prefetch_precision', 0):9.1%} "
+              f"{r.get('prefetch_recall', 0):6.1%} {r.get('host_syncs_per_token', 0):9.1f} "
+              f"{limit:>11} {r.get('of_limit', 0):8.2f}")
+    print("limit: the exact-mode best step at that budget, max(compute, Belady's bytes / read "
+          "rate); (r) reads or (c) compute bound it")
 
 
 def plot(rows, png: Path):
@@ -214,13 +273,19 @@ def plot(rows, png: Path):
     import matplotlib.pyplot as plt
 
     names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
-    for ax, key, title, scale in (
-        (axes[0], "decode_ratio", "decode tok/s (ratio to mlx-lm resident, else to native)", 1),
-        (axes[1], "peak_mlx_bytes", "peak MLX memory (MB)", 1e-6),
-        (axes[2], "blocked_ms_per_token", "ms blocked on expert loads per token", 1),
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.8))
+    for ax, key, title, scale, mark in (
+        (axes[0], "decode_tps", "decode tok/s (tick: exact-mode limit)", 1, "limit_tps"),
+        (axes[1], "expert_bytes_read_per_token", "expert KB read per token (tick: Belady)",
+         1e-3, "belady_bytes_per_token"),
+        (axes[2], "blocked_ms_per_token", "ms blocked on expert loads per token", 1, None),
+        (axes[3], "peak_mlx_bytes", "peak MLX memory (MB)", 1e-6, None),
     ):
         ax.bar(names, [r.get(key, 0) * scale for r in rows], color="tab:blue")
+        if mark:
+            marked = [(i, r[mark] * scale) for i, r in enumerate(rows) if mark in r]
+            ax.scatter([i for i, _ in marked], [v for _, v in marked], marker="_", s=400,
+                       color="black", zorder=3)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
         plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
@@ -252,12 +317,13 @@ def main():
     StreamOptions.add_arguments(p, only=["prerouter", "adapter", "cache_policy", "readers"])
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--trace", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
                                 args.prerouter, args.text, args.temp, args.adapter,
-                                args.cache_policy, args.readers)))
+                                args.cache_policy, args.readers, args.trace)))
         return
 
     out = Path(args.out)
@@ -283,6 +349,7 @@ def main():
             print(f"round {r + 1}/{args.rounds} {kind}: "
                   f"{runs[kind][-1]['decode_tps']:.1f} tok/s", file=sys.stderr)
     rows = summarize(runs)
+    add_limits(rows, runs, args.read_bps)
     print_table(rows)
     result = {"mlx_model": str(mlx) if mlx else None, "pack": str(pack), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
