@@ -59,6 +59,18 @@ class HeadsPredictor:
         self.targets_of: Dict[int, List[int]] = {}
         for target, source in prerouter.config.sources.items():
             self.targets_of.setdefault(source, []).append(target)
+        # compiled, as the next router is: a head and its target's routing code cost no
+        # Python on the decode path (the heads' weights are fixed once loaded)
+        targets = prerouter.config.targets
+        self.logits = {t: mx.compile(self._logits_of(t)) for t in targets}
+        self.indices = {t: mx.compile(self._indices_of(blocks[t])) for t in targets}
+
+    def _logits_of(self, target: int):
+        return lambda x, now, prev: self.prerouter.logits(target, x, now, prev)
+
+    @staticmethod
+    def _indices_of(block: nn.Module):
+        return lambda logits: indices_from_logits(block, logits)
 
     @property
     def same_token(self) -> bool:
@@ -88,8 +100,7 @@ class HeadsPredictor:
                 xs, nows, prevs = x, now, prev
             else:  # only the last token's head output is about a token still to come
                 xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
-            predictions[target] = self.prerouter.route(target, self.blocks[target], xs, nows,
-                                                       prevs)
+            predictions[target] = self.indices[target](self.logits[target](xs, nows, prevs))
         return predictions
 
 
@@ -120,19 +131,19 @@ class PreroutedPredictor(HeadsPredictor):
         now, prev = self.routing_now(state, layer, ids)
         ahead = {}
         for target in self.targets_of.get(layer, []):
-            block = self.blocks[target]
-            logits = self.prerouter.logits(target, x, now, prev)  # (rows, L, E): position p+1
-            if target in self.predicted_layers:
-                first = state.carry.get(target)
-                if first is None or first.shape[0] != x.shape[0]:
-                    first = mx.full((x.shape[0], 1, logits.shape[-1]), mx.nan)
-                shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
-                state.carry[target] = logits[:, -1:]
-                if self.confine:
-                    inds = indices_from_logits(block, mx.nan_to_num(shifted, nan=0.0))
-                    inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
-                    self.taps[target].set_prediction(allowed=inds)
-                else:
-                    self.taps[target].set_prediction(shifted)
-            ahead[target] = indices_from_logits(block, logits[:, -1])
+            logits = self.logits[target](x, now, prev)  # (rows, L, E): position p+1
+            ahead[target] = self.indices[target](logits[:, -1])
+            if target not in self.predicted_layers:
+                continue
+            first = state.carry.get(target)
+            if first is None or first.shape[0] != x.shape[0]:
+                first = mx.full((x.shape[0], 1, logits.shape[-1]), mx.nan)
+            shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
+            state.carry[target] = logits[:, -1:]
+            if self.confine:
+                inds = self.indices[target](mx.nan_to_num(shifted, nan=0.0))
+                inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
+                self.taps[target].set_prediction(allowed=inds)
+            else:
+                self.taps[target].set_prediction(shifted)
         return ahead
