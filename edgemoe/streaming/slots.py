@@ -5,9 +5,14 @@ reads it). Compute asks `ensure(experts)` for a slot table; missing experts are 
 demand and waited for. A prediction may `prefetch` a layer's experts ahead of time.
 An advisory prediction (`gated`: the router still decides) must earn it: each layer
 scores its predictions against what its calls then request, and prefetches only while
-enough of them were used (MIN_PRECISION, after TRUST_AFTER calls); until then, and
-whenever they go wrong, it reads nothing for them, so a bad predictor costs no bytes
-and evicts nothing. Even a trusted guess never evicts what the layer's last call used.
+enough of them were used (MIN_PRECISION, after TRUST_AFTER calls) and while what its
+prefetches wasted stays within WASTE_BUDGET of the bytes it read: a prefetch evicted
+unused, or one that evicted an expert a call then had to read again, is waste. Where
+reads dominate, a wrong guess costs its bytes and a right one saves little (the read
+would have happened anyway), so the budget, not the precision, is what keeps advisory
+from losing to on demand. Until a layer trusts its predictions it reads nothing for
+them, so a bad predictor costs no bytes and evicts nothing. Even a trusted guess never
+evicts what the layer's last call used.
 The cache policy picks which ready slot to give up; filling and in-use slots are never
 evicted. Where a slot's bytes live is a backend's `SlotMemory`: MLX arrays in unified
 memory (edgemoe.model.experts), device tensors filled from pinned host rows
@@ -30,6 +35,7 @@ WAIT_POLL_S = 0.05  # how often a waiting compute checks the reader and its dead
 MIN_PRECISION = 0.5  # of a layer's recent advisory predictions used, to prefetch for it
 TRUST_AFTER = 4  # calls whose predictions a layer scores before it may trust them
 PRECISION_DECAY = 0.8  # weight of the past in a layer's running precision
+WASTE_BUDGET = 0.05  # of a layer's bytes read, what its advisory prefetches may waste
 
 
 class SlotPool(Protocol):
@@ -133,12 +139,15 @@ class LayerSlots:
         self.prefetched: set = set()  # read by a prefetch, not requested since
         self.evicted_for_prefetch: set = set()  # evicted to make room for a prefetch
         self.last_call: set = set()  # the experts this layer's last call requested
+        self.bytes_read = 0  # by this layer's fills
+        self.wasted_bytes = 0  # by its prefetches: read unused, or re-reads they caused
 
     @property
     def trusted(self) -> bool:
         """Whether this layer's predictions may be read ahead now."""
         return not self.gated or (self.scored >= TRUST_AFTER
-                                  and self.precision >= MIN_PRECISION)
+                                  and self.precision >= MIN_PRECISION
+                                  and self.wasted_bytes <= WASTE_BUDGET * self.bytes_read)
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -168,6 +177,7 @@ class LayerSlots:
                     self.evicted_for_prefetch.discard(e)
                     if slot < 0:  # a prefetch took its slot, and now it is needed
                         self.stats.prefetch_evicted_needed += 1
+                        self.wasted_bytes += self.layer.expert_bytes
                 staged = e in self.staged  # read for this call by read_ahead: not a hit
                 self.staged.discard(e)
                 if staged and slot >= 0:
@@ -345,6 +355,7 @@ class LayerSlots:
             if victim in self.prefetched:  # read ahead and never used
                 self.prefetched.discard(victim)
                 self.stats.prefetch_wasted_bytes += self.layer.expert_bytes
+                self.wasted_bytes += self.layer.expert_bytes
             if prefetch:
                 self.evicted_for_prefetch.add(victim)
         self.slot_of[expert] = slot
@@ -369,6 +380,7 @@ class LayerSlots:
             if error is None:
                 self.state[fill.slot] = READY
                 self.stats.bytes_read += nbytes
+                self.bytes_read += nbytes
             else:
                 self.slot_of[fill.expert] = -1
                 self.expert_in[fill.slot] = -1
