@@ -3,6 +3,7 @@
     python -m edgemoe.cache_sim TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
         [--policies lru,lfu,lfuda,s3fifo,learned] [--prefetch] [--png hit_rate.png] [--json out.json]
     python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out cache_policy.npz
+    python -m edgemoe.cache_sim split TRACE [TRACE ...] --budget 0.1,0.25 [--policy lfu]
 
 The replay runs the store's own slot state machine (edgemoe.streaming.slots.LayerSlots)
 over a memory that holds nothing and a reader that finishes each fill as it is
@@ -12,6 +13,10 @@ and with `--prefetch` the prefetches the trace recorded are issued where they we
 the layer call that issued them. Slot counts come from the store's rule
 (edgemoe.streaming.budget). A trace records its forward calls; an older one without them
 is replayed as mlx-lm prefills, in calls of at most 2048 prompt tokens.
+
+`split` asks whether one budget shared across layers beats the even split the store uses:
+it fits a split of the same slot total to the first half of the traces (slots go one at a
+time to the layer whose loads they cut most) and replays the other half with both splits.
 
 Belady's optimum evicts the resident, unpinned expert whose next use in that layer is
 farthest in the future: no policy has fewer loads on the same requests (without prefetch).
@@ -398,6 +403,61 @@ def train_learned(traces: List[Dict[str, np.ndarray]], max_rows: int = 20_000,
     return fit(x, y, **fit_args)
 
 
+# -- a budget shared across layers --
+
+def decode_bytes(traces: List[Dict[str, np.ndarray]], layer: int, slots: int,
+                 policy: str) -> int:
+    """Expert bytes one layer's pool of `slots` reads for decoded tokens, over the traces."""
+    total = 0
+    for trace in traces:
+        decode = trace["decode"].astype(bool)
+        requests = layer_requests(trace["routed"], decode, layer, slots, trace_calls(trace))
+        loads = replay(requests, slots, make_policy(policy))[:, 1]
+        total += int(loads[requests.decode].sum()) * int(trace["expert_bytes"][layer])
+    return total
+
+
+def fit_split(traces: List[Dict[str, np.ndarray]], total: int, policy: str) -> List[int]:
+    """Slots per layer, `total` in all (at least top-k each): each slot goes to the layer
+    whose decode bytes it cuts most on these traces."""
+    plan = trace_plan(traces[0])
+    layers = range(len(plan.num_experts))
+    split = [plan.top_k] * len(plan.num_experts)
+    cost = {}
+
+    def bytes_at(layer, slots):
+        if (layer, slots) not in cost:
+            cost[layer, slots] = decode_bytes(traces, layer, slots, policy)
+        return cost[layer, slots]
+
+    while sum(split) < total:
+        open_layers = [l for l in layers if split[l] < plan.num_experts[l]]
+        if not open_layers:
+            break
+        best = max(open_layers, key=lambda l: bytes_at(l, split[l]) - bytes_at(l, split[l] + 1))
+        split[best] += 1
+    return split
+
+
+def compare_split(traces: List[Dict[str, np.ndarray]], budget, policy: str) -> dict:
+    """The even split against one fitted to the first half of `traces`, replayed on the
+    second half (held out from the fit): decode bytes per token of each."""
+    if len(traces) < 2:
+        raise ValueError("split needs at least 2 traces: it fits on half and tests on the rest")
+    fit_on, held_out = traces[:len(traces) // 2], traces[len(traces) // 2:]
+    even = trace_plan(traces[0]).slots(budget)
+    layers = traces[0]["routed"].shape[1]
+    split = fit_split(fit_on, even * layers, policy)
+    tokens = sum(int(t["decode"].sum()) for t in held_out)
+    per_token = {name: sum(decode_bytes(held_out, l, slots[l], policy)
+                           for l in range(layers)) / max(tokens, 1)
+                 for name, slots in (("even", [even] * layers), ("fitted", split))}
+    return {"budget": str(budget), "policy": policy, "even_slots": even, "split": split,
+            "fit_traces": len(fit_on), "held_out_traces": len(held_out),
+            "even_bytes_per_token": per_token["even"],
+            "fitted_bytes_per_token": per_token["fitted"]}
+
+
 # -- command line --
 
 def plot(results: List[Result], path):
@@ -437,6 +497,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-learned"]:
         return main_train(argv[1:])
+    if argv[:1] == ["split"]:
+        return main_split(argv[1:])
     p = argparse.ArgumentParser(description="Replay routing traces through expert cache "
                                             "policies and Belady's optimum.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -507,6 +569,32 @@ def main_train(argv):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
     print(f"wrote {args.out} (trained on {len(traces)} traces)")
+
+
+def main_split(argv):
+    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim split",
+                                description="Fit a split of the slots across layers to half "
+                                            "of the traces; replay the other half with it "
+                                            "and with the even split.")
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--budget", default="0.1,0.25")
+    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
+    p.add_argument("--json", default=None, help="Write the results here")
+    add_debug_flag(p)
+    args = p.parse_args(argv)
+    traces = [load_trace(t) for t in args.traces]
+    rows = [compare_split(traces, b, args.policy) for b in args.budget.split(",")]
+    print(f"fitted on {rows[0]['fit_traces']} traces, replayed on {rows[0]['held_out_traces']} "
+          f"others ({args.policy})")
+    print(f"{'budget':>7} {'even slots':>10} {'fitted split':>24} {'KB/token even':>14} "
+          f"{'KB/token fitted':>16} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['budget']:>7} {r['even_slots']:>10} {str(r['split']):>24} "
+              f"{r['even_bytes_per_token'] / 1e3:>14.1f} {r['fitted_bytes_per_token'] / 1e3:>16.1f} "
+              f"{r['fitted_bytes_per_token'] / max(r['even_bytes_per_token'], 1):>6.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
