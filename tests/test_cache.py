@@ -336,3 +336,53 @@ def test_advisory_prefetch_that_is_always_wrong_costs_nothing():
         good = replay_with(trace, budget, right, gated=True)
         assert good.prefetches > 0 and good.on_demand < native.on_demand
         assert good.precision == 1.0
+
+
+def test_a_split_fitted_to_skewed_layers_reads_less_and_the_even_one_is_kept_otherwise():
+    """`cache_sim split`: a layer that always routes to the same two experts needs no more
+    than two slots, so a fitted split gives the others its slots and reads fewer bytes
+    on held-out traces; the total stays the even split's."""
+    from edgemoe.cache_sim import compare_split
+
+    rng = np.random.default_rng(3)
+
+    def trace(n):
+        spread = np.array([rng.choice(16, 2, replace=False) for _ in range(n)])
+        routed = np.stack([np.tile([0, 1], (n, 1)), spread], axis=1)  # (n, 2 layers, 2)
+        return dict(routed=routed, decode=np.ones(n, bool), expert_bytes=np.array([100, 100]),
+                    num_experts=np.array([16, 16]))
+
+    result = compare_split([trace(300) for _ in range(4)], "25%", "lfu")
+    assert result["even_slots"] == 4 and sum(result["split"]) == 8
+    assert result["split"][0] == 2 and result["split"][1] == 6
+    assert result["fitted_bytes_per_token"] < 0.9 * result["even_bytes_per_token"]
+
+
+def test_advisory_prefetch_that_wastes_stops_within_its_waste_budget(monkeypatch):
+    """A predictor half right (precision 0.5, enough to be trusted) whose wrong half
+    evicts experts that are needed: the waste budget holds its extra bytes to a few
+    percent of what on demand reads (at most 10% more); without the budget the same
+    predictor reads half as much again, or more."""
+    from pathlib import Path
+
+    from edgemoe.streaming import slots
+    from edgemoe.streaming.trace import load_trace
+
+    trace = load_trace(Path(__file__).parent / "data" / "reference_traces" / "r0.npz")
+    routed = trace["routed"]
+    experts = int(trace["num_experts"].max())
+
+    def half_right(call, position):
+        used = np.unique(routed[call, position])
+        unused = [e for e in range(experts) if e not in set(used.tolist())]
+        return np.array([used[0], unused[call.start % len(unused)]])
+
+    for budget in ("10%", "25%"):
+        native = replay_with(trace, budget, None, gated=True)
+        budgeted = replay_with(trace, budget, half_right, gated=True)
+        assert budgeted.prefetches > 0
+        assert budgeted.bytes_read <= 1.1 * native.bytes_read, (budget, budgeted, native)
+        with monkeypatch.context() as m:
+            m.setattr(slots, "WASTE_BUDGET", float("inf"))
+            unbudgeted = replay_with(trace, budget, half_right, gated=True)
+        assert unbudgeted.bytes_read > 1.5 * native.bytes_read  # what the budget prevents
