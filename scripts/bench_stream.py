@@ -8,11 +8,13 @@ JSON and a PNG chart.
 
     python scripts/bench_stream.py [--mlx-model MLX_INT4_DIR --pack PACK_DIR] [--out bench_out]
                                    [--cold] [--fio] [--prerouter HEADS_DIR] [--adapter-path LORA_DIR]
-                                   [--read-bps 20M]
+                                   [--read-bps 20M] [--modes advisory,prerouted]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
 --prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
-modes. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
+modes; --modes picks the routing modes run beside native. Every row shows the exact-mode
+limit at its budget: max(compute, the bytes Belady's policy reads on native's own routing
+over the read rate), the best step native routing allows. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
 25% with --prerouter) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate. --read-bps caps every run's disk reads
@@ -32,6 +34,7 @@ from edgemoe.options import StreamOptions
 
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
 ADVISORY_BUDGETS = [0.25, 0.10]
+HEAD_MODES = ["advisory-heads", "prerouted", "prerouted-set"]  # need --prerouter
 
 
 def drop_page_cache(folder: Path):
@@ -310,6 +313,9 @@ def main():
                    help="Cap each run's disk reads at this rate (e.g. 20M), as on a Mac")
     p.add_argument("--text", default=None,
                    help="Take the prompt from this text file (default: random tokens)")
+    p.add_argument("--modes", default=None,
+                   help="Routing modes beside native, e.g. advisory,prerouted (default: "
+                        "advisory, and with --prerouter the modes that use its heads)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
     # --prerouter adds advisory-heads and prerouted rows; --adapter-path adds rows serving
@@ -334,12 +340,14 @@ def main():
         mlx, pack = default_model(out)
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS
     advisory_budgets = [b for b in budgets if b in ADVISORY_BUDGETS] or budgets
-    configs = ([("mlx-lm", mlx)] if mlx else []) + ([(f"{b}:native", pack) for b in budgets]
-               + [(f"{b}:advisory", pack) for b in advisory_budgets])
-    if args.prerouter:
-        configs += [(f"{b}:{mode}", pack) for mode in ("advisory-heads", "prerouted",
-                                                          "prerouted-set")
-                    for b in advisory_budgets]
+    modes = args.modes.split(",") if args.modes else \
+        ["advisory"] + (HEAD_MODES if args.prerouter else [])
+    unknown = set(modes) - {"advisory", *HEAD_MODES}
+    if unknown or (set(modes) & set(HEAD_MODES) and not args.prerouter):
+        p.error(f"--modes: choose from advisory, {', '.join(HEAD_MODES)} (the last "
+                f"{len(HEAD_MODES)} need --prerouter); got {args.modes}")
+    configs = ([("mlx-lm", mlx)] if mlx else []) + [(f"{b}:native", pack) for b in budgets]
+    configs += [(f"{b}:{mode}", pack) for mode in modes for b in advisory_budgets]
     if args.adapter:
         configs += [(f"{kind}:lora", pack) for kind in lora_pairs(args)]
     runs = {kind: [] for kind, _ in configs}
