@@ -36,6 +36,7 @@ MIN_PRECISION = 0.5  # of a layer's recent advisory predictions used, to prefetc
 TRUST_AFTER = 4  # calls whose predictions a layer scores before it may trust them
 PRECISION_DECAY = 0.8  # weight of the past in a layer's running precision
 WASTE_BUDGET = 0.05  # of a layer's bytes read, what its advisory prefetches may waste
+WASTE_DECAY = 0.99  # per call: both tallies look back some 100 calls (a prefill's reads fade)
 
 
 class SlotPool(Protocol):
@@ -139,8 +140,8 @@ class LayerSlots:
         self.prefetched: set = set()  # read by a prefetch, not requested since
         self.evicted_for_prefetch: set = set()  # evicted to make room for a prefetch
         self.last_call: set = set()  # the experts this layer's last call requested
-        self.bytes_read = 0  # by this layer's fills
-        self.wasted_bytes = 0  # by its prefetches: read unused, or re-reads they caused
+        self.bytes_read = 0.0  # by this layer's fills, lately (WASTE_DECAY)
+        self.wasted_bytes = 0.0  # by its prefetches: read unused, or re-reads they caused
 
     @property
     def trusted(self) -> bool:
@@ -167,6 +168,8 @@ class LayerSlots:
         with self.lock:
             if new_call:
                 self._score_prediction(wanted)
+                self.bytes_read *= WASTE_DECAY
+                self.wasted_bytes *= WASTE_DECAY
                 self.last_call = set(wanted)
             else:
                 self.last_call.update(wanted)
