@@ -131,6 +131,7 @@ def run_config(kind, path, args) -> dict:
         cmd += ["--adapter-path", args.adapter]
     cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
             "--readers", str(args.readers)]
+    trace = None
     if kind.endswith(":native"):  # its routing, for the exact-mode limit
         trace = Path(args.out) / "traces" / f"{kind.split(':')[0]}.npz"
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,7 @@ def run_config(kind, path, args) -> dict:
         cmd = [str(constrained), "--read-bps", args.read_bps, "--disk-of", str(path), "--"] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    if kind.endswith(":native"):
+    if trace:
         result["belady_bytes_per_token"] = belady_bytes(trace, float(kind.split(":")[0]))
     return result
 
