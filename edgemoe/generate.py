@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
@@ -72,14 +73,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True,
                    help="Stream the text and print statistics when 'True' or 'T', only "
                         "print the response when 'False' or 'F' (as mlx_lm.generate)")
-    p.add_argument("--draft-model", default=None,
-                   help="An mlx-lm model with the same tokenizer, held in memory, that drafts "
-                        "tokens for speculative decoding (the output stays the model's)")
-    p.add_argument("--prompt-lookup", action="store_true",
-                   help="Draft from n-gram matches in the prompt and the text so far (no "
-                        "draft model)")
-    p.add_argument("--num-draft-tokens", type=number(int, 1), default=3,
-                   help="Tokens drafted per step (default: %(default)s)")
+    add_draft_arguments(p)
     p.add_argument("--prompt-cache-file", default=None,
                    help="A KV cache saved by edgemoe.cache_prompt (or mlx_lm.cache_prompt, "
                         "for the same model): the prompt continues it")
@@ -88,6 +82,49 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_debug_flag(p)
     StreamOptions.add_arguments(p)
     return p
+
+
+def add_draft_arguments(p: argparse.ArgumentParser):
+    """The speculative decoding flags (edgemoe.generate and edgemoe.server)."""
+    p.add_argument("--draft-model", default=None,
+                   help="An mlx-lm model with the same tokenizer, held in memory, that drafts "
+                        "tokens for speculative decoding (the output stays the model's)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="Draft from n-gram matches in the prompt and the text so far (no "
+                        "draft model)")
+    p.add_argument("--num-draft-tokens", type=number(int, 1), default=3,
+                   help="Tokens drafted per step (default: %(default)s)")
+
+
+def draft_error(args) -> Optional[str]:
+    """Why the draft flags cannot be used together with the others; None when they can."""
+    if args.draft_model and args.prompt_lookup:
+        return "--draft-model or --prompt-lookup: one draft at a time"
+    if not (args.draft_model or args.prompt_lookup):
+        return None
+    if getattr(args, "max_kv_size", None) is not None:
+        return "--max-kv-size with a draft: speculative decoding needs a KV cache it can trim"
+    if args.routing.startswith("prerouted"):
+        return (f"--routing {args.routing} with a draft: rejected drafts would leave the "
+                f"predicted routing of tokens that are gone")
+    if getattr(args, "distributed", False):
+        return "--distributed with a draft: a group of hosts decodes without one"
+    return None
+
+
+def load_draft(args, tokenizer):
+    """The draft of --draft-model / --prompt-lookup for our own loops (the server's)."""
+    from .model.drafts import DraftModel
+    from .model.lookup import PromptLookup
+
+    if args.prompt_lookup:
+        return PromptLookup(args.num_draft_tokens)
+    from mlx_lm import load as mlx_lm_load
+    model, draft_tokenizer = mlx_lm_load(args.draft_model)
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"--draft-model {args.draft_model}: expected the model's vocabulary "
+                         f"of {tokenizer.vocab_size} tokens, found {draft_tokenizer.vocab_size}")
+    return DraftModel(model, args.num_draft_tokens, args.prefill_step_size)
 
 
 def draft_options(args, model) -> dict:
@@ -136,15 +173,8 @@ def main(argv=None):
     if args.kv_bits is not None and args.max_kv_size is not None:
         parser.error("--kv-bits with --max-kv-size: mlx-lm cannot quantize a rotating KV "
                      "cache")
-    if args.draft_model and args.prompt_lookup:
-        parser.error("--draft-model or --prompt-lookup: one draft at a time")
-    speculative = bool(args.draft_model or args.prompt_lookup)
-    if speculative and args.max_kv_size is not None:
-        parser.error("--max-kv-size with a draft: speculative decoding needs a KV cache "
-                     "it can trim")
-    if speculative and args.routing.startswith("prerouted"):
-        parser.error(f"--routing {args.routing} with a draft: rejected drafts would leave "
-                     f"the predicted routing of tokens that are gone")
+    if (error := draft_error(args)) is not None:
+        parser.error(error)
     if args.seed is not None:
         mx.random.seed(args.seed)
     prompt_cache, tokenizer_config = None, None

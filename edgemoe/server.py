@@ -3,6 +3,7 @@ share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
            [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
+           [--draft-model MLX_DIR | --prompt-lookup] [--num-draft-tokens 3]
     mlx.launch --backend ring --hosts IP1,IP2 -- python -m edgemoe.server --distributed --model M
         (several hosts as one: host 0 serves HTTP, each host streams its share of the experts)
 
@@ -17,7 +18,7 @@ import socket
 from typing import Tuple
 
 from .cli import add_debug_flag, tool
-from .generate import json_object
+from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .options import StreamOptions, number
 from .serving.engine import Engine
 from .serving.http import (DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server,
@@ -87,6 +88,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "but --prompt-cache-size)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_draft_arguments(p)  # a request decoded alone speculates (edgemoe.serving.engine)
     add_debug_flag(p)
     StreamOptions.add_arguments(p)  # each batch row keeps its own routing state
     return p
@@ -120,9 +122,12 @@ def build(args) -> Tuple[Engine, Server]:
         # a cached prefix would need the routing its prerouter predicted to be kept too
         log.warning("the prompt cache is off with %s routing", options.routing)
         cache_size = 0
+    drafting = args.draft_model or args.prompt_lookup
     engine = Engine(load_model, max_batch=args.max_batch,
                     prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting,
-                    prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes)
+                    prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
+                    load_draft=(lambda tokenizer: load_draft(args, tokenizer)) if drafting
+                    else None)
     engine.start()
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
@@ -191,7 +196,10 @@ def http_protocol(request_timeout_s: float):
 def main(argv=None):
     import uvicorn
 
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if (error := draft_error(args)) is not None:
+        parser.error(error)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, server = build(args)

@@ -1,6 +1,6 @@
 """Benchmark: speculative decoding against plain decode on a streamed model, side by side.
 
-Per draft source (none, prompt lookup, and --draft-model if given), expert budget and
+Per draft source, expert budget and
 read regime (a read-rate cap through ../shared/tools/constrained, as on a Mac where reads
 dominate, and unthrottled), each configuration runs in its own process with O_DIRECT
 expert reads (nothing served from the page cache), over held-out prompts of the bundled
@@ -9,8 +9,14 @@ rounds alternate configurations. Reports decode tok/s as a ratio to plain decode
 same budget and regime, the share of tokens that came from the draft and were kept,
 expert bytes read per generated token, and ms blocked on reads per token. JSON + PNG.
 
+Sources (--sources): plain (no draft); lookup (prompt lookup, our loop, adaptive length);
+with --draft-model: mlx-draft (mlx-lm's own speculative loop, a fixed length), draft (our
+loop, DraftModel, length adapted: edgemoe.model.drafts.DraftLength) and draft-fixed (our
+loop, a fixed length).
+
     python scripts/bench_speculative.py [--model PACK] [--draft-model MLX_DIR]
-        [--read-bps 20M,none] [--budgets 0.10,0.25] [--rounds 3] [--out bench_out]
+        [--sources plain,lookup,draft] [--read-bps 20M,none] [--budgets 0.10,0.25]
+        [--rounds 3] [--out bench_out]
 """
 
 import argparse
@@ -47,21 +53,26 @@ def worker(args) -> dict:
     import mlx.core as mx
 
     import edgemoe
+    from edgemoe.model.drafts import DraftModel
     from edgemoe.model.generation import stream_generate
     from edgemoe.model.lookup import PromptLookup
 
     model, tokenizer = edgemoe.load(args.model, expert_budget=float(args.budget), io="direct")
-    draft = {"plain": None, "lookup": PromptLookup(args.num_draft_tokens)}.get(args.source)
-    if args.source == "draft":
+    kw = {}
+    if args.source == "lookup":
+        kw = {"draft_model": PromptLookup(args.num_draft_tokens)}
+    elif args.source != "plain":
         from mlx_lm import load as mlx_lm_load
-        draft = mlx_lm_load(args.draft_model)[0]
+        resident = mlx_lm_load(args.draft_model)[0]
+        kw = {"draft_model": resident, "num_draft_tokens": args.num_draft_tokens} \
+            if args.source == "mlx-draft" else \
+            {"draft_model": DraftModel(resident, args.num_draft_tokens),
+             "adaptive": args.source == "draft"}
     store = model.expert_store
     tokens = kept = 0
     decode_s = 0.0
     read = blocked = 0.0
     for prompt in heldout_prompts(tokenizer, args.prompts, args.prompt_len):
-        kw = {"draft_model": draft, "num_draft_tokens": args.num_draft_tokens} \
-            if args.source == "draft" else {"draft_model": draft}
         responses = stream_generate(model, tokenizer, mx.array(prompt),
                                     max_tokens=args.decode, **kw)
         first = next(responses)  # the prompt's prefill and the first token: not decode
@@ -118,6 +129,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(ROOT / "edgemoe" / "models" / "reference"))
     p.add_argument("--draft-model", default=None, help="An mlx-lm draft model (resident)")
+    p.add_argument("--sources", default=None,
+                   help="Draft sources to run, comma-separated (default: plain,lookup, and "
+                        "with --draft-model also mlx-draft,draft,draft-fixed)")
     p.add_argument("--read-bps", default="20M,none",
                    help="Read-rate caps to run under, 'none' for unthrottled")
     p.add_argument("--budgets", default="0.10,0.25")
@@ -134,7 +148,12 @@ def main():
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    sources = ["plain", "lookup"] + (["draft"] if args.draft_model else [])
+    sources = args.sources.split(",") if args.sources else \
+        ["plain", "lookup"] + (["mlx-draft", "draft", "draft-fixed"] if args.draft_model else [])
+    if "plain" not in sources:
+        sources.insert(0, "plain")  # the ratios' denominator
+    if not args.draft_model and set(sources) - {"plain", "lookup"}:
+        p.error(f"--sources {args.sources}: the draft sources need --draft-model")
     configs = [(s, b, r) for r in args.read_bps.split(",") for b in args.budgets.split(",")
                for s in sources]
     runs = {c: [] for c in configs}
@@ -152,10 +171,10 @@ def main():
         med["read_ratio"] = statistics.median(r["read_per_token"] / q["read_per_token"]
                                               for r, q in zip(rs, plain))
         rows.append({"source": source, "budget": budget, "regime": regime, **med})
-    print(f"{'source':7} {'budget':>6} {'reads':>6} {'tok/s':>7} {'ratio':>6} {'kept':>6} "
+    print(f"{'source':11} {'budget':>6} {'reads':>6} {'tok/s':>7} {'ratio':>6} {'kept':>6} "
           f"{'KB read/tok':>11} {'read ratio':>10} {'blocked ms/tok':>14}")
     for r in rows:
-        print(f"{r['source']:7} {float(r['budget']):6.0%} {r['regime']:>6} {r['tok_s']:7.1f} "
+        print(f"{r['source']:11} {float(r['budget']):6.0%} {r['regime']:>6} {r['tok_s']:7.1f} "
               f"{r['ratio']:6.2f} {r['kept']:6.1%} {r['read_per_token'] / 1e3:11.1f} "
               f"{r['read_ratio']:10.2f} {r['blocked_ms_per_token']:14.2f}")
     out = Path(args.out)

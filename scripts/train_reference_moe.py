@@ -32,6 +32,13 @@ on the step count, so that a rerun on the same machine reproduces the same weigh
 of the recovery LoRA, which is too large for git, is rebuilt this way).
 
     python scripts/train_reference_moe.py --out /work/ref_run --steps 900
+
+`--draft` trains the bundled model's speculative draft instead: a small dense Qwen3 (mlx-lm's
+`qwen3`; DRAFT_* shape, tied embeddings) on the same corpus, split and schedule, with the
+tokenizer read from `--tokenizer` (the bundled pack's), so that its tokens are the target's.
+
+    python scripts/train_reference_moe.py --draft --tokenizer edgemoe/models/reference \
+        --out /work/draft_run --steps 900
 """
 
 import argparse
@@ -68,6 +75,9 @@ CONTEXT = 512
 ROPE_THETA = 10000.0
 AUX_LOSS_COEF = 0.01
 TIE_EMBEDDINGS = False
+# the speculative draft (--draft): dense, a tenth of the MoE's parameters, ~3 MB at int4
+DRAFT_LAYERS = 4
+DRAFT_INTERMEDIATE = 768
 # optimisation
 BATCH = 8                   # windows of CONTEXT tokens per step
 LR = 1e-3
@@ -120,12 +130,15 @@ def load_corpus(out):
     return train, held
 
 
-def build_tokenizer(train_texts, hf_dir):
+def build_tokenizer(train_texts, hf_dir, given=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if (hf_dir / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    for folder in (given, hf_dir):  # a draft takes its target's tokenizer
+        if folder is not None and (folder / "tokenizer.json").exists():
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+    if given is not None:
+        sys.exit(f"--tokenizer {given}: expected tokenizer.json there, found none")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -176,17 +189,31 @@ def make_config(tok):
     )
 
 
-def param_report(model):
+def make_draft_config(tok):
+    from transformers import Qwen3Config
+    eot = tok.convert_tokens_to_ids(EOT)
+    return Qwen3Config(
+        vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=DRAFT_INTERMEDIATE,
+        num_hidden_layers=DRAFT_LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, tie_word_embeddings=True, max_position_embeddings=CONTEXT * 4,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        bos_token_id=None, eos_token_id=eot, pad_token_id=eot, use_cache=True,
+    )
+
+
+def param_report(model, draft=False):
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     router = sum(p.numel() for n, p in model.named_parameters() if ".mlp.gate." in n)
     emb = model.model.embed_tokens.weight.numel()
-    head = 0 if TIE_EMBEDDINGS else model.lm_head.weight.numel()
+    head = 0 if model.config.tie_word_embeddings else model.lm_head.weight.numel()
     active = total - experts + experts * TOP_K // NUM_EXPERTS
     rep = dict(total=total, routed_experts=experts, routed_frac=experts / total, router=router,
                embed=emb, lm_head=head, attention_norms_etc=total - experts - router - emb - head,
                active_per_token=active, fp32_MB=total * 4 / 1e6, int4_est_MB=total * 5 / 8 / 1e6)
     print("params: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v:,}" for k, v in rep.items()))
+    if draft:
+        return rep
     assert rep["routed_frac"] >= 0.80, "routed experts must be >= 80% of parameters"
     assert total <= 45_500_000, "model too large"
     return rep
@@ -198,7 +225,8 @@ def save_hf(model, tok, hf_dir):
     # mlx-lm 0.32.2 reads the hub-style Qwen3-MoE keys; transformers 5 writes renamed ones.
     cfg_path = hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["num_experts"] = cfg.get("num_local_experts", NUM_EXPERTS)
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["num_experts"] = cfg.get("num_local_experts", NUM_EXPERTS)
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", ROPE_THETA)
     cfg["rope_scaling"] = None
     cfg["torch_dtype"] = "float32"
@@ -298,6 +326,10 @@ def main():
     ap.add_argument("--bench", action="store_true", help="only measure PyTorch vs MLX train tokens/s")
     ap.add_argument("--threads", type=int, default=THREADS,
                     help="torch threads; 1 is faster when other work shares the 2 cores")
+    ap.add_argument("--draft", action="store_true",
+                    help="train the dense speculative draft (DRAFT_* shape) instead of the MoE")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="folder whose tokenizer.json to use (a draft's target) instead of training one")
     args = ap.parse_args()
     t_start = time.time()
     deadline = float("inf") if args.steps else t_start + args.minutes * 60
@@ -309,7 +341,7 @@ def main():
         d.mkdir(parents=True, exist_ok=True)
 
     train_texts, held_texts = load_corpus(out)
-    tok = build_tokenizer(train_texts, hf_dir)
+    tok = build_tokenizer(train_texts, hf_dir, args.tokenizer)
     if args.bench:
         return bench(tok)
     train_ids = tokenize_docs(tok, train_texts, out / "train_ids.npy")
@@ -321,12 +353,13 @@ def main():
     starts = np.linspace(0, len(held_ids) - CONTEXT - 1, EVAL_WINDOWS).astype(np.int64)
     eval_windows = np.stack([held_ids[s:s + CONTEXT + 1] for s in starts])
 
-    from transformers import Qwen3MoeForCausalLM
-    model = Qwen3MoeForCausalLM(make_config(tok))
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    model = (Qwen3ForCausalLM(make_draft_config(tok)) if args.draft
+             else Qwen3MoeForCausalLM(make_config(tok)))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.bos_token_id = None
-    rep = param_report(model)
+    rep = param_report(model, args.draft)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
@@ -403,7 +436,7 @@ def main():
         win_tok += BATCH * CONTEXT
         train_s = train_s0 + time.time() - loop_t0
         if step % LOG_EVERY == 0:
-            aux = outp.aux_loss.item()
+            aux = outp.aux_loss.item() if getattr(outp, "aux_loss", None) is not None else 0.0
             loss = outp.loss.item()
             tps = win_tok / (time.time() - win_t)
             win_t, win_tok = time.time(), 0

@@ -12,7 +12,8 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 import edgemoe
 from edgemoe.format.source import open_source
 from edgemoe.model.generation import generate
-from edgemoe.model.lookup import PromptLookup, lookup_generate_step
+from edgemoe.model.drafts import draft_generate_step
+from edgemoe.model.lookup import PromptLookup
 from edgemoe.streaming.budget import minimum_bytes
 
 PROMPT = np.random.default_rng(5).integers(3, 500, 24).tolist()
@@ -51,7 +52,7 @@ def test_prompt_lookup_gives_greedy_decodes_tokens_and_drafts_only_on_a_match(pa
     model, tokenizer = edgemoe.load(packs["qwen3_moe"]["hf"], expert_budget=0.25)
     prompt = mx.array((PROMPT[:8] * 4)[:-1])
     plain = [int(t) for t, _ in generate_step(prompt, model, max_tokens=24)]
-    steps = list(lookup_generate_step(prompt, model, PromptLookup(3), max_tokens=24))
+    steps = list(draft_generate_step(prompt, model, PromptLookup(3), max_tokens=24))
     assert [t for t, _, _ in steps] == plain
     assert any(d for _, _, d in steps)
     assert PromptLookup(3).draft([1, 2, 3, 4, 9, 1, 2, 3], 5) == [4, 9, 1]
@@ -61,6 +62,24 @@ def test_prompt_lookup_gives_greedy_decodes_tokens_and_drafts_only_on_a_match(pa
     assert generate(model, tokenizer, prompt.tolist(), max_tokens=24,
                     draft_model=PromptLookup(3)) == \
         generate(model, tokenizer, prompt.tolist(), max_tokens=24)
+    model.expert_store.close()
+
+
+@pytest.mark.parametrize("source,adaptive", [("qwen3_moe", True), ("qwen3_moe", False),
+                                             ("mixtral", True)])
+def test_a_draft_model_in_our_loop_gives_greedy_decodes_tokens(checkpoints, packs, source,
+                                                               adaptive):
+    """A DraftModel (our loop: a length that adapts, or a fixed one) right every time
+    (its own weights) or never (another family's random weights): greedy decode's tokens."""
+    from edgemoe.model.drafts import DraftModel
+
+    model, tokenizer = edgemoe.load(packs["qwen3_moe"]["mlx"], expert_budget=0.25)
+    draft = DraftModel(mlx_lm_load(str(checkpoints[source][1]))[0], 3)
+    plain = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=20)]
+    steps = list(draft_generate_step(mx.array(PROMPT), model, draft, max_tokens=20,
+                                     adaptive=adaptive))
+    assert [t for t, _, _ in steps] == plain
+    assert any(d for _, _, d in steps) == (source == "qwen3_moe")
     model.expert_store.close()
 
 
@@ -91,3 +110,137 @@ def test_a_draft_generate_cannot_use_is_one_usage_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         generate_tool.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ---- the server's engine: a request decoded alone speculates -----------------------------
+
+def engine_run(target, load_draft, requests, budget=0.25):
+    """[(tokens, logprobs)] of `requests` [(prompt, max_tokens, sampling)] submitted
+    together to an engine (batches of up to 4), and its metrics."""
+    import threading
+
+    from edgemoe.serving.engine import Engine, Job
+
+    engine = Engine(lambda: edgemoe.load(target, expert_budget=budget, return_config=True),
+                    max_batch=4, load_draft=load_draft)
+    engine.start(timeout=60)
+    try:
+        pending = []
+        for prompt, max_tokens, sampling in requests:
+            out, done = [], threading.Event()
+
+            def emit(event, out=out, done=done):
+                out.append(event)
+                if event["type"] != "token":
+                    done.set()
+            assert engine.submit(Job(id="t", prompt=prompt, max_tokens=max_tokens,
+                                     emit=emit, sampling=sampling))
+            pending.append((out, done))
+        results = []
+        for out, done in pending:
+            assert done.wait(120) and out[-1]["type"] == "done", out[-1:]
+            tokens = [e for e in out if e["type"] == "token"]
+            results.append(([e["token"] for e in tokens], [e["logprob"] for e in tokens]))
+        return results, engine.snapshot()
+    finally:
+        engine.stop()
+
+
+def same_output(got, expected):
+    """Tokens equal; logprobs equal to a rounding (a window's multi-token attention)."""
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["same weights", "other family", "lookup"])
+def test_the_server_engine_speculates_with_a_lone_requests_own_tokens(checkpoints, packs,
+                                                                     draft):
+    """Greedy and seeded: with a draft, a request alone gets the tokens it gets without
+    one, and the drafts were verified in windows (kept where right, dropped where not)."""
+    from edgemoe.model.drafts import DraftModel
+
+    target = packs["qwen3_moe"]["mlx"]  # the draft "same weights" is its source
+    source = {"same weights": "qwen3_moe", "other family": "mixtral"}.get(draft)
+    load_draft = (lambda tok: PromptLookup(3)) if source is None else \
+        (lambda tok: DraftModel(mlx_lm_load(str(checkpoints[source][1]))[0], 3))
+    prompt = (PROMPT[:8] * 4)[:-1] if draft == "lookup" else PROMPT
+    for sampling in (None, {"temp": 0.8, "seed": 7}):
+        requests = [(prompt, 20, sampling)]
+        plain, _ = engine_run(target, None, requests)
+        got, m = engine_run(target, load_draft, requests)
+        same_output(got, plain)
+        spec = m["speculative"]
+        assert spec["windows"] and spec["drafted"]
+        if sampling is None:
+            if draft == "same weights":  # its own weights draft greedy decode's tokens
+                assert spec["accepted"] == spec["drafted"]
+            if draft == "lookup":  # windows with some drafts kept, and some dropped
+                assert 0 < spec["accepted"] < spec["drafted"]
+            if draft == "other family":  # random weights of another family: all dropped
+                assert spec["accepted"] < spec["drafted"]
+
+
+def test_a_request_left_alone_in_the_batch_speculates_from_where_it_is(checkpoints, packs):
+    """Two requests decode as a batch (one token per row), the shorter one ends, and
+    the other speculates from there, its draft first fed the tokens it decoded in the
+    batch: each gets the tokens it gets alone without a draft."""
+    from edgemoe.model.drafts import DraftModel
+
+    target = packs["qwen3_moe"]["hf"]
+    requests = [(PROMPT, 4, None), (PROMPT[3:], 20, None)]
+    alone = [engine_run(target, None, [r])[0][0] for r in requests]
+    draft = lambda tok: DraftModel(mlx_lm_load(str(checkpoints["mixtral"][1]))[0], 3)
+    got, m = engine_run(target, draft, requests)
+    for g, a in zip(got, alone):
+        same_output([g], [a])
+    assert m["batch"]["max_size_seen"] == 2 and m["speculative"]["windows"] > 0
+
+
+def test_draft_length_follows_what_windows_keep_and_cost():
+    """Drafts that are kept and windows that cost little: the most; drafts never kept:
+    none, but for a probe now and then; windows whose reads grow with their length: fewer."""
+    from edgemoe.model.drafts import PROBE_EVERY, DraftLength
+
+    def settle(chance, seconds, rounds=320):
+        """The lengths chosen over the last PROBE_EVERY windows, each draft kept with
+        `chance` (its predecessor kept), a window of k drafts taking seconds(k)."""
+        length, rng, chosen = DraftLength(4), np.random.default_rng(0), []
+        for _ in range(rounds):
+            k = length.choose()
+            kept = 0
+            while kept < k and rng.random() < chance:
+                kept += 1
+            length.record(k, kept, seconds(k))
+            chosen.append(k)
+        return chosen[-PROBE_EVERY:]
+
+    assert set(settle(0.95, lambda k: 1.0 + 0.1 * k)) == {4}
+    never = settle(0.0, lambda k: 1.0 + 0.1 * k)
+    assert sorted(never) == [0] * (PROBE_EVERY - 1) + [4]
+    dear = settle(0.6, lambda k: 1.0 + 1.0 * k)  # each draft as dear as a plain step
+    cheap = settle(0.6, lambda k: 1.0 + 0.05 * k)
+    assert sorted(dear)[-2] < sorted(cheap)[0]
+
+
+def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs, capsys):
+    """`edgemoe.server --prompt-lookup`: a completion's tokens and logprobs are those of
+    the server without a draft, and /metrics counts the windows."""
+    from test_server import completion, metrics, running_server
+
+    pack = str(packs["qwen3_moe"]["hf"])
+    prompt = (PROMPT[:8] * 4)[:-1]
+    with running_server("--model", pack, "--expert-budget", "0.25") as url:
+        plain = completion(url, prompt, max_tokens=20)
+    with running_server("--model", pack, "--expert-budget", "0.25", "--prompt-lookup",
+                        "--num-draft-tokens", "4") as url:
+        got = completion(url, prompt, max_tokens=20)
+        spec = metrics(url)["speculative"]
+    assert got[0] == plain[0] and got[2] == plain[2]
+    np.testing.assert_allclose(got[1], plain[1], atol=1e-4)
+    assert spec["windows"] > 0 and spec["accepted"] > 0
+    server_tool = importlib.import_module("edgemoe.server")
+    with pytest.raises(SystemExit) as e:
+        server_tool.main(["--prompt-lookup", "--routing", "prerouted"])
+    assert e.value.code == 2 and "rejected drafts would leave the predicted routing" in \
+        capsys.readouterr().err.strip().splitlines()[-1]

@@ -8,7 +8,8 @@ from mlx_lm.generate import GenerationResponse as MlxLmResponse
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from ..streaming.stats import ExpertStats
-from .lookup import PromptLookup, stream_lookup
+from .drafts import DraftModel, stream_drafted
+from .lookup import PromptLookup
 from ..streaming.telemetry import peak_rss_bytes
 
 
@@ -67,9 +68,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
     if hooked:
         model.forward_hook = split
     start = snapshot()
-    if isinstance(draft_model, PromptLookup):  # drafts of any length: our own loop
-        responses = stream_lookup(model, tokenizer, prompt, max_tokens, draft_model,
-                                  **kwargs)
+    if isinstance(draft_model, (PromptLookup, DraftModel)):  # drafts of any length
+        responses = stream_drafted(model, tokenizer, prompt, max_tokens, draft_model,
+                                   **kwargs)
     else:
         kwargs.pop("prompt_lookup", None)
         responses = mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens,

@@ -23,6 +23,15 @@ rows that go on (`_share_outcome`). A forward pass that fails on one host leaves
 others waiting inside it, so in a group that is fatal: the engine stops, and the other
 hosts' group timeout ends them with an error naming this one.
 
+With a draft (`--draft-model` or `--prompt-lookup`), a request decoded alone speculates:
+each step drafts a few tokens and verifies them in one forward call of the target over
+the window, keeping the tokens the target itself chooses at each position (mlx-lm's
+accept rule, each position sampled with the request's own sampler and key, so greedy and
+seeded output are the request's without a draft). A batch of two or more decodes one
+token per row, as without a draft: speculation pays where a step is dear, and a batch
+already shares each step's reads. The draft length adapts per request
+(edgemoe.model.drafts.DraftLength).
+
 MLX streams belong to the thread that made them (shared/GUIDE.md), so the model is loaded
 and run on the engine thread only; the HTTP layer talks to it through `submit` and
 `cancel`, and receives events through each job's `emit` callback.
@@ -44,6 +53,7 @@ from mlx_lm.models.cache import (LRUPromptCache, can_trim_prompt_cache, make_pro
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..distributed import GroupError
+from ..model.drafts import DraftLength
 from ..routing.state import RoutingState, bind, sequence_state
 from ..streaming.stats import ExpertStats
 
@@ -82,6 +92,8 @@ class Job:
     stop_hit: Optional[str] = None  # the stop string that ended the job
     cached_tokens: int = 0  # prompt tokens whose KV cache came from the prompt cache
     prompt_scores: List[Optional[float]] = field(default_factory=list)
+    draft: object = None  # the draft's state for this sequence (its for_sequence())
+    draft_length: object = None  # how many tokens it drafts (a DraftLength)
 
 
 @dataclass
@@ -111,6 +123,7 @@ class Metrics:
         self.cache_hits = self.cache_misses = self.cached_tokens = 0
         self.cache_entries = self.cache_bytes = 0
         self.decode = ExpertStats()  # decode steps only
+        self.windows = self.drafted = self.accepted = 0  # speculative steps and their drafts
         self.recent = deque(maxlen=1000)  # Finished, newest last
         self._last_stats = store.snapshot()
 
@@ -140,6 +153,10 @@ class Metrics:
                           "mean_size": round(self.step_rows / self.steps, 3)
                           if self.steps else 0.0,
                           "max_size_seen": self.max_batch_seen},
+                "speculative": {"windows": self.windows, "drafted": self.drafted,
+                                "accepted": self.accepted,
+                                "acceptance": round(self.accepted / self.drafted, 4)
+                                if self.drafted else 0.0},
                 # a hit's tokens skip prefill, and with it the expert reads that prefill
                 # makes: estimated at the mean expert bytes read per prefilled token
                 "prompt_cache": {"hits": self.cache_hits, "misses": self.cache_misses,
@@ -184,11 +201,15 @@ class Engine:
 
     def __init__(self, load: Callable[[], tuple], max_batch: int = 8,
                  prefill_step_size: int = 2048, max_waiting: int = 256,
-                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
+                 load_draft: Optional[Callable] = None):
         """`prompt_cache_size` / `prompt_cache_bytes`: the most KV caches (and bytes of
         them) kept for reuse by later requests that share their prefix (mlx-lm's
-        LRUPromptCache); 0 entries: none kept."""
+        LRUPromptCache); 0 entries: none kept. `load_draft(tokenizer)`: the draft
+        (a DraftModel or PromptLookup) that requests decoded alone speculate with."""
         self._load = load  # returns (model, tokenizer, config); called on the engine thread
+        self._load_draft = load_draft
+        self.draft = None
         self.prompt_cache = LRUPromptCache(max(prompt_cache_size, 1),
                                            prompt_cache_bytes or 1 << 63) \
             if prompt_cache_size > 0 else None
@@ -258,6 +279,8 @@ class Engine:
             self.metrics = Metrics(self.model.expert_store)
             self.eos = set(self.tokenizer.eos_token_ids)
             self.share = getattr(self.model, "host_share", None)
+            if self._load_draft is not None:
+                self.draft = self._load_draft(self.tokenizer)
         except BaseException as e:  # reported by start()
             self.load_error = e
             gc.collect()
@@ -481,7 +504,13 @@ class Engine:
                 c.filter(index)
             self.batch_routing.filter(keep)
 
+    def _speculates(self) -> bool:
+        return (self.draft is not None and len(self.active) == 1 and self.share is None
+                and can_trim_prompt_cache(self.batch_cache))
+
     def _step(self):
+        if self._speculates():
+            return self._speculative_step(self.active[0])
         before = self.metrics.store_stats()
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
@@ -535,6 +564,68 @@ class Engine:
         if len(keep) < len(self.active):
             self._keep_rows(keep)
 
+    def _speculative_step(self, job: Job):
+        """Draft, verify the window in one call, keep what the target chooses."""
+        tic, before = time.perf_counter(), self.metrics.store_stats()
+        if job.draft is None:
+            job.draft = self.draft.for_sequence()
+            job.draft_length = DraftLength(self.draft.num_draft_tokens)
+        history = job.prompt + job.tokens
+        limit = min(job.draft_length.choose(), job.max_tokens - len(job.tokens) - 1)
+        guess = job.draft.draft(history, limit)
+        window = [job.next_input] + guess
+        logits = self.model(mx.array([window]), cache=self.batch_cache)[0]
+        mx.eval(logits, [c.state for c in self.batch_cache])
+        kept, done, failed = 0, False, None
+        for i in range(len(window)):  # each position as the target alone would choose it
+            try:
+                token, chosen, top = self._choose(job, logits[i:i + 1])
+            except Exception as e:
+                failed = str(e)
+                break
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+            done = self._advance(job, token, chosen, top)
+            if done or i == len(guess) or token != guess[i]:
+                break
+            kept += 1
+        self._count(self.metrics.decode, before)
+        with self.metrics.lock:
+            self.metrics.steps += 1
+            self.metrics.step_rows += 1
+            self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, 1)
+            self.metrics.generated_tokens += len(job.tokens) - (len(history) - len(job.prompt))
+            self.metrics.windows += 1
+            self.metrics.drafted += len(guess)
+            self.metrics.accepted += kept
+        if failed is not None or done:
+            if failed is not None:
+                self._fail_row(job, failed)
+            self._keep_rows([])
+            return
+        emitted = len(job.tokens) - (len(history) - len(job.prompt))
+        trim_prompt_cache(self.batch_cache, len(window) - emitted)  # the guesses not kept
+        job.draft.settle(len(history) + kept)
+        job.draft_length.record(len(guess), kept, time.perf_counter() - tic)
+
+    def _choose(self, job: Job, logits: mx.array):
+        """(token, its logprob, top logprobs or None) of one row for `job`; raises with
+        the reason when its processing or sampling fails."""
+        try:
+            logits = self._process_row(job, logits)
+        except Exception as e:
+            log.exception("request %s: logits processing failed", job.id)
+            raise RuntimeError(f"logits processing failed: {type(e).__name__}: {e}") from e
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        try:
+            token = (job.sampler(logprobs) if job.sampler is not None
+                     else mx.argmax(logprobs, axis=-1)).reshape(-1).item()
+        except Exception as e:
+            log.exception("request %s: sampling failed", job.id)
+            raise RuntimeError(f"sampling failed: {type(e).__name__}: {e}") from e
+        top = _top(logprobs[0], job.top_logprobs) if job.top_logprobs else None
+        return token, logprobs[0, token].item(), top
+
     def _process(self, logits: mx.array, failed: dict) -> mx.array:
         """Each row's logits through its own processors and grammar (other rows are
         left as they are, bit for bit); a row whose processing fails is put in `failed`."""
@@ -545,18 +636,22 @@ class Engine:
         for i in rows:
             job = self.active[i]
             try:
-                row = parts[i]
-                if job.processors:
-                    history = mx.array(job.prompt + job.tokens)
-                    for process in job.processors:
-                        row = process(history, row)
-                if job.grammar is not None:
-                    row = job.grammar.mask(row)
-                parts[i] = row
+                parts[i] = self._process_row(job, parts[i])
             except Exception as e:
                 log.exception("request %s: logits processing failed", job.id)
                 failed[i] = f"logits processing failed: {type(e).__name__}: {e}"
         return mx.concatenate(parts)
+
+    @staticmethod
+    def _process_row(job: Job, row: mx.array) -> mx.array:
+        """One row's logits through the job's processors and grammar."""
+        if job.processors:
+            history = mx.array(job.prompt + job.tokens)
+            for process in job.processors:
+                row = process(history, row)
+        if job.grammar is not None:
+            row = job.grammar.mask(row)
+        return row
 
     def _fail_row(self, job: Job, message: str):
         """One row's own failure: its request ends with an error, the batch goes on
