@@ -1,6 +1,11 @@
 """Measure the bundled reference MoE and write its model card (README.md + a PNG).
 
     python scripts/model_card.py --run /work/ref_run --pack edgemoe/models/reference
+    python scripts/model_card.py --draft --run /work/ref_run/draft --pack edgemoe/models/reference-draft
+
+--draft: the card of the speculative draft (train_reference_moe.py --draft) instead: its
+perplexity, fp32 and int4, and its top-1 agreement with the bundled MoE (the share of
+greedy drafts the target keeps, token by token).
 
 --run is the folder train_reference_moe.py wrote (hf/, heldout.txt, train_log.jsonl).
 Measures on the held-out text, with edgemoe.eval: perplexity of the unquantized model
@@ -71,6 +76,75 @@ on this machine wrote byte-identical safetensors).
 """
 
 
+DRAFT_CARD = """# edgemoe reference draft
+
+The speculative draft of the bundled reference MoE (`edgemoe/models/reference`): a small dense
+model trained by edgemoe on the same corpus, split and tokenizer, so that
+`--draft-model edgemoe/models/reference-draft` drafts tokens the MoE verifies (edgemoe.generate,
+edgemoe.server, scripts/bench_speculative.py).
+
+## Architecture
+Qwen3 (mlx-lm's `qwen3`), dense: {layers} decoder layers; hidden size {hidden}; {heads} attention
+heads ({kv_heads} key/value heads, head dim {head_dim}); MLP width {ffn}; vocabulary {vocab} (the
+MoE's tokenizer); tied embeddings. {params:,} parameters. int4 (group 64, `mlx_lm.convert -q`):
+{size_mb:.1f} MB.
+
+## Data
+The MoE's: Python's standard library sources (CPython {python}), 1 file in 20 held out.
+Trained with PyTorch on 2 CPU cores: {tokens:,} tokens seen ({epochs:.2f} passes) in
+{minutes:.0f} minutes, {steps} steps.
+
+## Quality on the held-out files ({eval_tokens:,} tokens, windows of {window})
+| model | held-out loss (nats/token) | perplexity |
+|---|---|---|
+| this draft, fp32 | {fp32_nll:.3f} | {fp32_ppl:.2f} |
+| this draft, int4 | {int4_nll:.3f} | {int4_ppl:.2f} |
+| the reference MoE, int4 pack | {moe_nll:.3f} | {moe_ppl:.2f} |
+
+Top-1 agreement of this draft (int4) with the MoE: {agree:.1%} of next tokens (mean KL(MoE ||
+draft) {kl:.3f} nats/token): about the share of greedy drafts the MoE keeps.
+
+## Reproduce
+```
+python scripts/train_reference_moe.py --draft --tokenizer edgemoe/models/reference --out RUN --steps {steps}
+python -m mlx_lm convert --hf-path RUN/hf --mlx-path edgemoe/models/reference-draft -q
+python scripts/model_card.py --draft --run RUN --pack edgemoe/models/reference-draft
+```
+"""
+
+
+def draft_card(args):
+    """The draft's card: its quality and its agreement with the bundled MoE."""
+    from edgemoe.format.source import BUNDLED_MODEL
+
+    text = (args.run / "heldout.txt").read_text()
+    versus = evaluate([ModelConfig(str(BUNDLED_MODEL)), ModelConfig(str(args.pack))],
+                      text, args.window, args.max_tokens)
+    fp32 = evaluate([ModelConfig(str(args.run / "hf"))], text, args.window,
+                    args.max_tokens)["configs"][0]
+    moe, int4 = versus["configs"]
+    log = [json.loads(line) for line in (args.run / "train_log.jsonl").read_text().splitlines()]
+    start = next(e for e in log if e["event"] == "start")
+    tokens_seen = max(e.get("tokens_seen", 0) for e in log)
+    config = json.loads((args.pack / "config.json").read_text())
+    card = DRAFT_CARD.format(
+        layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], ffn=config["intermediate_size"],
+        vocab=config["vocab_size"], params=start["params"]["total"],
+        size_mb=sum(f.stat().st_size for f in args.pack.iterdir()) / 1e6,
+        python=platform.python_version(), tokens=tokens_seen,
+        epochs=tokens_seen / start["train_tokens"], minutes=train_minutes(log),
+        steps=max(e.get("step", 0) for e in log), eval_tokens=versus["tokens"],
+        window=args.window, fp32_nll=fp32["nll"], fp32_ppl=fp32["perplexity"],
+        int4_nll=int4["nll"], int4_ppl=int4["perplexity"], moe_nll=moe["nll"],
+        moe_ppl=moe["perplexity"], agree=versus["top1_agreement"], kl=versus["mean_kl"])
+    (args.pack / "README.md").write_text(card)
+    (args.pack / "measurements.json").write_text(json.dumps(
+        {"versus_moe": versus, "fp32": fp32}, indent=1))
+    print(card)
+
+
 def make_sample(pack: Path) -> str:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
@@ -122,7 +196,10 @@ def main():
     p.add_argument("--pack", required=True, type=Path)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--draft", action="store_true", help="the speculative draft's card")
     args = p.parse_args()
+    if args.draft:
+        return draft_card(args)
 
     text = (args.run / "heldout.txt").read_text()
     result = evaluate([ModelConfig(str(args.pack)), ModelConfig(str(args.run / "hf"))],

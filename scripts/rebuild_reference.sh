@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Rebuild everything shipped for the bundled reference MoE from one training run:
 # the int4 pack and its card, the prerouter heads, the recovery LoRA, the learned cache
-# policy's weights. RUN is the folder of `scripts/train_reference_moe.py --out RUN --steps N`
+# policy's weights, the speculative draft. RUN is the folder of `scripts/train_reference_moe.py --out RUN --steps N`
 # (hf/ is the unquantized model: the LoRA's teacher). Each step keeps its output under RUN/
 # and copies what ships into the repository.
 #
-#   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces]...   (default: all)
+#   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces|draft]...   (default: all)
 set -euo pipefail
 RUN=${1:?usage: scripts/rebuild_reference.sh RUN [step ...]}
 shift
-STEPS=${*:-pack card heads lora traces}
+STEPS=${*:-pack card heads lora traces draft}
 PY=${PYTHON:-python}
 PACK=edgemoe/models/reference
 HEADS=edgemoe/models/reference/prerouter
 LORA=edgemoe/models/reference/adapter
+DRAFT=edgemoe/models/reference-draft
 
 for step in $STEPS; do
   echo "== $step"
@@ -46,6 +47,11 @@ for step in $STEPS; do
       $PY -m edgemoe.cache_sim "$RUN"/traces/r{4,5,6,7}.npz --learned "$RUN/traces/learned_r0-3.npz" \
           --budget 0.1,0.25,0.5 --json "$RUN/traces/heldout_replay.json"
       $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r?.npz --out edgemoe/models/reference/cache_policy.npz ;;
+    draft)  # a small dense model of the same corpus and tokenizer, int4 as mlx_lm.convert -q
+      $PY scripts/train_reference_moe.py --draft --tokenizer "$PACK" --out "$RUN/draft" --steps 2000
+      rm -rf "$DRAFT"
+      $PY -m mlx_lm convert --hf-path "$RUN/draft/hf" --mlx-path "$DRAFT" -q
+      $PY scripts/model_card.py --draft --run "$RUN/draft" --pack "$DRAFT" ;;
     *)
       echo "unknown step $step" >&2; exit 2 ;;
   esac

@@ -149,8 +149,7 @@ def draft_generate_step(prompt: mx.array, model, draft, *, max_tokens: int = 256
         model(mx.array(history[fed:fed + n])[None], cache=cache)
         mx.eval([c.state for c in cache])
         fed += n
-    if hasattr(sequence, "catch_up"):
-        sequence.catch_up(history)  # the draft's prefill, with the target's
+    sequence.catch_up(history)  # the draft's prefill, with the target's
     produced = 0
     while produced < max_tokens:
         tic = time.perf_counter()

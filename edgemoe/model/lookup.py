@@ -35,6 +35,9 @@ class PromptLookup:
     def for_sequence(self) -> "PromptLookup":
         return self  # it keeps nothing per sequence
 
+    def catch_up(self, history: List[int]):
+        pass
+
     def settle(self, valid: int):
         pass
 

