@@ -12,7 +12,7 @@ import edgemoe
 from edgemoe.format.families import UnsupportedModelError
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import BudgetError, parse_budget
-from edgemoe.streaming.calls import passes
+from edgemoe.streaming.calls import passes, run_call
 from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
@@ -195,6 +195,22 @@ def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
     pool.release()
     s = store.snapshot()
     assert (s.hits, s.on_demand, s.loads, s.evictions) == (0, 4, 4, 0)
+    store.close()
+
+
+def test_a_call_over_the_pool_computes_what_is_in_slots_first(packs):
+    """A call with more experts than slots (a verify window, a prefill): the experts
+    already in slots make the first pass, so no earlier pass evicts them to read them
+    again (in id order, the passes before them would)."""
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    pool = store.pool(pack.layers[1].index)
+    pool.ensure(np.array([4, 5]))
+    pool.release()
+    before = store.snapshot()
+    run_call(pool, np.arange(6).reshape(3, 2), lambda rows, slot_ids: None)
+    s = store.snapshot() - before
+    assert (s.hits, s.loads) == (2, 4)  # 4 and 5 computed from their slots, 0-3 read once
     store.close()
 
 

@@ -53,7 +53,12 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
     slots.record_routing(ids)
     flat = ids.reshape(-1)
     chosen = flat if rows is None else flat[rows]
-    groups = passes(np.unique(chosen), slots.num_slots)
+    distinct = np.unique(chosen)
+    if len(distinct) > slots.num_slots:  # (a verify window or a prefill over a small pool)
+        # the experts already in slots go first, so no pass evicts one a later pass uses
+        # (outputs are per entry, so the order of passes changes no bit)
+        distinct = distinct[np.argsort(slots.slot_of[distinct] < 0, kind="stable")]
+    groups = passes(distinct, slots.num_slots)
     results = []
     for i, group in enumerate(groups):
         slot_of = slots.ensure(group, new_call=i == 0)
