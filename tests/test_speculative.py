@@ -202,25 +202,25 @@ def test_draft_length_follows_what_windows_keep_and_cost():
     none, but for a probe now and then; windows whose reads grow with their length: fewer."""
     from edgemoe.model.drafts import PROBE_EVERY, DraftLength
 
-    def settle(chance, seconds, rounds=320):
-        """The lengths chosen over the last PROBE_EVERY windows, each draft kept with
-        `chance` (its predecessor kept), a window of k drafts taking seconds(k)."""
+    def settle(chance, seconds, rounds=400):
+        """The lengths chosen over the last 2 * PROBE_EVERY windows, each draft kept
+        with `chance` (its predecessor kept), a window of k drafts taking seconds(k)."""
         length, rng, chosen = DraftLength(4), np.random.default_rng(0), []
         for _ in range(rounds):
             k = length.choose()
             kept = 0
             while kept < k and rng.random() < chance:
                 kept += 1
-            length.record(k, kept, seconds(k))
+            length.record(k, kept + 1, seconds(k))
             chosen.append(k)
-        return chosen[-PROBE_EVERY:]
+        return sorted(chosen[-2 * PROBE_EVERY:])
 
-    assert set(settle(0.95, lambda k: 1.0 + 0.1 * k)) == {4}
-    never = settle(0.0, lambda k: 1.0 + 0.1 * k)
-    assert sorted(never) == [0] * (PROBE_EVERY - 1) + [4]
+    probes = 2  # of the last 2 * PROBE_EVERY windows; sorted, at the other end
+    assert settle(0.95, lambda k: 1.0 + 0.1 * k)[probes:] == [4] * (2 * PROBE_EVERY - probes)
+    assert settle(0.0, lambda k: 1.0 + 0.1 * k)[:-probes] == [0] * (2 * PROBE_EVERY - probes)
     dear = settle(0.6, lambda k: 1.0 + 1.0 * k)  # each draft as dear as a plain step
     cheap = settle(0.6, lambda k: 1.0 + 0.05 * k)
-    assert sorted(dear)[-2] < sorted(cheap)[0]
+    assert dear[PROBE_EVERY] < cheap[PROBE_EVERY]
 
 
 def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs, capsys):

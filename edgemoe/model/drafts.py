@@ -29,6 +29,7 @@ class DraftModel:
     def __init__(self, model, num_draft_tokens: int = 3, prefill_step_size: int = 2048):
         self.model, self.num_draft_tokens = model, num_draft_tokens
         self.prefill_step_size = prefill_step_size
+        self.length = DraftLength(num_draft_tokens)
         if not can_trim_prompt_cache(make_prompt_cache(model)):
             raise ValueError("the draft model's KV cache cannot be trimmed (a rotating or "
                              "recurrent cache): it cannot draft")
@@ -75,58 +76,44 @@ class SequenceDraft:
             self.fed = valid
 
 
-# Until windows of two lengths are timed, a window's cost is guessed as a plain step's
-# plus this share of it per drafted token (the verify pass computes more rows and reads
-# the union of their experts)
-GUESSED_COST_PER_DRAFT = 0.5
-DECAY = 0.9  # weight of the past in the running means
-PROBE_EVERY = 16  # windows
+DECAY = 0.8  # weight of the past in the running means
+PROBE_EVERY = 8  # windows
 
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft: the length whose expected tokens per second is highest.
+    """How many tokens to draft: the length that has given the most tokens per second.
 
-    A window of `k` drafts yields 1 + a + a^2 + ... + a^k tokens on average, where `a` is
-    the measured chance that a draft is kept given the one before it was. It costs
-    c0 + c1 k seconds, a line through the running mean time of each length tried; the
-    times include the window's reads, so where reads dominate, long windows, which route
-    to more experts, count as dear. It starts at the most (nothing measured yet) and
-    tries the most again every PROBE_EVERY windows, so that a chance measured low can
-    recover.
+    Per length, running means of the tokens a window of it yields and of its seconds;
+    the seconds include the window's reads, so where reads dominate, long windows, which
+    route to more experts, count as dear, and where compute dominates, so do the draft's
+    own steps. Each length is tried once (the most first); then windows go to the best
+    measured, and every PROBE_EVERY-th to each length in turn, so that every mean follows
+    the cache, the text and the disk as they change. One DraftLength serves every
+    sequence of a draft: the cost of a window is the model's, the disk's and the budget's.
     """
 
     most: int
-    kept: float = 1.0  # running chance a draft is kept, its predecessor kept
-    seconds: Dict[int, float] = field(default_factory=dict)  # drafts -> running s/window
+    tokens: Dict[int, float] = field(default_factory=dict)   # drafts -> running tokens
+    seconds: Dict[int, float] = field(default_factory=dict)  # drafts -> running seconds
     windows: int = 0
 
     def choose(self) -> int:
-        if self.most <= 0 or self.windows % PROBE_EVERY == PROBE_EVERY - 1 or \
-                not any(self.seconds):
-            return self.most
-        c0, c1 = self.cost_line()
-        return max(range(self.most + 1), key=lambda k: (
-            sum(self.kept ** i for i in range(k + 1)) / (c0 + c1 * k), -k))
+        if self.most <= 0:
+            return 0
+        untried = [k for k in range(self.most, -1, -1) if k not in self.seconds]
+        if untried:
+            return untried[0]
+        if self.windows % PROBE_EVERY == PROBE_EVERY - 1:
+            return self.windows // PROBE_EVERY % (self.most + 1)
+        return max(self.seconds, key=lambda k: (self.tokens[k] / self.seconds[k], -k))
 
-    def cost_line(self):
-        """(c0, c1): seconds of a window of k drafts, c0 + c1 k."""
-        ks = sorted(self.seconds)
-        if len(ks) == 1:
-            c0 = self.seconds[ks[0]] / (1 + GUESSED_COST_PER_DRAFT * ks[0])
-            return c0, c0 * GUESSED_COST_PER_DRAFT
-        mk = sum(ks) / len(ks)
-        ms = sum(self.seconds[k] for k in ks) / len(ks)
-        c1 = sum((k - mk) * (self.seconds[k] - ms) for k in ks) / sum((k - mk) ** 2 for k in ks)
-        c1 = max(c1, 0.0)
-        return max(ms - c1 * mk, 1e-9), c1
-
-    def record(self, drafted: int, kept: int, seconds: float):
-        """A window of `drafted` drafts kept `kept` of them and took `seconds`."""
-        old = self.seconds.get(drafted)
-        self.seconds[drafted] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
-        for i in range(min(kept + 1, drafted)):  # those kept, then the first rejected
-            self.kept = DECAY * self.kept + (1 - DECAY) * (i < kept)
+    def record(self, chosen: int, produced: int, seconds: float):
+        """A window drafted with `chosen` as its length (a lookup may find fewer) produced
+        `produced` tokens in `seconds`."""
+        for mean, value in ((self.tokens, produced), (self.seconds, seconds)):
+            old = mean.get(chosen)
+            mean[chosen] = value if old is None else DECAY * old + (1 - DECAY) * value
         self.windows += 1
 
 
@@ -136,13 +123,13 @@ def draft_generate_step(prompt: mx.array, model, draft, *, max_tokens: int = 256
                         ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """(token, logprobs, from_draft), as mlx-lm's `speculative_generate_step` yields, for a
     `draft` with `for_sequence()` (PromptLookup, DraftModel). `adaptive`: the draft length
-    follows DraftLength, at most the draft's `num_draft_tokens`; else always that many."""
+    follows the draft's DraftLength, at most its `num_draft_tokens`; else always that many."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if not can_trim_prompt_cache(cache):
         raise ValueError("speculative decoding needs a KV cache it can trim (not a "
                          "rotating or recurrent one)")
     sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
-    sequence, length = draft.for_sequence(), DraftLength(draft.num_draft_tokens)
+    sequence, length = draft.for_sequence(), draft.length
     history, fed = prompt.tolist(), 0  # (a cached prefix is not looked up in)
     while len(history) - fed > 1:  # prefill all but the last token
         n = min(prefill_step_size, len(history) - 1 - fed)
@@ -153,8 +140,8 @@ def draft_generate_step(prompt: mx.array, model, draft, *, max_tokens: int = 256
     produced = 0
     while produced < max_tokens:
         tic = time.perf_counter()
-        limit = length.choose() if adaptive else draft.num_draft_tokens
-        guess = sequence.draft(history, min(limit, max_tokens - produced - 1))
+        arm = length.choose() if adaptive else draft.num_draft_tokens
+        guess = sequence.draft(history, min(arm, max_tokens - produced - 1))
         window = history[-1:] + guess
         logits = model(mx.array(window)[None], cache=cache)[0]
         tokens, logprobs = [], []
@@ -169,7 +156,8 @@ def draft_generate_step(prompt: mx.array, model, draft, *, max_tokens: int = 256
                 break
         trim_prompt_cache(cache, len(window) - len(tokens))  # the guesses not kept
         sequence.settle(len(history) + len(tokens) - 1)
-        length.record(len(guess), len(tokens) - 1, time.perf_counter() - tic)
+        if adaptive:
+            length.record(arm, len(tokens), time.perf_counter() - tic)
         history += tokens
         for i, token in enumerate(tokens):
             produced += 1

@@ -16,6 +16,8 @@ expert is read for a guess. The loop that verifies its drafts is edgemoe.model.d
 
 from typing import List
 
+from .drafts import DraftLength
+
 # A guess comes from a match of 3 tokens: shorter matches guess worse, and where reads
 # dominate each rejected guess costs the experts it routed to (on the bundled model at a
 # 10% budget under a 20 MB/s read cap, 1-token matches read 1.39x the bytes per token of
@@ -31,6 +33,7 @@ class PromptLookup:
                  min_ngram: int = MIN_NGRAM):
         self.num_draft_tokens, self.max_ngram, self.min_ngram = \
             num_draft_tokens, max_ngram, min_ngram
+        self.length = DraftLength(num_draft_tokens)  # shared by its sequences
 
     def for_sequence(self) -> "PromptLookup":
         return self  # it keeps nothing per sequence

@@ -53,7 +53,6 @@ from mlx_lm.models.cache import (LRUPromptCache, can_trim_prompt_cache, make_pro
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..distributed import GroupError
-from ..model.drafts import DraftLength
 from ..routing.state import RoutingState, bind, sequence_state
 from ..streaming.stats import ExpertStats
 
@@ -93,7 +92,6 @@ class Job:
     cached_tokens: int = 0  # prompt tokens whose KV cache came from the prompt cache
     prompt_scores: List[Optional[float]] = field(default_factory=list)
     draft: object = None  # the draft's state for this sequence (its for_sequence())
-    draft_length: object = None  # how many tokens it drafts (a DraftLength)
 
 
 @dataclass
@@ -569,11 +567,10 @@ class Engine:
         history = job.prompt + job.tokens
         if job.draft is None:
             job.draft = self.draft.for_sequence()
-            job.draft_length = DraftLength(self.draft.num_draft_tokens)
         job.draft.catch_up(history)  # (tokens it decoded in a batch: not the window's time)
         tic, before = time.perf_counter(), self.metrics.store_stats()
-        limit = min(job.draft_length.choose(), job.max_tokens - len(job.tokens) - 1)
-        guess = job.draft.draft(history, limit)
+        arm = self.draft.length.choose()
+        guess = job.draft.draft(history, min(arm, job.max_tokens - len(job.tokens) - 1))
         window = [job.next_input] + guess
         logits = self.model(mx.array([window]), cache=self.batch_cache)[0]
         mx.eval(logits, [c.state for c in self.batch_cache])
@@ -607,7 +604,7 @@ class Engine:
         emitted = len(job.tokens) - (len(history) - len(job.prompt))
         trim_prompt_cache(self.batch_cache, len(window) - emitted)  # the guesses not kept
         job.draft.settle(len(history) + kept)
-        job.draft_length.record(len(guess), kept, time.perf_counter() - tic)
+        self.draft.length.record(arm, emitted, time.perf_counter() - tic)
 
     def _choose(self, job: Job, logits: mx.array):
         """(token, its logprob, top logprobs or None) of one row for `job`; raises with
