@@ -9,6 +9,11 @@ rounds alternate configurations. Reports decode tok/s as a ratio to plain decode
 same budget and regime, the share of tokens that came from the draft and were kept,
 expert bytes read per generated token, and ms blocked on reads per token. JSON + PNG.
 
+Decoding samples (--temp 0.7 --top-p 0.9, seeded per prompt, as README's main command)
+by default: greedy decode of this small model falls into loops within a few tokens
+(`_D_D_D...`, `from_from_from...`), which any draft predicts and whose experts stay in
+slots, so greedy figures flatter speculation. `--temp 0` measures greedy decode anyway.
+
 Sources (--sources): plain (no draft); lookup (prompt lookup, our loop, adaptive length);
 with --draft-model: mlx-draft (mlx-lm's own speculative loop, a fixed length), draft (our
 loop, DraftModel, length adapted: edgemoe.model.drafts.DraftLength) and draft-fixed (our
@@ -57,6 +62,8 @@ def worker(args) -> dict:
     from edgemoe.model.generation import stream_generate
     from edgemoe.model.lookup import PromptLookup
 
+    from mlx_lm.sample_utils import make_sampler
+
     model, tokenizer = edgemoe.load(args.model, expert_budget=float(args.budget), io="direct")
     kw = {}
     if args.source == "lookup":
@@ -70,17 +77,21 @@ def worker(args) -> dict:
              "adaptive": args.source == "draft"}
     store = model.expert_store
     tokens = kept = 0
+    samples = []  # what was decoded (the sources sample alike: compare them)
     decode_s = 0.0
     read = blocked = 0.0
-    for prompt in heldout_prompts(tokenizer, args.prompts, args.prompt_len):
-        responses = stream_generate(model, tokenizer, mx.array(prompt),
-                                    max_tokens=args.decode, **kw)
+    for i, prompt in enumerate(heldout_prompts(tokenizer, args.prompts, args.prompt_len)):
+        mx.random.seed(args.seed + i)
+        responses = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=args.decode,
+                                    sampler=make_sampler(args.temp, args.top_p), **kw)
         first = next(responses)  # the prompt's prefill and the first token: not decode
         before, tic = store.snapshot(), time.perf_counter()
-        n = 0
+        n, text = 0, first.text
         for r in responses:
             n += 1
             kept += bool(r.from_draft)
+            text += r.text
+        samples.append(text)
         decode_s += time.perf_counter() - tic
         d = store.snapshot() - before
         tokens += n
@@ -89,14 +100,16 @@ def worker(args) -> dict:
         del first
     store.close()
     return {"tok_s": tokens / decode_s, "kept": kept / tokens, "read_per_token": read / tokens,
-            "blocked_ms_per_token": 1000 * blocked / tokens, "tokens": tokens}
+            "blocked_ms_per_token": 1000 * blocked / tokens, "tokens": tokens,
+            "samples": samples}
 
 
 def run(source: str, budget: str, regime: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--source", source, "--budget", budget,
            "--model", args.model, "--prompts", str(args.prompts),
            "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-           "--num-draft-tokens", str(args.num_draft_tokens)]
+           "--num-draft-tokens", str(args.num_draft_tokens), "--temp", str(args.temp),
+           "--top-p", str(args.top_p), "--seed", str(args.seed)]
     if args.draft_model:
         cmd += ["--draft-model", args.draft_model]
     if regime != "none":
@@ -140,6 +153,9 @@ def main():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--temp", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=3, help="prompt i samples with seed + i")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
@@ -164,7 +180,7 @@ def main():
                   file=sys.stderr, flush=True)
     rows = []
     for (source, budget, regime), rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "samples"}
         plain = runs[("plain", budget, regime)]
         # ratios round by round (the same round's plain run), then their median
         med["ratio"] = statistics.median(r["tok_s"] / q["tok_s"] for r, q in zip(rs, plain))
@@ -182,7 +198,8 @@ def main():
     (out / "bench_speculative.json").write_text(json.dumps(
         {"model": args.model, "draft_model": args.draft_model, "rounds": args.rounds,
          "prompts": args.prompts, "prompt_len": args.prompt_len, "decode": args.decode,
-         "num_draft_tokens": args.num_draft_tokens, "rows": rows,
+         "num_draft_tokens": args.num_draft_tokens, "temp": args.temp, "top_p": args.top_p,
+         "seed": args.seed, "rows": rows,
          "runs": {"|".join(c): rs for c, rs in runs.items()}}, indent=1))
     plot(rows, out / "bench_speculative.png")
     print(f"wrote {out / 'bench_speculative.json'} and {out / 'bench_speculative.png'}")

@@ -15,6 +15,7 @@ the window routes to once, and keeps the tokens it would have chosen itself. Two
 """
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, Generator, List, Optional, Tuple
 
@@ -76,7 +77,7 @@ class SequenceDraft:
             self.fed = valid
 
 
-DECAY = 0.8  # weight of the past in the running means
+RECENT = 8  # windows of each length the choice looks at
 PROBE_EVERY = 8  # windows
 
 
@@ -84,36 +85,38 @@ PROBE_EVERY = 8  # windows
 class DraftLength:
     """How many tokens to draft: the length that has given the most tokens per second.
 
-    Per length, running means of the tokens a window of it yields and of its seconds;
-    the seconds include the window's reads, so where reads dominate, long windows, which
-    route to more experts, count as dear, and where compute dominates, so do the draft's
-    own steps. Each length is tried once (the most first); then windows go to the best
-    measured, and every PROBE_EVERY-th to each length in turn, so that every mean follows
-    the cache, the text and the disk as they change. One DraftLength serves every
-    sequence of a draft: the cost of a window is the model's, the disk's and the budget's.
+    Per length, the tokens and seconds of its last RECENT windows; the seconds include
+    the window's reads, so where reads dominate, long windows, which route to more
+    experts, count as dear, and where compute dominates, so do the draft's own steps.
+    Each length is tried once (the most first); then windows go to the best measured,
+    and every PROBE_EVERY-th to each length in turn, so that every figure follows the
+    cache, the text and the disk as they change. One DraftLength serves every sequence
+    of a draft: the cost of a window is the model's, the disk's and the budget's.
     """
 
     most: int
-    tokens: Dict[int, float] = field(default_factory=dict)   # drafts -> running tokens
-    seconds: Dict[int, float] = field(default_factory=dict)  # drafts -> running seconds
+    recent: Dict[int, deque] = field(default_factory=dict)  # drafts -> (tokens, seconds)
     windows: int = 0
 
     def choose(self) -> int:
         if self.most <= 0:
             return 0
-        untried = [k for k in range(self.most, -1, -1) if k not in self.seconds]
+        untried = [k for k in range(self.most, -1, -1) if k not in self.recent]
         if untried:
             return untried[0]
         if self.windows % PROBE_EVERY == PROBE_EVERY - 1:
             return self.windows // PROBE_EVERY % (self.most + 1)
-        return max(self.seconds, key=lambda k: (self.tokens[k] / self.seconds[k], -k))
+        return max(self.recent, key=lambda k: (self.rate(k), -k))
+
+    def rate(self, k: int) -> float:
+        """Tokens per second of the recent windows drafted with length k."""
+        windows = self.recent[k]
+        return sum(t for t, _ in windows) / max(sum(s for _, s in windows), 1e-9)
 
     def record(self, chosen: int, produced: int, seconds: float):
         """A window drafted with `chosen` as its length (a lookup may find fewer) produced
         `produced` tokens in `seconds`."""
-        for mean, value in ((self.tokens, produced), (self.seconds, seconds)):
-            old = mean.get(chosen)
-            mean[chosen] = value if old is None else DECAY * old + (1 - DECAY) * value
+        self.recent.setdefault(chosen, deque(maxlen=RECENT)).append((produced, seconds))
         self.windows += 1
 
 
