@@ -104,6 +104,8 @@ def draft_error(args) -> Optional[str]:
         return None
     if getattr(args, "max_kv_size", None) is not None:
         return "--max-kv-size with a draft: speculative decoding needs a KV cache it can trim"
+    if getattr(args, "kv_bits", None) is not None:
+        return "--kv-bits with a draft: the speculative loop keeps the KV cache unquantized"
     if args.routing.startswith("prerouted"):
         return (f"--routing {args.routing} with a draft: rejected drafts would leave the "
                 f"predicted routing of tokens that are gone")
@@ -113,7 +115,7 @@ def draft_error(args) -> Optional[str]:
 
 
 def load_draft(args, tokenizer):
-    """The draft of --draft-model / --prompt-lookup for our own loops (the server's)."""
+    """The draft of --draft-model / --prompt-lookup for our own loops."""
     from .model.drafts import DraftModel
     from .model.lookup import PromptLookup
 
@@ -127,16 +129,12 @@ def load_draft(args, tokenizer):
     return DraftModel(model, args.num_draft_tokens, args.prefill_step_size)
 
 
-def draft_options(args, model) -> dict:
-    """mlx-lm's speculative decoding arguments for --draft-model / --prompt-lookup."""
-    if args.prompt_lookup:
-        from .model.lookup import PromptLookup
-        return {"draft_model": PromptLookup(args.num_draft_tokens)}
-    if args.draft_model:
-        from mlx_lm import load as mlx_lm_load
-        return {"draft_model": mlx_lm_load(args.draft_model)[0],
-                "num_draft_tokens": args.num_draft_tokens}
-    return {}
+def draft_options(args, tokenizer) -> dict:
+    """The draft of --draft-model / --prompt-lookup, verified in our own loop (its length
+    adapted to what windows measure: edgemoe.model.drafts)."""
+    if not (args.draft_model or args.prompt_lookup):
+        return {}
+    return {"draft_model": load_draft(args, tokenizer)}
 
 
 def saved_cache(args):
@@ -215,7 +213,7 @@ def main(argv=None):
                     max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                     kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                     quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache,
-                    **draft_options(args, model))
+                    **draft_options(args, tokenizer))
     if trace is not None:
         trace.save(args.trace)
     if args.verbose:

@@ -161,10 +161,37 @@ def check_family(family: str, work: Path) -> dict:
         row["exact"][f"{name}/{mode}/{label}"] = (
             got_tokens == expected_tokens
             and mx.array_equal(got_logits, expected_logits).item())
+    row["speculative"] = speculates_as_mlx_lm(reference, pack, minimum, tokens)
     row["routing"] = routing_is_the_blocks_own(reference)
     row["prerouted"] = prerouted_never_loads_on_demand(pack, heads, minimum, tokens)
     row["hf"] = hf_layout_is_exact(family, work, tokens) if family in HF_FAMILIES else None
     return row
+
+
+def speculates_as_mlx_lm(reference, pack: Path, budget: int, tokens):
+    """Speculative decoding through mlx-lm's own loop, the model itself as the draft (so
+    every window verifies a draft and mlx-lm's next step): the pack streamed at `budget`
+    gives mlx-lm's tokens, drafted-or-not and logprobs bit for bit. None where mlx-lm cannot
+    speculate (a cache it cannot trim: recurrent or rotating layers)."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    import edgemoe
+
+    if not can_trim_prompt_cache(make_prompt_cache(reference)):
+        return None
+
+    def run(model):
+        return [(int(t), d, lp) for t, lp, d in speculative_generate_step(
+            tokens, model, reference, num_draft_tokens=3, max_tokens=DECODE)]
+
+    expected = run(reference)
+    model, _ = edgemoe.load(pack, expert_budget=budget)
+    got = run(model)
+    model.expert_store.close()
+    return [(t, d) for t, d, _ in got] == [(t, d) for t, d, _ in expected] and all(
+        mx.array_equal(a, b).item() for (_, _, a), (_, _, b) in zip(got, expected))
 
 
 def hf_layout_is_exact(family: str, work: Path, tokens) -> bool:
@@ -278,13 +305,13 @@ def _quantization(source) -> str:
 
 def passed(row: dict) -> bool:
     return all(row["exact"].values()) and row["routing"] and row["prerouted"] and \
-        row["hf"] is not False
+        row["hf"] is not False and row["speculative"] is not False
 
 
 def render_table(rows) -> str:
     lines = ["| family (mlx-lm model file) | routed experts | pack | in place | native | advisory "
-             "| prerouted | HF layout | exact |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| prerouted | speculative | HF layout | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         exact = row["exact"]
 
@@ -296,12 +323,13 @@ def render_table(rows) -> str:
             f"{row['top_k']} (`{row['module']}`) | {ok('pack')} | {ok('in place')} "
             f"| {ok('native')} | {ok('advisory')} | "
             f"{'yes' if row['prerouted'] else 'NO'} | "
+            f"{ {True: 'yes', False: 'NO', None: '-'}[row['speculative']]} | "
             f"{ {True: 'yes', False: 'NO', None: '-'}[row['hf']]} | "
             f"{'bit-identical' if passed(row) else 'NO'} |")
     from edgemoe.format.families import UNSUPPORTED
 
     for family, reason in sorted(UNSUPPORTED.items()):
-        lines.append(f"| `{family}` | refused: {reason} | | | | | | | no |")
+        lines.append(f"| `{family}` | refused: {reason} | | | | | | | | no |")
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ def test_family_streams_exactly_in_every_mode(rows, family):
     if isinstance(row, Exception):
         raise row
     assert not [k for k, same in row["exact"].items() if not same], row
+    assert row["speculative"] is not False, "speculative decode differs from mlx-lm's"
     assert row["routing"], "the block, routed by its native logits as a prediction, differs"
     assert row["prerouted"], "prerouted decode loaded on demand in a predicted layer"
     assert row["hf"] is not False, "its Hugging Face layout, converted, differs from mlx-lm"

@@ -103,7 +103,8 @@ def test_the_generate_cli_drafts_as_mlx_lm_generate_does(checkpoints):
     (["--prompt-lookup", "--draft-model", "x"], "one draft at a time"),
     (["--prompt-lookup", "--routing", "prerouted"],
      "rejected drafts would leave the predicted routing"),
-    (["--prompt-lookup", "--max-kv-size", "64"], "a KV cache it can trim")])
+    (["--prompt-lookup", "--max-kv-size", "64"], "a KV cache it can trim"),
+    (["--draft-model", "x", "--kv-bits", "4"], "keeps the KV cache unquantized")])
 def test_a_draft_generate_cannot_use_is_one_usage_line(argv, message, capsys):
     generate_tool = importlib.import_module("edgemoe.generate")  # (edgemoe.generate: the function)
 
@@ -223,7 +224,7 @@ def test_draft_length_follows_what_windows_keep_and_cost():
     assert dear[PROBE_EVERY] < cheap[PROBE_EVERY]
 
 
-def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs, capsys):
+def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs):
     """`edgemoe.server --prompt-lookup`: a completion's tokens and logprobs are those of
     the server without a draft, and /metrics counts the windows."""
     from test_server import completion, metrics, running_server
@@ -239,8 +240,10 @@ def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs
     assert got[0] == plain[0] and got[2] == plain[2]
     np.testing.assert_allclose(got[1], plain[1], atol=1e-4)
     assert spec["windows"] > 0 and spec["accepted"] > 0
-    server_tool = importlib.import_module("edgemoe.server")
-    with pytest.raises(SystemExit) as e:
-        server_tool.main(["--prompt-lookup", "--routing", "prerouted"])
-    assert e.value.code == 2 and "rejected drafts would leave the predicted routing" in \
-        capsys.readouterr().err.strip().splitlines()[-1]
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "edgemoe.server", "--prompt-lookup",
+                              "--routing", "prerouted"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "rejected drafts would leave the predicted routing" \
+        in refused.stderr.strip().splitlines()[-1]
