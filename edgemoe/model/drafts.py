@@ -24,6 +24,17 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 
+def prefill(model, cache, tokens: List[int], fed: int, step: int) -> int:
+    """Run `tokens[fed:-1]` (all but the last, which the next call feeds) through `model`
+    into `cache`, in chunks of `step`; how many tokens the cache then holds."""
+    while len(tokens) - 1 > fed:
+        n = min(step, len(tokens) - 1 - fed)
+        model(mx.array(tokens[fed:fed + n])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        fed += n
+    return fed
+
+
 class DraftModel:
     """Greedy drafts from a resident mlx-lm model, one KV cache per sequence."""
 
@@ -48,11 +59,8 @@ class SequenceDraft:
 
     def catch_up(self, history: List[int]):
         """Feed the draft all but the last of `history` that it has not seen."""
-        while len(history) - 1 > self.fed:
-            n = min(self.source.prefill_step_size, len(history) - 1 - self.fed)
-            self.source.model(mx.array(history[self.fed:self.fed + n])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.fed += n
+        self.fed = prefill(self.source.model, self.cache, history, self.fed,
+                           self.source.prefill_step_size)
 
     def draft(self, history: List[int], limit: int) -> List[int]:
         """Up to `limit` greedy tokens after `history`."""
@@ -133,12 +141,8 @@ def draft_generate_step(prompt: mx.array, model, draft, *, max_tokens: int = 256
                          "rotating or recurrent one)")
     sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
     sequence, length = draft.for_sequence(), draft.length
-    history, fed = prompt.tolist(), 0  # (a cached prefix is not looked up in)
-    while len(history) - fed > 1:  # prefill all but the last token
-        n = min(prefill_step_size, len(history) - 1 - fed)
-        model(mx.array(history[fed:fed + n])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        fed += n
+    history = prompt.tolist()  # (a cached prefix is not looked up in)
+    prefill(model, cache, history, 0, prefill_step_size)
     sequence.catch_up(history)  # the draft's prefill, with the target's
     produced = 0
     while produced < max_tokens:

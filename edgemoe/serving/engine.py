@@ -564,13 +564,13 @@ class Engine:
 
     def _speculative_step(self, job: Job):
         """Draft, verify the window in one call, keep what the target chooses."""
-        history = job.prompt + job.tokens
+        history, had = job.prompt + job.tokens, len(job.tokens)
         if job.draft is None:
             job.draft = self.draft.for_sequence()
         job.draft.catch_up(history)  # (tokens it decoded in a batch: not the window's time)
         tic, before = time.perf_counter(), self.metrics.store_stats()
         arm = self.draft.length.choose()
-        guess = job.draft.draft(history, min(arm, job.max_tokens - len(job.tokens) - 1))
+        guess = job.draft.draft(history, min(arm, job.max_tokens - had - 1))
         window = [job.next_input] + guess
         logits = self.model(mx.array([window]), cache=self.batch_cache)[0]
         mx.eval(logits, [c.state for c in self.batch_cache])
@@ -592,7 +592,7 @@ class Engine:
             self.metrics.steps += 1
             self.metrics.step_rows += 1
             self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, 1)
-            self.metrics.generated_tokens += len(job.tokens) - (len(history) - len(job.prompt))
+            self.metrics.generated_tokens += len(job.tokens) - had
             self.metrics.windows += 1
             self.metrics.drafted += len(guess)
             self.metrics.accepted += kept
@@ -601,7 +601,7 @@ class Engine:
                 self._fail_row(job, failed)
             self._keep_rows([])
             return
-        emitted = len(job.tokens) - (len(history) - len(job.prompt))
+        emitted = len(job.tokens) - had
         trim_prompt_cache(self.batch_cache, len(window) - emitted)  # the guesses not kept
         job.draft.settle(len(history) + kept)
         self.draft.length.record(arm, emitted, time.perf_counter() - tic)
