@@ -28,6 +28,7 @@ import edgemoe  # noqa: E402
 from edgemoe.streaming.cache import POLICIES  # noqa: E402
 from edgemoe.cuda import int4  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402
+from edgemoe.cuda.host import HostTier  # noqa: E402
 from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
 from edgemoe.cuda.streams import HostStreams  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
@@ -52,17 +53,21 @@ class FakeEvent:
 class FakeDevice:
     """A GPU as the slot memory sees it, run on the host.
 
-    The copy stream is a queue of (wait, copy, record) operations executed in order as
-    soon as the compute events they wait on are done; a copy reads its source when it
-    executes, as a DMA does. Compute events stay pending until `finish_compute` (the
-    GPU caught up), or until compute waits on an event: the compute stream is in
-    order, so everything issued before that wait has run. `log` records every call.
+    Each copy stream (`lanes`) is a queue of (wait, copy, record) operations executed in
+    order as soon as the compute events they wait on are done; a copy reads its source
+    when it executes, as a DMA does. Compute events stay pending until `finish_compute`
+    (the GPU caught up), or until compute waits on an event: the compute stream is in
+    order, so everything issued before that wait has run. A host that waits on an event
+    lets the GPU run on (`gpu_runs=True`, as a real one does), or blocks until a test
+    calls `finish_compute` (`gpu_runs=False`, to look at what waits). `log` records every
+    call, with the lane of copy operations.
     """
 
     pinned = False
 
-    def __init__(self):
-        self.log, self.queue = [], []
+    def __init__(self, lanes=1, gpu_runs=True):
+        self.lanes, self.gpu_runs = lanes, gpu_runs
+        self.log, self.queues = [], [[] for _ in range(lanes)]
         self.cond = threading.Condition(threading.RLock())
         self.count = 0
         self.pending_compute = []
@@ -71,24 +76,24 @@ class FakeDevice:
         self.count += 1
         return FakeEvent(f"{kind}#{self.count}")
 
-    def copy(self, dst, src):
+    def copy(self, dst, src, lane=0):
         with self.cond:
             self.log.append(("copy", dst.data_ptr()))
-            self.queue.append(("copy", dst, src))
+            self.queues[lane].append(("copy", dst, src))
             self._pump()
 
-    def record_copy(self):
+    def record_copy(self, lane=0):
         with self.cond:
             event = self._event("copy")
             self.log.append(("record_copy", event))
-            self.queue.append(("record", event))
+            self.queues[lane].append(("record", event))
             self._pump()
             return event
 
-    def copy_wait(self, event):
+    def copy_wait(self, event, lane=0):
         with self.cond:
             self.log.append(("copy_wait", event))
-            self.queue.append(("wait", event))
+            self.queues[lane].append(("wait", event))
             self._pump()
 
     def record_compute(self):
@@ -107,6 +112,8 @@ class FakeDevice:
     def host_wait(self, event):
         with self.cond:
             self.log.append(("host_wait", event))
+            if self.gpu_runs and not event.done:
+                self.finish_compute()
             while not event.done:
                 self.cond.wait(0.01)
 
@@ -118,23 +125,30 @@ class FakeDevice:
             self._pump()
 
     def _pump(self):
-        while self.queue:
-            op = self.queue[0]
-            if op[0] == "wait" and not op[1].done:
-                return
-            self.queue.pop(0)
-            if op[0] == "copy":
-                op[1].copy_(op[2])
-                self.log.append(("executed_copy", op[1].data_ptr()))
-            elif op[0] == "record":
-                op[1].done = True
+        for queue in self.queues:
+            while queue:
+                op = queue[0]
+                if op[0] == "wait" and not op[1].done:
+                    break
+                queue.pop(0)
+                if op[0] == "copy":
+                    op[1].copy_(op[2])
+                    self.log.append(("executed_copy", op[1].data_ptr()))
+                elif op[0] == "record":
+                    op[1].done = True
         self.cond.notify_all()
 
 
-def device_store(pack, budget, device=None, policy="lru"):
+def device_store(pack, budget, device=None, policy="lru", host_rows=None):
+    """A store of device slot memory on `device`, each layer's host tier `host_rows` rows
+    (default: as many as slots)."""
     device = device or HostStreams()
-    return ExpertStore(pack, budget, policy,
-                       memory=lambda layer, n: DeviceSlotMemory(layer, n, "cpu", device))
+
+    def memory(layer, n):
+        host = HostTier(layer, host_rows or n, device)
+        return DeviceSlotMemory(layer, n, "cpu", device, host)
+
+    return ExpertStore(pack, budget, policy, memory=memory)
 
 
 def record_bytes(pack, layer, expert):
@@ -148,8 +162,8 @@ def device_bytes(slots, expert):
     return slots.memory.device_rows[slots.slot_of[expert]].numpy().tobytes()
 
 
-def host_bytes(slots, slot):
-    return slots.memory.host[slot].numpy().tobytes()
+def host_bytes(slots, row):
+    return slots.memory.host.buffer[row].numpy().tobytes()
 
 
 def wait_for(condition, timeout=5.0):
@@ -286,23 +300,24 @@ def test_compute_waits_for_the_copy_and_a_refill_for_the_compute(small):
 
 
 def test_reader_does_not_overwrite_a_host_row_before_its_copy_ran(small):
-    """Rule 3: a slot evicted while its copy is still queued keeps its host row until
-    the copy has read it; the reader waits on its own thread."""
+    """The host tier's rule B: a row whose copy is still queued (behind compute) is not
+    read into again until the copy has read it; the reader waits on its own thread."""
     pack, budget = small
-    device = FakeDevice()
-    store = device_store(pack, budget, device)
+    device = FakeDevice(gpu_runs=False)
+    store = device_store(pack, budget, device)  # 2 slots, 2 host rows
     layer = pack.layers[3]
     slots = store.layers[layer.module]
+    tier = slots.memory.host
     slots.ensure(np.array([0, 1]))
     slots.release()  # compute pending
     slots.prefetch(np.array([2, 3]))  # copies queued behind the compute
     wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
-    held = {int(s): host_bytes(slots, s) for s in slots.slot_of[[2, 3]]}
+    held = {tier.row_of[e]: host_bytes(slots, tier.row_of[e]) for e in (2, 3)}
     mark = len(device.log)
-    slots.prefetch(np.array([4, 5]))  # evicts 2 and 3 before their copies ran
-    # the reader thread stops at rule 3, before it writes a row
+    slots.prefetch(np.array([4, 5]))  # evicts 2 and 3 (and their rows) before their copies ran
+    # the reader thread stops at rule B, before it writes a row
     wait_for(lambda: any(op == "host_wait" for op, _ in device.log[mark:]))
-    assert all(host_bytes(slots, s) == data for s, data in held.items()), "row overwritten"
+    assert all(host_bytes(slots, r) == data for r, data in held.items()), "row overwritten"
     assert (slots.state == FILLING).sum() == 2
     device.finish_compute()
     wait_for(lambda: (slots.state == READY).sum() == 2 and not slots.fills)
@@ -312,6 +327,101 @@ def test_reader_does_not_overwrite_a_host_row_before_its_copy_ran(small):
     executed = [ptr for op, ptr in device.log if op == "executed_copy"]
     assert len(executed) == 6  # 0, 1, then 2, 3 (run before their rows were reused), 4, 5
     store.close()
+
+
+def test_a_record_is_copied_only_once_its_read_completed(small):
+    """The host tier's rule A: the copy of a record read from disk is issued only after
+    the read (and its checksum) finished; until then the slot's device row is untouched."""
+    pack, budget = small
+    device = FakeDevice()
+    store = device_store(pack, budget * 2, device)
+    layer = pack.layers[1]
+    slots = store.layers[layer.module]
+    gate = threading.Event()
+    before_read = slots.memory.before_read
+    slots.memory.before_read = lambda slot: (gate.wait(5), before_read(slot))
+    slots.prefetch(np.array([9]))
+    time.sleep(0.1)  # the reader is held before it writes the row
+    assert not any(op == "copy" for op, _ in device.log), "copied before the read"
+    gate.set()
+    slots.ensure(np.array([9, 10]))
+    assert device_bytes(slots, 9) == record_bytes(pack, layer, 9)
+    assert [op for op, _ in device.log].count("executed_copy") == 2
+    store.close()
+
+
+def test_a_host_hit_is_a_copy_not_a_read_and_keeps_its_row_until_copied(small):
+    """A device miss that the host tier holds costs one copy and no read (stats.host_hits);
+    a hit's row is claimed until its copy is queued, so a read staged in the same call
+    never takes it (rule A)."""
+    pack, budget = small
+    layer = pack.layers[2]
+    calls = [[0, 1], [2, 3], [0, 1], [2, 4], [0, 1]]
+    runs = {}
+    for rows in (2, 4):  # the staging rows alone, then a tier that holds four records
+        store = device_store(pack, budget, FakeDevice(), host_rows=rows)
+        slots = store.layers[layer.module]
+        for experts in calls:
+            slots.ensure(np.array(experts))
+            for e in experts:
+                assert device_bytes(slots, e) == record_bytes(pack, layer, e)
+            slots.release()
+        runs[rows] = store.snapshot()
+        store.close()
+    assert runs[2].loads == runs[4].loads == 10 and runs[2].host_hits == 0
+    # with four rows: 0 and 1 come back from RAM twice; 2 once (its row outlived 3's)
+    assert runs[4].host_hits == 4 + 1
+    assert runs[4].bytes_read == (10 - 5) * layer.expert_bytes
+    assert runs[2].bytes_read == 10 * layer.expert_bytes
+
+
+def test_a_hit_claims_its_row_until_its_copy_is_queued(small):
+    """Rule A for hits: between a hit (`stage`) and its copy (`queued`) the row is not
+    evictable, even by a policy that would choose it; a row being read never is."""
+    pack, _ = small
+    tier = HostTier(pack.layers[0], 2, HostStreams(), policy="lfu")
+    for expert in (0, 1, 1, 1):  # 0 used once, 1 three times: LFU would give up 0
+        row, buffers = tier.stage(expert)
+        tier.queued(row, None)
+    row_0, buffers = tier.stage(0)
+    assert buffers is None  # a hit, its copy not queued yet
+    row_2, buffers = tier.stage(2)
+    assert buffers is not None and row_2 != row_0 and 1 not in tier.row_of
+    assert not tier.has_room(3), "one row claimed, the other being read: no room"
+    tier.queued(row_0, None)
+    assert tier.has_room(3) and tier.stage(3)[0] == row_0  # 2 is still being read
+    tier.abandon(row_2, hit=False)
+    assert tier.stage(4)[0] == row_2
+
+
+def test_several_copy_streams_keep_a_refill_from_holding_up_other_copies(small):
+    """A refill waiting on compute (rule 2) holds up only its own copy stream: with two
+    streams the next refill, whose slot's compute is done, runs at once; with one it
+    waits behind the first."""
+    pack, budget = small
+    layer = pack.layers[0]
+    done = {}
+    for lanes in (1, 2):
+        device = FakeDevice(lanes=lanes, gpu_runs=False)
+        store = device_store(pack, budget * 3 // 2, device, policy="lfu", host_rows=4)
+        slots = store.layers[layer.module]  # 3 slots
+        for _ in range(3):  # experts 1 and 0 in slots 0 and 1, often used
+            slots.ensure(np.array([0, 1]))
+            slots.release()
+        device.finish_compute()
+        slots.ensure(np.array([2]))  # slot 2, its compute left pending
+        slots.release()
+        # LFU gives up 2 (slot 2: its copy waits on that compute), then 0 (slot 1)
+        mark = len(device.log)
+        slots.prefetch(np.array([4, 5]))
+        wait_for(lambda: not slots.fills)
+        assert list(slots.slot_of[[4, 5]]) == [2, 1]
+        slot_1 = ("executed_copy", slots.memory.device_rows[1].data_ptr())
+        done[lanes] = slot_1 in device.log[mark:]
+        device.finish_compute()
+        assert device_bytes(slots, 5) == record_bytes(pack, layer, 5)
+        store.close()
+    assert done == {1: False, 2: True}
 
 
 def test_a_fill_racing_its_prefetch_is_read_once_and_waited_for(small):
@@ -544,6 +654,34 @@ def test_decode_through_the_fake_device_equals_synchronous_copies(packs):
     assert runs[0].tokens == runs[1].tokens
     assert torch.equal(runs[0].logits, runs[1].logits)
     assert any(op == "copy_wait" for op, _ in streams.log), "refills waited on compute"
+
+
+def test_a_host_tier_turns_reads_into_copies_and_changes_no_logit():
+    """The bundled model at its minimum budget, with a host tier of half its experts:
+    the same logits as the staging rows alone, bit for bit, with fewer bytes read; every
+    load is a host hit or a read (through the fake device's ordering too)."""
+    path = DEFAULT_MODEL
+    budget = minimum_bytes(Pack.open(path))
+    runs, stats = {}, {}
+    for host_budget, streams in ((None, HostStreams()), ("50%", HostStreams()),
+                                 ("50%", FakeDevice(lanes=2))):
+        model, _ = load(path, budget, device="cpu", streams=streams, tokenizer=False,
+                        host_budget=host_budget)
+        tier = model.expert_store.pool(model.expert_store.layer_indices[0]).memory.host
+        key = (host_budget, type(streams).__name__)
+        runs[key] = greedy(model, prompt(500), 8)
+        stats[key] = (model.expert_store.snapshot(), tier.num_rows)
+        model.expert_store.close()
+    staging, tier, fake = stats.values()
+    assert staging[1] == Pack.open(path).top_k and tier[1] == Pack.open(path).layers[0].num_experts // 2
+    logits = [r.logits for r in runs.values()]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert staging[0].loads == tier[0].loads  # the device slots see the same misses
+    assert tier[0].host_hits > 0 and staging[0].host_hits < tier[0].host_hits
+    expert_bytes = Pack.open(path).layers[0].expert_bytes
+    assert tier[0].bytes_read == (tier[0].loads - tier[0].host_hits) * expert_bytes
+    assert tier[0].bytes_read < staging[0].bytes_read
+    assert fake[0].host_hits == tier[0].host_hits
 
 
 def test_the_backend_runs_without_mlx():

@@ -21,17 +21,33 @@ from . import int4
 DECODE_ROWS = 64  # up to this many rows per matmul, the Triton kernel (on a GPU)
 
 
+GATED = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU: down(act(gate(x)) * up(x))
+UNGATED = ("fc1", "fc2")  # mlx-lm's SwitchMLP: fc2(act(fc1(x))) (nemotron_h)
+
+
 class StreamingExperts(nn.Module):
-    """A SwiGLU expert bank (gate, up, down projections) read from a layer's slots.
+    """An expert bank read from a layer's slots: gated (gate, up, down projections) or
+    ungated (fc1, fc2), as the pack's records hold them; `act` is the family's activation.
+    `renormalize` scales each token's top-k weights to sum to one (mlx-lm's jamba block
+    does, transformers' router does not).
     `advise`, when set (advisory routing), is called with the layer's input once its
     experts are in slots, so that the reads it starts overlap this layer's compute."""
 
-    def __init__(self, slots: LayerSlots, act: Callable, kernel: Callable = None):
+    def __init__(self, slots: LayerSlots, act: Callable, kernel: Callable = None,
+                 renormalize: bool = False):
         super().__init__()
         self.slots, self.act, self.kernel = slots, act, kernel
+        self.renormalize = renormalize
         self.advise = None  # advisory routing: called with this layer's input (below)
+        found = sorted({t.name.split(".")[0] for t in slots.layer.tensors})
+        variants = [v for v in (GATED, UNGATED) if sorted(v) == found]
+        if not variants:
+            raise ValueError(f"layer {slots.layer.index}: experts of {found}; the PyTorch "
+                             f"backend computes {list(GATED)} or {list(UNGATED)} experts")
+        self.projections = variants[0]
+        self.gated = self.projections == GATED
         self.quant = {}
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in self.projections:
             q = slots.layer.quantization.get(name)
             if not q or q.get("mode", "affine") != "affine":
                 raise ValueError(f"layer {slots.layer.index} {name}: the PyTorch backend "
@@ -46,24 +62,30 @@ class StreamingExperts(nn.Module):
 
         def compute(picked, slot_ids):  # the reads are queued: slot refills wait for them
             picked = np.arange(ids.size) if picked is None else picked
-            rows[self._index(picked)] = self._swiglu(hidden_states, ids, picked,
-                                                     slot_ids.reshape(-1))
+            rows[self._index(picked)] = self._mlp(hidden_states, ids, picked,
+                                                  slot_ids.reshape(-1))
 
         routed = None if self.advise is None else lambda: self.advise(hidden_states)
         run_call(self.slots, ids, compute, routed)  # edgemoe's one call protocol
+        if self.renormalize:
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
         rows = rows.view(*ids.shape, -1) * top_k_weights[..., None].to(rows.dtype)
         return rows.sum(dim=1)
 
-    def _swiglu(self, x, ids, picked, slot_ids):
+    def _mlp(self, x, ids, picked, slot_ids):
         """Outputs of the (token, k) rows `picked` of the flattened routing, whose experts
         are in slots `slot_ids`."""
         k = ids.shape[-1]
         slots = self._index(slot_ids)
         tokens = self._index(picked // k)
+        rows = torch.arange(len(picked), device=x.device)
+        if not self.gated:
+            hidden = self.act(self._qmm(x, "fc1", slots, tokens))
+            return self._qmm(hidden, "fc2", slots, rows)
         gate = self._qmm(x, "gate_proj", slots, tokens)
         up = self._qmm(x, "up_proj", slots, tokens)
         hidden = self.act(gate) * up
-        return self._qmm(hidden, "down_proj", slots, torch.arange(len(picked), device=x.device))
+        return self._qmm(hidden, "down_proj", slots, rows)
 
     def _qmm(self, x, name, slots, x_rows):
         arrays = self.slots.arrays

@@ -4,9 +4,9 @@ experts streaming from disk into device slots; and a greedy decode loop.
 The model is transformers' own class for the family (its attention, norms, rotary
 embedding, router and KV cache), built on the meta device so that no expert weight is
 ever allocated; the resident weights are read from the pack's model.safetensors
-(mlx-lm names, transformers' names too but for Mixtral's router), with MLX-quantized
-linears and embeddings dequantized to the compute dtype; each MoE block's `experts`
-module becomes a StreamingExperts over the layer's slots.
+(mlx-lm names, mapped to transformers' per family by edgemoe.cuda.families), with
+MLX-quantized linears and embeddings dequantized to the compute dtype; each MoE block's
+`experts` module becomes a StreamingExperts over the layer's slots.
 """
 
 import inspect
@@ -22,61 +22,106 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.activations import ACT2FN
 
 from ..format.pack import PackError
-from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset
+from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
 from ..streaming.cache import DEFAULT_POLICY
+from ..streaming.budget import SlotPlan
 from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
+from . import families
+from .families import RENAMES, SUPPORTED_MODEL_TYPES  # noqa: F401  (their home is families)
+from . import prerouted
 from .int4 import dequantize
+from .lora import apply_adapter, read_adapter
+from .host import HostTier, staging_rows
 from .slots import DeviceSlotMemory
 from .streams import make_streams
 
 DEFAULT_MODEL = BUNDLED_MODEL
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
-# mlx-lm's resident names -> transformers' (the routed experts are streamed, not renamed)
-RENAMES = {"mixtral": ((".block_sparse_moe.gate.", ".mlp.gate."),)}
 NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers would act on it
-ROUTINGS = ("native", "advisory")
+ROUTINGS = ("native", "advisory", *prerouted.MODES)
 
 
 def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
          cache_policy: str = DEFAULT_POLICY, io: str = "buffered", streams=None,
-         kernel: Optional[bool] = None, tokenizer: bool = True, routing: str = "native"):
+         kernel: Optional[bool] = None, tokenizer: bool = True, routing: str = "native",
+         adapter_path=None, prerouter=None, host_budget=None, host_policy: str = "lru",
+         copy_streams: int = 1):
     """The pack's model on `device` holding at most `expert_budget` of its experts.
 
     `routing` is "native" or "advisory": the next MoE layer's own router, applied to this
     layer's input, prefetches that layer's experts while this one computes (gated by its
     precision, as in the MLX path); the router still decides, so the output is native's.
+    "prerouted": the prerouter heads' prediction, made a token ahead, is the routing of
+    every MoE layer but the heads' native layers, and its experts are read ahead;
+    "prerouted-set": the native router confined to the predicted experts (both as the MLX
+    path: edgemoe.cuda.prerouted). `prerouter` is the heads' folder, or None or "pack" for
+    the ones the pack carries (PACK/prerouter).
 
     `dtype` defaults to bfloat16 on a GPU and float32 on the CPU. `streams` orders
     copies and compute (edgemoe.cuda.streams; tests pass a fake). `kernel` uses the
     Triton int4 kernel for decode rows; by default on a GPU when Triton is installed.
+    `host_budget` (a fraction, "25%" or "8GB" of the routed experts, as `expert_budget`)
+    is the host-memory tier between the disk and the device slots: records that the
+    device gave up stay in RAM, so loading them again costs a copy, not a read; its own
+    `host_policy` decides what it keeps. Without it the tier is only the pinned staging
+    rows the copies need (edgemoe.cuda.host). `copy_streams` is the number of copy
+    streams on a GPU (a slot's copies all go on one).
+    `adapter_path` is a LoRA adapter folder (mlx-lm's format), or "pack" for the one the
+    pack carries (PACK/adapter): served unmerged, as the MLX path does (edgemoe.cuda.lora).
     Returns (model, tokenizer or None); the store is at `model.expert_store`.
     """
     if routing not in ROUTINGS:
         raise ValueError(f"--routing {routing!r}: the CUDA backend routes "
-                         f"{' or '.join(ROUTINGS)}")
+                         f"{', '.join(ROUTINGS)}")
     path = model_path(pack_path)
     config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise PackError(f"{path / 'config.json'}: model_type {config.get('model_type')!r}; "
-                        f"the CUDA backend runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    refusal = families.refusal(config)
+    if refusal:
+        raise PackError(f"{path / 'config.json'}: {refusal}")
+    adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    adapter = read_adapter(adapter) if adapter is not None else None  # fail before threads
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    streams = streams or make_streams(device)
-    store = ExpertStore(open_source(path), expert_budget, cache_policy, io,
-                        memory=lambda layer, n: DeviceSlotMemory(layer, n, device, streams),
+    streams = streams or make_streams(device, copy_streams)
+    heads = prerouted.heads_folder(path, routing, prerouter)
+    heads = prerouted.load_heads(heads, device) if heads else None  # fail before threads
+    source = open_source(path)
+    rows = host_rows(SlotPlan.of(source), host_budget)
+    store = ExpertStore(source, expert_budget, cache_policy, io,
+                        memory=lambda layer, n: DeviceSlotMemory(
+                            layer, n, device, streams, HostTier(layer, rows, streams,
+                                                                host_policy)),
                         learned_policy=pack_asset(path, "cache_policy"))
     model = _build(config, dtype)
     _install(model, store, _kernel(device, kernel))
     _load_resident(model, path, config, dtype, device, skip=tuple(f"{m}." for m in store.layers))
+    if adapter is not None:
+        try:
+            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
+        except BaseException:
+            store.close()
+            raise
     if routing == "advisory":
         _advise(model, store)
+    if heads is not None:
+        try:
+            prerouted.install(model, store, heads, confine=routing == "prerouted-set")
+        except BaseException:
+            store.close()
+            raise
     model.expert_store = store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
 
 
+def host_rows(plan: SlotPlan, host_budget) -> int:
+    """Host-tier rows per MoE layer: what `host_budget` buys, at least the staging rows."""
+    bought = plan.slots_for_bytes(plan.budget_bytes(host_budget)) if host_budget else 0
+    return max(staging_rows(plan.top_k), bought)
+
+
 def _build(config: dict, dtype) -> torch.nn.Module:
+    config = families.transformers_config(config)
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in NOT_CONFIG})
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
@@ -100,11 +145,11 @@ EXPERTS_CALL = ["hidden_states", "top_k_index", "top_k_weights"]  # transformers
 
 
 def _install(model, store: ExpertStore, kernel):
-    act = ACT2FN[model.config.hidden_act]
+    family = families.FAMILIES[model.config.model_type]
     layers = model.model.layers
     for module, slots in store.layers.items():
-        block = layers[slots.layer.index].mlp
-        if not hasattr(block, "experts") or not hasattr(block, "gate"):
+        block = families.moe_block(layers[slots.layer.index])
+        if block is None or families.router(block) is None:
             raise PackError(f"{store.info().path}: layer {slots.layer.index} of the model has "
                             f"no MoE block, but the manifest streams {module}")
         found = list(inspect.signature(block.experts.forward).parameters)
@@ -112,22 +157,27 @@ def _install(model, store: ExpertStore, kernel):
             raise RuntimeError(f"{type(block.experts).__name__}.forward takes {found}; "
                                f"edgemoe.cuda replaces an experts module called with "
                                f"{EXPERTS_CALL} (transformers 5)")
-        block.experts = StreamingExperts(slots, act, kernel)
+        act = getattr(block.experts, "act_fn", None) or ACT2FN[model.config.hidden_act]
+        streaming = StreamingExperts(slots, act, kernel, renormalize=family.renormalize)
+        if families.gated(block.experts) != streaming.gated:
+            raise PackError(f"{store.info().path}: {module} holds {streaming.projections} "
+                            f"experts; {type(block.experts).__name__} is "
+                            f"{'un' if streaming.gated else ''}gated")
+        block.experts = streaming
 
 
 def _advise(model, store: ExpertStore):
     """Advisory routing: each MoE layer's input through the next MoE layer's router (its
     top-k) is a prefetch for that layer; prefetches are gated by their precision."""
-    blocks = {slots.layer.index: model.model.layers[slots.layer.index].mlp
+    blocks = {slots.layer.index: families.moe_block(model.model.layers[slots.layer.index])
               for slots in store.layers.values()}
     layers = sorted(blocks)
     store.gate_prefetches(True)
     for layer, target in zip(layers, layers[1:]):
-        gate = blocks[target].gate
 
-        def advise(x, target=target, gate=gate):
+        def advise(x, target=target, block=blocks[target]):
             with torch.no_grad():
-                indices = gate(x)[-1]  # transformers 5's routers: (logits, scores, indices)
+                indices = families.route(model.config.model_type, block, x)
             store.prefetch(target, indices.reshape(-1).cpu().numpy())
 
         blocks[layer].experts.advise = advise
@@ -140,8 +190,7 @@ def _load_resident(model, path: Path, config: dict, dtype, device, skip=()):
     state = {}
     for f in sorted(path.glob("model*.safetensors")):
         state.update(resident_state_dict(f, config.get("quantization", {}), dtype, device, skip))
-    for old, new in RENAMES.get(config["model_type"], ()):
-        state = {name.replace(old, new): tensor for name, tensor in state.items()}
+    state = families.resident(config["model_type"], state, model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise PackError(f"{path}: weights the model does not have: {unexpected[:5]}")
@@ -150,13 +199,29 @@ def _load_resident(model, path: Path, config: dict, dtype, device, skip=()):
         missing.remove("lm_head.weight")
     if missing:
         raise PackError(f"{path}: weights missing for {missing[:5]}")
-    rotary = model.model.rotary_emb  # its buffers are computed, not stored
-    with torch.device(device):
-        model.model.rotary_emb = type(rotary)(rotary.config)
+    _computed_buffers(model, device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta]
     if left:
         raise PackError(f"{path}: no weights for {left[:5]}")
+
+
+@torch.no_grad()
+def _computed_buffers(model, device):
+    """The buffers a model computes rather than stores (rotary frequencies, gemma4's
+    embedding scale) on `device`, filled as transformers' from_pretrained fills them: by
+    the model's own `_init_weights`, the loaded tensors marked as initialized."""
+    for tensor in model.state_dict(keep_vars=True).values():
+        tensor._is_hf_initialized = True
+    owners = {}
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            module._buffers[attr] = torch.empty_like(buffer, device=device)
+            owners[owner] = module
+    for module in owners.values():
+        model._init_weights(module)
 
 
 def resident_state_dict(path: Path, quantization: dict, dtype, device,
@@ -171,7 +236,7 @@ def resident_state_dict(path: Path, quantization: dict, dtype, device,
                 continue
             tensor = f.get_tensor(name)
             module = name.rsplit(".", 1)[0]
-            if f"{module}.scales" in names:
+            if name.endswith(".weight") and f"{module}.scales" in names:  # not its .bias
                 q = quantization.get(module) or quantization
                 tensor = dequantize(tensor.view(torch.int32), f.get_tensor(f"{module}.scales"),
                                     f.get_tensor(f"{module}.biases"), q["group_size"], q["bits"])
@@ -198,7 +263,7 @@ def greedy(model, prompt: List[int], max_tokens: int, keep_logits: bool = True,
     With `forced`, step i feeds forced[i] instead of the greedy token, so that the
     logits stay comparable with another run's position by position."""
     device = next(model.parameters()).device
-    cache = {_cache_argument(model): DynamicCache()}
+    cache = {_cache_argument(model): DynamicCache(config=model.config)}  # hybrid layer types
     tic = time.perf_counter()
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, **cache)
     logits = [out.logits[0].float()] if keep_logits else []

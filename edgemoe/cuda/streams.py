@@ -9,27 +9,32 @@ import torch
 
 
 class CudaStreams:
-    """Copies on a dedicated stream; compute on the stream current when this was made."""
+    """Copies on `lanes` dedicated streams; compute on the stream current when this was
+    made. A copy names its lane (the slot memory keeps each slot on one)."""
 
     pinned = True  # host rows are page-locked, so copies from them are asynchronous
 
-    def __init__(self, device="cuda"):
+    def __init__(self, device="cuda", lanes: int = 1):
         self.device = torch.device(device)
-        self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_streams = [torch.cuda.Stream(self.device) for _ in range(lanes)]
         self.compute_stream = torch.cuda.current_stream(self.device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        with torch.cuda.stream(self.copy_stream):
+    @property
+    def lanes(self) -> int:
+        return len(self.copy_streams)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, lane: int = 0):
+        with torch.cuda.stream(self.copy_streams[lane]):
             dst.copy_(src, non_blocking=True)
 
-    def record_copy(self):
-        return self.copy_stream.record_event()
+    def record_copy(self, lane: int = 0):
+        return self.copy_streams[lane].record_event()
 
     def record_compute(self):
         return self.compute_stream.record_event()
 
-    def copy_wait(self, event):
-        self.copy_stream.wait_event(event)
+    def copy_wait(self, event, lane: int = 0):
+        self.copy_streams[lane].wait_event(event)
 
     def compute_wait(self, event):
         self.compute_stream.wait_event(event)
@@ -42,17 +47,18 @@ class HostStreams:
     """The CPU: copies are done when `copy` returns, so there is nothing to order."""
 
     pinned = False
+    lanes = 1
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, lane: int = 0):
         dst.copy_(src)
 
-    def record_copy(self):
+    def record_copy(self, lane: int = 0):
         return None
 
     def record_compute(self):
         return None
 
-    def copy_wait(self, event):
+    def copy_wait(self, event, lane: int = 0):
         pass
 
     def compute_wait(self, event):
@@ -62,5 +68,8 @@ class HostStreams:
         pass
 
 
-def make_streams(device) -> object:
-    return CudaStreams(device) if torch.device(device).type == "cuda" else HostStreams()
+def make_streams(device, lanes: int = 1) -> object:
+    """`lanes` copy streams on a GPU; synchronous copies on the CPU."""
+    if torch.device(device).type == "cuda":
+        return CudaStreams(device, lanes)
+    return HostStreams()

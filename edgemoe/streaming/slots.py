@@ -63,20 +63,29 @@ class SlotPool(Protocol):
 class SlotMemory(Protocol):
     """The bytes of one layer's slots, and the ordering a device needs around them.
 
-    `arrays` are what compute reads: tensor name -> (num_slots, *shape). The reader
-    writes a record into `rows(slot)` (host buffers, in the layer's tensor order) after
-    calling `before_read(slot)`, then calls `after_read(slot)`; a slot turns ready only
-    after that. Compute calls `acquire(slots)` before reading slots and `release(slots)`
-    once its reads are issued; a slot is refilled only after its release.
+    `arrays` are what compute reads: tensor name -> (num_slots, *shape). When a slot is
+    claimed for an expert, `stage(slot, expert)` says where the reader writes its record
+    (host buffers, in the layer's tensor order), or None when the memory already holds
+    the record in a host tier (then the fill is a copy, not a read). The reader calls
+    `before_read(slot)`, writes the buffers, then calls `after_read(slot)`; a slot turns
+    ready only after that (a fill served from the host tier gets `after_read` alone). A
+    fill that fails gets `abandon(slot)` instead. `has_room(expert)` is False while the
+    memory cannot stage that expert now (its host rows are all being read into). Compute
+    calls `acquire(slots)` before reading slots and `release(slots)` once its reads are
+    issued; a slot is refilled only after its release.
     """
 
     arrays: Dict[str, object]
 
-    def rows(self, slot: int) -> List[np.ndarray]: ...
+    def stage(self, slot: int, expert: int) -> Optional[List[np.ndarray]]: ...
+
+    def has_room(self, expert: int) -> bool: ...
 
     def before_read(self, slot: int) -> None: ...
 
     def after_read(self, slot: int) -> None: ...
+
+    def abandon(self, slot: int) -> None: ...
 
     def acquire(self, slots: np.ndarray) -> None: ...
 
@@ -84,13 +93,23 @@ class SlotMemory(Protocol):
 
 
 class UnorderedMemory:
-    """Slot memory whose reads and compute need no ordering hooks (host memory, where
-    compute finishes its reads before it releases slots)."""
+    """Slot memory that the reader fills in place (`rows(slot)`), and whose reads and
+    compute need no ordering hooks (host memory, where compute finishes its reads before
+    it releases slots)."""
+
+    def stage(self, slot: int, expert: int) -> List[np.ndarray]:
+        return self.rows(slot)
+
+    def has_room(self, expert: int) -> bool:
+        return True
 
     def before_read(self, slot: int):
         pass
 
     def after_read(self, slot: int):
+        pass
+
+    def abandon(self, slot: int):
         pass
 
     def acquire(self, slots: np.ndarray):
@@ -204,17 +223,18 @@ class LayerSlots:
             new, in_flight = [], []
             try:
                 with self.lock:
-                    while missing and self._has_room(pinned=wanted):
+                    while missing and self._has_room(wanted, missing[-1]):
                         new.append(self._start_fill(missing.pop(), pinned=wanted))
-                    if missing:  # every other slot is filling: a prefetch must land first
-                        in_flight = [f for e, f in self.fills.items() if e not in wanted]
+                    if missing:  # every other slot (or host row) is filling: a fill
+                        # must land first, a prefetch's if there is one
+                        in_flight = [f for e, f in self.fills.items() if e not in wanted] \
+                            or list(self.fills.values())
                         if not in_flight and not new:
                             raise RuntimeError(
                                 f"layer {self.layer.index}: no slot can be had: every slot "
                                 f"is in use by a call that was never released")
             finally:  # a claimed slot is always read, or it would stay filling for ever
-                if new:
-                    self.reader.submit(new)
+                self._submit(new)
             waits += new
             if in_flight:
                 self._wait(in_flight[:1], raise_errors=False)
@@ -248,13 +268,12 @@ class LayerSlots:
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
-                    if not self._has_room(pinned=pinned):
+                    if not self._has_room(pinned, e):
                         break  # its own pass reads the rest
                     new.append(self._start_fill(e, pinned=pinned))
                     self.staged.add(e)
         finally:
-            if new:
-                self.reader.submit(new)
+            self._submit(new)
 
     def prefetch(self, experts: np.ndarray, lead: int = 0):
         """Start reading `experts` (a prediction) where slots can be had without waiting.
@@ -285,14 +304,13 @@ class LayerSlots:
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
-                    if not self._has_room(pinned=pinned):
+                    if not self._has_room(pinned, e):
                         break  # release() reads the rest once this layer's call is done
                     new.append(self._start_fill(e, pinned=pinned, prefetch=True))
                     self.stats.prefetches += 1
                     self.prefetched.add(e)
         finally:
-            if new:
-                self.reader.submit(new)
+            self._submit(new)
 
     def _score_prediction(self, wanted):
         if self.pending_prediction:
@@ -332,8 +350,19 @@ class LayerSlots:
         return [e for e in self.expert_in.tolist()
                 if e >= 0 and e not in busy and self.state[self.slot_of[e]] == READY]
 
-    def _has_room(self, pinned) -> bool:
-        return bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+    def _has_room(self, pinned, expert: int) -> bool:
+        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+        return slot_free and self.memory.has_room(expert)
+
+    def _submit(self, fills: List[Fill]):
+        """Fills whose record a host tier holds are done by a copy; the reader reads the
+        others."""
+        reads = [f for f in fills if f.buffers is not None]
+        for f in fills:
+            if f.buffers is None:
+                self._filled(f, 0, None)
+        if reads:
+            self.reader.submit(reads)
 
     def _start_fill(self, expert: int, pinned, prefetch: bool = False) -> Fill:
         """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
@@ -364,8 +393,11 @@ class LayerSlots:
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         self.state[slot] = FILLING
+        buffers = self.memory.stage(slot, expert)
+        if buffers is None:  # in the host tier: a copy, no read (see _submit)
+            self.stats.host_hits += 1
         fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
-                    self.memory.rows(slot), self._filled, before_read=self.memory.before_read)
+                    buffers, self._filled, before_read=self.memory.before_read)
         self.fills[expert] = fill
         self.policy.touch(expert)
         self.stats.loads += 1
@@ -378,6 +410,8 @@ class LayerSlots:
                 self.memory.after_read(fill.slot)  # e.g. start the copy to the device
             except Exception as e:
                 error = e
+        if error is not None:
+            self.memory.abandon(fill.slot)
         with self.lock:
             self.fills.pop(fill.expert, None)
             if error is None:

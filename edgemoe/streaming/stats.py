@@ -3,7 +3,8 @@
 Each call of a MoE layer *requests* its distinct experts (the union over the batch's
 tokens). A request is a **hit** when the expert is ready in a slot, **late** when it is
 already being read (a prefetch that had not landed: compute waits), and **on demand**
-when nothing had started reading it. The hit rate is hits over requests. Fills
+when nothing had started reading it. A backend with a host-memory tier between the disk
+and its slots (edgemoe.cuda) serves some loads from RAM: **host hits**, a copy and no read. The hit rate is hits over requests. Fills
 started ahead of need are **prefetches**; every fill is a **load** (on demand or
 prefetched), so a prefetch later used counts once as a load and once as a hit.
 """
@@ -19,6 +20,7 @@ class ExpertStats:
     late_fills: int = 0  # a requested expert was still being read
     on_demand: int = 0  # a requested expert was read only when asked for
     loads: int = 0  # fills started (on demand or prefetched)
+    host_hits: int = 0  # ... of which a host-memory tier held: a copy, not a read (CUDA)
     prefetches: int = 0  # fills started ahead of need
     evictions: int = 0
     bytes_read: int = 0  # bytes of finished fills

@@ -1,0 +1,122 @@
+"""Prerouted routing on the CUDA backend (CPU mode, float32) against the MLX path's.
+
+The bundled reference model with the heads its pack carries: the same greedy tokens as
+edgemoe.load(..., routing="prerouted"), logits within the backend's tolerance, logits
+that are not native's (so a backend that ignored the heads would fail), prefetches that
+save on-demand loads, and routing state that belongs to the sequence.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the CUDA backend needs PyTorch (edgemoe[cuda])")
+pytest.importorskip("transformers", reason="the CUDA backend needs transformers")
+
+import edgemoe  # noqa: E402
+from edgemoe.cuda.model import DEFAULT_MODEL, _cache_argument, greedy, load  # noqa: E402
+from edgemoe.cuda.prerouted import CONFIG, returned_cache  # noqa: E402
+from edgemoe.format.pack import Pack  # noqa: E402
+from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import gpu_check  # noqa: E402  (scripts/, on the path through conftest)
+
+LOGIT_TOLERANCE = 1e-3  # as tests/test_cuda_backend.py: fp32 differs by ~1e-5
+PROMPT_LEN, DECODE = 48, 16
+PATH = str(DEFAULT_MODEL)
+HEADS = DEFAULT_MODEL / "prerouter"
+
+
+def prompt(seed=7):
+    return np.random.default_rng(seed).integers(3, 500, PROMPT_LEN).tolist()
+
+
+def amount(budget):
+    return minimum_bytes(Pack.open(PATH)) if budget == "minimum" else 0.25
+
+
+@pytest.fixture(scope="module")
+def mlx_runs():
+    cache = {}
+
+    def get(routing, budget):
+        if (routing, budget) not in cache:
+            model, _ = edgemoe.load(PATH, expert_budget=amount(budget), routing=routing)
+            cache[routing, budget] = gpu_check.mlx_greedy(model, prompt(), DECODE)
+            model.expert_store.close()
+        return cache[routing, budget]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def native_runs():
+    cache = {}
+
+    def get(budget):
+        if budget not in cache:
+            model, _ = load(PATH, amount(budget), device="cpu", tokenizer=False)
+            cache[budget] = greedy(model, prompt(), DECODE), model.expert_store.snapshot()
+            model.expert_store.close()
+        return cache[budget]
+
+    return get
+
+
+@pytest.mark.parametrize("routing, budget", [("prerouted", "minimum"), ("prerouted", "25%"),
+                                             ("prerouted-set", "minimum")])
+def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
+    ref_tokens, ref_logits = mlx_runs(routing, budget)
+    native, native_stats = native_runs(budget)
+    model, _ = load(PATH, amount(budget), device="cpu", tokenizer=False, routing=routing)
+    run = greedy(model, prompt(), DECODE)
+    stats = model.expert_store.snapshot()
+    again = greedy(model, prompt(), DECODE)  # a new sequence: nothing carried over
+    model.expert_store.close()
+    assert run.tokens == ref_tokens
+    assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+    assert np.abs(run.logits.numpy() - native.logits.numpy()).max() > 0.1, "native routing"
+    assert again.tokens == run.tokens and torch.equal(again.logits, run.logits)
+    assert native_stats.prefetches == 0 < stats.prefetches
+    assert stats.on_demand < native_stats.on_demand
+
+
+def test_each_sequence_carries_its_own_routing():
+    """Two sequences decoded in turns, one whose cache the first call made (no cache given),
+    one with a cache of its own: each gets its solo decode's logits."""
+    model, _ = load(PATH, 0.25, device="cpu", tokenizer=False, routing="prerouted")
+    prompts, steps = (prompt(7), prompt(8)), 4
+    solo = [greedy(model, p, steps) for p in prompts]
+    arg = _cache_argument(model)
+    with torch.inference_mode():
+        first = model(input_ids=torch.tensor([prompts[0]]), use_cache=True)
+        caches = [returned_cache(first), DynamicCache()]
+        outs = [[first.logits[0]], [model(input_ids=torch.tensor([prompts[1]]), use_cache=True,
+                                          **{arg: caches[1]}).logits[0]]]
+        for i in range(steps):
+            for s in (0, 1):
+                token = torch.tensor([[solo[s].tokens[i]]])
+                outs[s].append(model(input_ids=token, use_cache=True, **{arg: caches[s]}).logits[0])
+    model.expert_store.close()
+    for s in (0, 1):
+        assert torch.equal(torch.cat(outs[s]).float(), solo[s].logits), f"sequence {s}"
+
+
+def test_routing_errors_are_one_line(tmp_path):
+    cases = [(dict(routing="psychic"), ValueError, "routes native, advisory, prerouted"),
+             (dict(routing="prerouted", prerouter=tmp_path / "none"), FileNotFoundError,
+              f"{tmp_path / 'none' / CONFIG}: no such file"),
+             (dict(routing="advisory", prerouter=HEADS), ValueError, "advisory routing uses")]
+    same_token = tmp_path / "same-token"
+    shutil.copytree(HEADS, same_token)
+    config = json.loads((same_token / CONFIG).read_text())
+    (same_token / CONFIG).write_text(json.dumps({**config, "same_token": True}))
+    cases.append((dict(routing="prerouted", prerouter=same_token), ValueError,
+                  "needs next-token heads"))
+    for kwargs, error, message in cases:
+        with pytest.raises(error) as e:
+            load(PATH, 0.25, device="cpu", tokenizer=False, **kwargs)
+        assert message in str(e.value) and "\n" not in str(e.value), kwargs
