@@ -1,13 +1,15 @@
 """The CUDA backend, on the CPU, runs every MoE family that transformers builds and mlx-lm
 reads from a Hugging Face checkpoint (make_hf_family_checkpoints.HF_FAMILIES): a pack
 converted from the family's tiny transformers checkpoint decodes greedily to the MLX
-path's tokens, fp32 logits within 1e-3 of its, at the minimum expert budget (evicting);
-what it cannot run is refused in one line naming the model_type and why
-(edgemoe/cuda/families.py).
+path's tokens, fp32 logits within 1e-3 of its, at the minimum expert budget (evicting),
+natively and in the prerouted modes (with untrained heads of the MLX path's making);
+advisory routing prefetches and leaves native's logits bit for bit; what it cannot run is
+refused in one line naming the model_type and why (edgemoe/cuda/families.py).
 """
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -19,13 +21,17 @@ import gpu_check  # noqa: E402  (scripts/, on the path through conftest)
 from edgemoe.convert import convert  # noqa: E402
 from edgemoe.cuda import families  # noqa: E402
 from edgemoe.cuda.model import greedy, load  # noqa: E402
+from edgemoe.cuda.prerouted import MODES  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
+from edgemoe.routing.gates import hidden_size, moe_blocks  # noqa: E402
+from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, save_prerouter  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from make_hf_family_checkpoints import HF_FAMILIES, make_hf_family  # noqa: E402
 
 LOGIT_TOLERANCE = 1e-3
 PROMPT_LEN, DECODE = 16, 4
 UNGROUPED = {"n_group": 1, "topk_group": 1}  # afmoe: transformers' router ignores groups
+HEADS_SCALE = 8.0  # untrained heads' logits, scaled: see untrained_heads
 
 
 @pytest.fixture(scope="module")
@@ -50,26 +56,111 @@ def prompt(config: dict):
     return np.random.default_rng(7).integers(3, 500, length).tolist()
 
 
+class FamilyPack:
+    """A family's pack, its minimum budget and its prompt."""
+
+    def __init__(self, pack):
+        self.path = str(pack)
+        self.config = json.loads((pack / "config.json").read_text())
+        self.budget = minimum_bytes(Pack.open(self.path))
+        self.prompt = prompt(self.config)
+
+    def run(self, gated=True, **options):
+        """The CUDA backend's greedy decode on the CPU, and its store's counters; `gated`
+        False reads every prediction ahead (advisory gates them by their precision)."""
+        model, _ = load(self.path, self.budget, device="cpu", tokenizer=False, **options)
+        if not gated:
+            model.expert_store.gate_prefetches(False)
+        run, stats = greedy(model, self.prompt, DECODE), model.expert_store.snapshot()
+        model.expert_store.close()
+        return run, stats
+
+    def mlx_run(self, **options):
+        model, _ = edgemoe.load(self.path, expert_budget=self.budget, **options)
+        tokens, logits = gpu_check.mlx_greedy(model, self.prompt, DECODE)
+        model.expert_store.close()
+        return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def family(packs):
+    return lambda name: FamilyPack(packs[name])
+
+
+@pytest.fixture(scope="module")
+def native_runs(family):
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = family(name).run()
+        return runs[name]
+
+    return get
+
+
 def test_every_candidate_family_has_its_entry():
     assert sorted(families.SUPPORTED_MODEL_TYPES) == sorted(HF_FAMILIES)
     assert not set(families.UNSUPPORTED) & set(families.SUPPORTED_MODEL_TYPES)
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
-def test_family_decodes_as_the_mlx_path(family, packs):
-    path = str(packs[family])
-    budget = minimum_bytes(Pack.open(path))
-    tokens = prompt(json.loads((packs[family] / "config.json").read_text()))
-    mlx_model, _ = edgemoe.load(path, expert_budget=budget)
-    ref_tokens, ref_logits = gpu_check.mlx_greedy(mlx_model, tokens, DECODE)
-    mlx_model.expert_store.close()
-    model, _ = load(path, budget, device="cpu", tokenizer=False)
-    run = greedy(model, tokens, DECODE)
-    evictions = model.expert_store.stats.evictions
-    model.expert_store.close()
+@pytest.mark.parametrize("name", HF_FAMILIES)
+def test_family_decodes_as_the_mlx_path(name, family, native_runs):
+    ref_tokens, ref_logits = family(name).mlx_run()
+    run, stats = native_runs(name)
     assert run.tokens == ref_tokens
     assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
-    assert evictions > 0
+    assert stats.evictions > 0
+
+
+@pytest.mark.parametrize("name", HF_FAMILIES)
+def test_family_advisory_routing_prefetches_and_stays_native(name, family, native_runs):
+    native, _ = native_runs(name)
+    run, stats = family(name).run(routing="advisory", gated=False)
+    assert run.tokens == native.tokens and torch.equal(run.logits, native.logits)
+    assert stats.prefetches > 0
+
+
+def untrained_heads(fam: FamilyPack, out):
+    """Prerouter heads as the MLX path makes them (edgemoe.train_prerouter), untrained:
+    parity needs no good heads. Their logits are scaled up so that they route away from
+    native even where a tiny model's routing is all its score biases (deepseek_v32)."""
+    model, _ = edgemoe.load(fam.path, expert_budget=fam.budget)
+    blocks = moe_blocks(model)
+    model.expert_store.close()
+    mx.random.seed(0)
+    heads = Prerouter(PrerouterConfig.for_model(fam.config["model_type"],
+                                                hidden_size(blocks[min(blocks)]), blocks,
+                                                head_hidden=32))
+    for head in heads.heads.values():
+        head.down.weight = head.down.weight * HEADS_SCALE
+        head.down.bias = head.down.bias * HEADS_SCALE
+    return save_prerouter(heads, out)
+
+
+@pytest.fixture(scope="module")
+def heads(family, tmp_path_factory):
+    out, made = tmp_path_factory.mktemp("cuda_family_heads"), {}
+
+    def get(name):
+        if name not in made:
+            made[name] = untrained_heads(family(name), out / name)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("routing", MODES)
+@pytest.mark.parametrize("name", HF_FAMILIES)
+def test_family_prerouted_as_the_mlx_path(name, routing, family, heads, native_runs):
+    fam = family(name)
+    ref_tokens, ref_logits = fam.mlx_run(routing=routing, prerouter_path=heads(name))
+    run, stats = fam.run(routing=routing, prerouter=heads(name))
+    native, _ = native_runs(name)
+    assert run.tokens == ref_tokens
+    assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+    assert (run.logits - native.logits).abs().max() > 5 * LOGIT_TOLERANCE, "native routing"
+    assert stats.prefetches > 0
 
 
 def one_line_refusal(path) -> str:

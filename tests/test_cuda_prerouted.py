@@ -3,7 +3,9 @@
 The bundled reference model with the heads its pack carries: the same greedy tokens as
 edgemoe.load(..., routing="prerouted"), logits within the backend's tolerance, logits
 that are not native's (so a backend that ignored the heads would fail), prefetches that
-save on-demand loads, and routing state that belongs to the sequence.
+save on-demand loads, and routing state that belongs to the sequence; a router that
+cannot route by given logits is refused in one line. (Every family's parity with the MLX
+path's prerouted modes: tests/test_cuda_families.py.)
 """
 
 import json
@@ -16,11 +18,15 @@ torch = pytest.importorskip("torch", reason="the CUDA backend needs PyTorch (edg
 pytest.importorskip("transformers", reason="the CUDA backend needs transformers")
 
 import edgemoe  # noqa: E402
+from edgemoe.cuda import families  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, _cache_argument, greedy, load  # noqa: E402
 from edgemoe.cuda.prerouted import CONFIG, returned_cache  # noqa: E402
+from edgemoe.format.families import UnsupportedModelError  # noqa: E402
 from edgemoe.format.pack import Pack  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
+from torch import nn  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 import gpu_check  # noqa: E402  (scripts/, on the path through conftest)
 
@@ -120,3 +126,30 @@ def test_routing_errors_are_one_line(tmp_path):
         with pytest.raises(error) as e:
             load(PATH, 0.25, device="cpu", tokenizer=False, **kwargs)
         assert message in str(e.value) and "\n" not in str(e.value), kwargs
+
+
+def refused(routing="prerouted") -> str:
+    with pytest.raises(UnsupportedModelError) as e:
+        load(PATH, 0.25, device="cpu", tokenizer=False, routing=routing)
+    message = str(e.value)
+    assert "\n" not in message and f"{DEFAULT_MODEL / 'config.json'}: model_type 'qwen3_moe': " \
+        "prerouted routing " in message, message
+    return message
+
+
+def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
+    """Prerouted routing runs each router on the chosen logits: a router whose routing
+    depends on more than its logits, or whose logits' map it cannot find, is refused."""
+    router = modeling_qwen3_moe.Qwen3MoeTopKRouter
+    forward = router.forward
+
+    def weighed_by_its_input(self, hidden_states):
+        logits, weights, ids = forward(self, hidden_states)
+        return logits, weights * hidden_states.abs().mean(-1, keepdim=True), ids
+
+    monkeypatch.setattr(router, "forward", weighed_by_its_input)
+    assert "Qwen3MoeTopKRouter's routing of its own logits differs from its routing of " \
+           "its input" in refused("prerouted-set")
+    monkeypatch.undo()
+    monkeypatch.setattr(families, "router", lambda block: nn.Sequential())  # no linear map
+    assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused()

@@ -1,25 +1,29 @@
-"""The CUDA backend: expert slots in GPU memory, filled from SSD through pinned host rows.
+"""The CUDA backend: expert slots in GPU memory, filled from SSD through a host tier.
 
     pip install 'edgemoe[cuda]'
     from edgemoe.cuda import load, greedy
-    model, tokenizer = load(pack_path, expert_budget=0.25, device="cuda", io="direct")
+    model, tokenizer = load(pack_path, expert_budget=0.25, device="cuda", io="direct",
+                            host_budget="50%")
 
 Nothing in the rest of edgemoe imports this package, and this package imports neither
 MLX nor mlx-lm: it runs on a machine that has only PyTorch and transformers.
 
-The data path: the reader threads (edgemoe.reader, unchanged) `preadv` a record, with
-O_DIRECT if asked, into a slot's pinned host row; the slot memory
-(edgemoe.cuda.slots) then issues one asynchronous host-to-device copy on a dedicated
-copy stream and records an event; compute waits for that event on the GPU, never on
-the host. The slot state machine and the cache policies are edgemoe.store's and
+The data path, SSD -> RAM -> VRAM: the reader threads (edgemoe.reader, unchanged)
+`preadv` a record, with O_DIRECT if asked, into a pinned row of its layer's host tier
+(edgemoe.cuda.host: a RAM cache of records with its own budget and policy, or at least
+the few staging rows the copies need); the slot memory (edgemoe.cuda.slots) then issues
+one asynchronous host-to-device copy on a copy stream and records an event; compute
+waits for that event on the GPU, never on the host. A record the tier still holds costs
+a copy and no read. The slot state machine and the cache policies are edgemoe.store's and
 edgemoe.cache's, shared with the MLX backend; only the slot memory differs. Device
 operations go through a small interface (edgemoe.cuda.streams) that tests replace with
 a fake device recording every copy, event and wait, and that the CPU implements with
 synchronous copies: the whole backend runs, and is tested, on the CPU.
 
-Compute: the model is transformers' own class for the family, so attention, router
-(native, exact routing) and KV cache are transformers'; each MoE block's `experts`
-module is replaced by one that computes the gathered int4 SwiGLU over the slot arrays,
+Compute: the model is transformers' own class for the family (edgemoe.cuda.families),
+so attention, router (native, exact routing) and KV cache are transformers'; each MoE
+block's `experts` module is replaced by one that computes the gathered int4 experts
+(SwiGLU, or an ungated MLP) over the slot arrays,
 with a Triton kernel for decode (kernels/int4_moe.py) and dequantize-then-matmul
 otherwise (edgemoe.cuda.int4, also the CPU path and the kernel's reference).
 

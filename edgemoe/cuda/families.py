@@ -122,7 +122,7 @@ class Family:
     reads a key otherwise than mlx-lm; `renormalize` makes the routed weights of the top-k
     sum to one, as mlx-lm's block does and transformers' router does not; `refuse` says
     why a configuration cannot run (None: it can); `route` calls the router as the block
-    does, where that is not router(x) (advisory routing calls it)."""
+    does, where that is not router(x) (advisory and prerouted routing call it)."""
 
     renames: Tuple[Tuple[str, str], ...] = ()
     fixups: Tuple[Callable, ...] = ()
@@ -244,10 +244,15 @@ def router(block: nn.Module) -> Optional[nn.Module]:
 
 
 def route(model_type: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The experts `block`'s own router picks for the tokens x (T, D): called as the block
-    calls it (transformers 5's routers return (logits, weights, indices))."""
+    """The experts `block`'s own router picks for the tokens x (T, D)."""
+    return router_output(model_type, block, x)[-1]
+
+
+def router_output(model_type: str, block: nn.Module, x: torch.Tensor) -> tuple:
+    """`block`'s router on the tokens x (T, D), called as the block calls it (transformers
+    5's routers return (logits, weights, indices))."""
     call = FAMILIES[model_type].route or (lambda block, x: router(block)(x))
-    return call(block, x)[-1]
+    return call(block, x)
 
 
 def gated(experts: nn.Module) -> Optional[bool]:

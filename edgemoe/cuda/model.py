@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.activations import ACT2FN
 
+from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
 from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
 from ..streaming.cache import DEFAULT_POLICY
@@ -106,6 +107,9 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     if heads is not None:
         try:
             prerouted.install(model, store, heads, confine=routing == "prerouted-set")
+        except UnsupportedModelError as e:  # a router it cannot route by given logits
+            store.close()
+            raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
         except BaseException:
             store.close()
             raise

@@ -5,9 +5,10 @@ in PyTorch, with the heads read from their folder (prerouter.safetensors +
 prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
 
 - At MoE layer l, a call of L tokens: the head of each target t whose source is l reads
-  the block's input and l's routing at every position p and p-1 (the previous call's last
-  token's routing for p = 0; none at a sequence's start), and gives t's router logits
-  for position p+1.
+  the MoE block's input (what edgemoe.model.experts.hand_input gives the MLX path's heads;
+  gemma4's block is its decoder layer) and the experts l routed to at every position p and
+  p-1 (the previous call's last token's for p = 0; none at a sequence's start), and
+  gives t's router logits for position p+1.
 - Position p of target t routes by the head output of position p-1; position 0 by the
   prediction carried from the sequence's previous call (none at its start: native). The
   call's last prediction is carried to the next call, and its experts are prefetched
@@ -17,9 +18,15 @@ prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
 - "prerouted-set": the native router confined to the predicted experts (they are picked,
   and weighed, by the native logits).
 
-The routing is the family's own code: each router's output is replaced (a forward hook)
-by the router's own module run on the chosen logits through an identity map, as
-edgemoe.routing.gates does for the MLX blocks. The routing state of a sequence lives
+The routing is the family's own code, as edgemoe.routing.gates makes it for the MLX
+blocks: a RouterTap stands in for the linear map that computes a block's router logits
+(the router's own `weight`, as transformers 5's TopKRouters hold it, or the one Linear
+inside the router: afmoe's `gate`, gemma4's `proj`) and replaces its output by the chosen
+logits, so that the router's own code (softmax or sigmoid, score biases, expert groups,
+top-k, renormalisation) routes by them. Where the map is the router's own weight, the
+router runs on the logits through an identity map (x @ I.T is x, exactly). Every tap is
+checked at install: a router that does not route its own logits as it routes its input
+is refused in one line (model_type and why). The routing state of a sequence lives
 beside its KV cache (keyed by the cache object, as edgemoe.routing.state does with
 mlx-lm's cache), so two decodes never see each other's predictions; a forward call with
 no cache is a whole sequence.
@@ -40,6 +47,7 @@ from torch import nn
 from ..format.families import UnsupportedModelError
 from ..format.source import pack_asset, resolve_asset
 from ..streaming.store import ExpertStore
+from . import families
 
 MODES = ("prerouted", "prerouted-set")
 WEIGHTS, CONFIG = "prerouter.safetensors", "prerouter_config.json"  # edgemoe.routing.prerouter
@@ -163,27 +171,27 @@ class Call:
     state: SequenceState
     rows: int
     cache: object
+    inputs: Dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> its input
     pending: Dict[int, tuple] = field(default_factory=dict)  # target -> its routing now
     ahead: Dict[int, Dict[int, torch.Tensor]] = field(default_factory=dict)  # prefetches
 
 
 class PreroutedRouting:
     """Runs the heads at each MoE layer of the model's forward calls and routes the
-    predicted layers by them."""
+    predicted layers by them (through each layer's RouterTap)."""
 
-    def __init__(self, heads: Heads, routers: Dict[int, nn.Module], store: ExpertStore,
+    def __init__(self, heads: Heads, taps: Dict[int, "RouterTap"], store: ExpertStore,
                  confine: bool = False):
-        self.heads, self.store, self.confine = heads, store, confine
+        self.heads, self.taps, self.store, self.confine = heads, taps, store, confine
         config = heads.config
-        missing = sorted((set(config.sources) | set(config.sources.values())) - set(routers))
+        missing = sorted((set(config.sources) | set(config.sources.values())) - set(taps))
         if missing:
             raise ValueError(f"prerouter heads for MoE layers {missing}: the model's MoE "
-                             f"layers are {sorted(routers)}")
+                             f"layers are {sorted(taps)}")
         self.targets_of: Dict[int, List[int]] = {}
         for target, source in sorted(config.sources.items()):
             self.targets_of.setdefault(source, []).append(target)
         self.predicted = set(config.predicted_layers)
-        self.logit_routers = {t: LogitRouter(routers[t]) for t in config.sources}
         self._states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.calls: List[Call] = []
 
@@ -198,6 +206,8 @@ class PreroutedRouting:
         self.calls.append(Call(self.state_of(cache), rows, cache))
 
     def exit(self, module, args, kwargs, output):
+        for tap in self.taps.values():  # a prediction never outlives its forward call
+            tap.prediction = None
         if not self.calls:  # (enter failed)
             return
         call = self.calls.pop()  # its predictions and prefetches end with it
@@ -215,17 +225,21 @@ class PreroutedRouting:
 
     # --- each MoE layer ---------------------------------------------------------------
 
-    def routed(self, layer: int, x: torch.Tensor, output):
-        """Layer `layer`'s router gave `output` for its input `x` (tokens, D): replace it by
-        the predicted routing where there is one, and run the heads this layer sources."""
+    def entered(self, layer: int, x: torch.Tensor):
+        """Layer `layer`'s MoE block is called on `x`: its router is to route by the
+        prediction made for this call, if any."""
         if not self.calls:  # a block called outside a model call: native, unrecorded
-            return None
+            return
         call = self.calls[-1]
-        pending = call.pending.pop(layer, None)
-        if pending is not None:
-            output = self._predicted_routing(layer, output[0], *pending)
-        self._run_heads(call, layer, x, output[2])
-        return output
+        call.inputs[layer] = x
+        self.taps[layer].prediction = call.pending.pop(layer, None)
+
+    def routed(self, layer: int, ids: torch.Tensor):
+        """Layer `layer` routed its tokens to `ids` (tokens, k): run the heads it sources."""
+        if not self.calls or layer not in self.calls[-1].inputs:
+            return
+        call = self.calls[-1]
+        self._run_heads(call, layer, call.inputs.pop(layer), ids)
 
     def prefetch(self, layer: int):
         """Layer `layer`'s experts are in slots: read the experts its heads predicted."""
@@ -233,19 +247,6 @@ class PreroutedRouting:
             return
         for target, experts in self.calls[-1].ahead.pop(layer, {}).items():
             self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), LEAD)
-
-    def _predicted_routing(self, layer: int, native: torch.Tensor, kind: str, value):
-        if kind == "logits":  # rows of NaN: no prediction (a sequence's first token)
-            value = value.reshape(native.shape)
-            logits = torch.where(torch.isnan(value), native, value.to(native.dtype))
-        else:  # "allowed": the native logits confined to predicted ids; -1: none
-            allowed = value.reshape(native.shape[0], -1)
-            inside = (allowed[..., None] == torch.arange(native.shape[-1],
-                                                         device=native.device)).any(-2)
-            # the lowest finite value, not -inf: the identity map would make -inf NaN
-            low = torch.full_like(native, torch.finfo(native.dtype).min)
-            logits = torch.where(allowed[:, :1] < 0, native, torch.where(inside, native, low))
-        return self.logit_routers[layer](logits)
 
     def _run_heads(self, call: Call, layer: int, x: torch.Tensor, ids: torch.Tensor):
         rows, state = call.rows, call.state
@@ -259,8 +260,8 @@ class PreroutedRouting:
         ahead = {}
         for target in self.targets_of.get(layer, ()):
             logits = self.heads.logits(target, x, now, prev)  # (rows, L, E): position p+1
-            route = self.logit_routers[target]
-            ahead[target] = route(logits[:, -1])[2]
+            tap = self.taps[target]
+            ahead[target] = tap.route(logits[:, -1])
             if target not in self.predicted:
                 continue
             first = state.carry.get(target)
@@ -269,7 +270,7 @@ class PreroutedRouting:
             shifted = torch.cat([first, logits[:, :-1]], 1)
             state.carry[target] = logits[:, -1:]
             if self.confine:  # the predicted set; -1 where there is no prediction
-                allowed = route(torch.nan_to_num(shifted, nan=0.0))[2].long()
+                allowed = tap.route(torch.nan_to_num(shifted, nan=0.0)).long()
                 call.pending[target] = ("allowed", torch.where(
                     torch.isnan(shifted[..., :1]), -1, allowed))
             else:
@@ -286,55 +287,139 @@ def returned_cache(output):
     return None if name is None else output[name]
 
 
-class LogitRouter:
-    """A router's own module run on router logits: its map the identity (x @ I.T is x,
-    exactly), so the family's routing math (softmax, top-k, renormalisation) applies to
-    logits it did not compute. Checked against the router itself on random inputs."""
+class RouterTap:
+    """Stands in for the linear map computing a MoE block's router logits, as the MLX
+    path's RouterTap does (edgemoe.routing.gates): the map's next call returns, once,
+    `prediction` instead of its own logits: ("logits", (..., E)), rows of NaN keeping the
+    native ones, or ("allowed", (..., m) expert ids), the native logits confined to them
+    (-1: no prediction). `route(logits)` is the experts the block's router picks from
+    router logits, by its own code."""
 
-    def __init__(self, router: nn.Module):
+    def __init__(self, model_type: str, block: nn.Module):
+        self.model_type, self.block = model_type, block
+        router = families.router(block)
+        self.prediction: Optional[tuple] = None
+        self.recorded: Optional[torch.Tensor] = None  # the logits the map last computed
         weight = getattr(router, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
-                or not hasattr(router, "hidden_dim"):
+        linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:  # x @ weight.T inside
+            self.map, self.twin = router, identity_twin(router)
+        elif len(linears) == 1:
+            self.map, self.twin = linears[0], None
+        else:
             raise UnsupportedModelError(
-                f"{type(router).__name__}: prerouted routing runs routers with a (experts, "
-                f"hidden) `weight` and a `hidden_dim` (transformers 5's TopKRouter)")
-        experts, width = weight.shape
-        self.twin = copy.deepcopy(router)
-        self.twin.weight = nn.Parameter(torch.eye(experts, dtype=weight.dtype,
-                                                  device=weight.device), requires_grad=False)
-        self.twin.hidden_dim = experts
-        self.dtype = weight.dtype
-        gen = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(16, width, generator=gen, device=weight.device).to(weight.dtype)
-        with torch.no_grad():
-            native = router(x)
-            mine = self(native[0])
-        if not (torch.equal(native[2], mine[2]) and torch.equal(native[1], mine[1])):
-            raise UnsupportedModelError(f"{type(router).__name__}: its routing of its own "
-                                        f"logits differs from its routing of its input")
+                f"model_type {model_type!r}: prerouted routing replaces the linear map of "
+                f"each router's logits, and {type(router).__name__} has neither a 2-D "
+                f"`weight` nor one Linear inside it (found {len(linears)})")
+        self.num_experts, self.input_width = self.map.weight.shape
+        self.map.register_forward_hook(self._replace, with_kwargs=True)
+        self._check(type(router).__name__)
 
-    def __call__(self, logits: torch.Tensor):
-        """(logits, scores, indices) of (..., E) logits, by the router's own code (its
-        forward, not its __call__: no hooks)."""
-        shape = logits.shape[:-1]
-        out = self.twin.forward(logits.reshape(-1, logits.shape[-1]).to(self.dtype))
-        return tuple(o.reshape(*shape, o.shape[-1]) for o in out)
+    def route(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., k) expert ids of (..., E) router logits."""
+        return self._routed_by(logits)[-1].reshape(*logits.shape[:-1], -1)
+
+    def _routed_by(self, logits: torch.Tensor) -> tuple:
+        """The router's output, called as its block calls it, where its map gives `logits`."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        kept, self.prediction = self.prediction, ("logits", flat)
+        try:
+            x = torch.zeros(flat.shape[0], self.input_width, dtype=self.map.weight.dtype,
+                            device=flat.device)
+            return families.router_output(self.model_type, self.block, x)
+        finally:
+            self.prediction = kept
+
+    def _replace(self, module, args, kwargs, output):
+        native = output if isinstance(output, torch.Tensor) else output[0]
+        self.recorded = native
+        prediction, self.prediction = self.prediction, None
+        if prediction is None:
+            return None
+        logits = chosen(native, *prediction)
+        if self.twin is None:
+            return logits
+        if self.twin.weight.dtype != logits.dtype:  # the identity in the logits' dtype
+            self.twin.weight.data = self.twin.weight.data.to(logits.dtype)
+        # its forward, not its __call__ (no hooks), given what else the router was (lfm2's
+        # expert_bias)
+        mine = self.twin.forward(logits, *args[1:], **kwargs)
+        if isinstance(output, torch.Tensor):
+            return mine.to(output.dtype)
+        return tuple(m.to(n.dtype) for m, n in zip(mine, output))
+
+    @torch.no_grad()
+    def _check(self, router: str):
+        training = self.block.training
+        self.block.eval()  # phimoe's sparsemixer samples while training
+        try:
+            self._check_eval(router)
+        finally:
+            self.block.train(training)
+
+    def _check_eval(self, router: str):
+        gen = torch.Generator(device=self.map.weight.device).manual_seed(0)
+        x = torch.randn(16, self.input_width, generator=gen, device=self.map.weight.device)
+        native = families.router_output(self.model_type, self.block,
+                                        x.to(self.map.weight.dtype))
+        mine = self._routed_by(self.recorded)
+        if not all(torch.equal(a, b) for a, b in zip(native, mine)):
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r}: prerouted routing runs the router on "
+                f"given logits, and {router}'s routing of its own logits differs from its "
+                f"routing of its input")
+
+
+def identity_twin(router: nn.Module) -> nn.Module:
+    """A copy of a router whose own `weight` is its logits' map, with the identity for it:
+    its forward routes the logits it is given."""
+    twin = copy.deepcopy(router)
+    experts, weight = router.weight.shape[0], router.weight
+    twin.weight = nn.Parameter(torch.eye(experts, dtype=weight.dtype, device=weight.device),
+                               requires_grad=False)
+    if hasattr(twin, "hidden_dim"):  # transformers' TopKRouter: view(-1, hidden_dim)
+        twin.hidden_dim = experts
+    return twin.eval()  # not the model's module: its train() never reaches the twin
+
+
+def chosen(native: torch.Tensor, kind: str, value: torch.Tensor) -> torch.Tensor:
+    """The logits a prediction routes by, in the shape and dtype of the map's `native`
+    logits: the predicted ones (rows of NaN: native), or ("allowed") the native ones with
+    every expert outside the predicted ids (-1: no prediction) at the lowest finite value
+    (not -inf: an identity map would make -inf NaN)."""
+    flat = native.reshape(-1, native.shape[-1])
+    if kind == "logits":
+        value = value.reshape(flat.shape)
+        logits = torch.where(torch.isnan(value), flat, value.to(flat.dtype))
+    else:
+        allowed = value.reshape(flat.shape[0], -1)
+        inside = (allowed[..., None] == torch.arange(flat.shape[-1],
+                                                     device=flat.device)).any(-2)
+        low = torch.full_like(flat, torch.finfo(flat.dtype).min)
+        logits = torch.where(allowed[:, :1] < 0, flat, torch.where(inside, flat, low))
+    return logits.reshape(native.shape)
 
 
 def install(model: nn.Module, store: ExpertStore, heads: Heads, confine: bool = False):
     """Route `model`'s MoE layers by the heads (the model's MoE blocks are those `store`
     streams; their `experts` are edgemoe.cuda.experts.StreamingExperts)."""
     layers = model.model.layers
-    blocks = {index: layers[index].mlp for index in store.layer_indices}
+    blocks = {index: families.moe_block(layers[index]) for index in store.layer_indices}
+    taps = {index: RouterTap(model.config.model_type, block) for index, block in blocks.items()}
     config = heads.config
-    width = blocks[min(blocks)].gate.weight.shape
-    if (config.num_experts, config.hidden_size) != tuple(width):
+    found = sorted({(tap.num_experts, tap.input_width) for tap in taps.values()})
+    if found != [(config.num_experts, config.hidden_size)]:
         raise ValueError(f"prerouter heads for {config.num_experts} experts of width "
-                         f"{config.hidden_size}; the model's routers are {tuple(width)}")
-    routing = PreroutedRouting(heads, {i: b.gate for i, b in blocks.items()}, store, confine)
+                         f"{config.hidden_size}; the model's routers are "
+                         f"{', '.join(map(str, found))}")
+    routing = PreroutedRouting(heads, taps, store, confine)
     for index, block in blocks.items():
-        block.gate.register_forward_hook(
-            lambda module, args, output, index=index: routing.routed(index, args[0], output))
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs, index=index: routing.entered(
+                index, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        block.experts.register_forward_pre_hook(
+            lambda module, args, kwargs, index=index: routing.routed(
+                index, args[1] if len(args) > 1 else kwargs["top_k_index"]), with_kwargs=True)
         block.experts.advise = lambda x, index=index: routing.prefetch(index)
     model.register_forward_pre_hook(routing.enter, with_kwargs=True)
     model.register_forward_hook(routing.exit, with_kwargs=True, always_call=True)
