@@ -111,17 +111,39 @@ def test_each_sequence_carries_its_own_routing():
         assert torch.equal(torch.cat(outs[s]).float(), solo[s].logits), f"sequence {s}"
 
 
+def same_token_heads(folder):
+    """The pack's heads read as same-token heads (parity needs no good heads)."""
+    shutil.copytree(HEADS, folder)
+    config = json.loads((folder / CONFIG).read_text())
+    (folder / CONFIG).write_text(json.dumps({**config, "same_token": True}))
+    return folder
+
+
+@pytest.mark.parametrize("routing", ["prerouted", "prerouted-set"])
+def test_same_token_heads_route_as_the_mlx_path(routing, tmp_path):
+    """Same-token heads route each call by their prediction for its own positions and read
+    those experts a layer ahead: the MLX path's tokens and logits."""
+    heads = same_token_heads(tmp_path / "same-token")
+    budget = amount("minimum")
+    mlx_model, _ = edgemoe.load(PATH, expert_budget=budget, routing=routing,
+                                prerouter_path=heads)
+    ref_tokens, ref_logits = gpu_check.mlx_greedy(mlx_model, prompt(), DECODE)
+    mlx_model.expert_store.close()
+    model, _ = load(PATH, budget, device="cpu", tokenizer=False, routing=routing,
+                    prerouter=heads)
+    run = greedy(model, prompt(), DECODE)
+    stats = model.expert_store.snapshot()
+    model.expert_store.close()
+    assert run.tokens == ref_tokens
+    assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+    assert stats.prefetches > 0 and stats.predicted_used > 0
+
+
 def test_routing_errors_are_one_line(tmp_path):
     cases = [(dict(routing="psychic"), ValueError, "routes native, advisory, prerouted"),
              (dict(routing="prerouted", prerouter=tmp_path / "none"), FileNotFoundError,
               f"{tmp_path / 'none' / CONFIG}: no such file"),
              (dict(routing="advisory", prerouter=HEADS), ValueError, "advisory routing uses")]
-    same_token = tmp_path / "same-token"
-    shutil.copytree(HEADS, same_token)
-    config = json.loads((same_token / CONFIG).read_text())
-    (same_token / CONFIG).write_text(json.dumps({**config, "same_token": True}))
-    cases.append((dict(routing="prerouted", prerouter=same_token), ValueError,
-                  "needs next-token heads"))
     for kwargs, error, message in cases:
         with pytest.raises(error) as e:
             load(PATH, 0.25, device="cpu", tokenizer=False, **kwargs)

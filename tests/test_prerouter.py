@@ -312,12 +312,50 @@ def test_prerouted_set_routes_only_to_predicted_experts(checkpoints):
     assert mx.array_equal(gate(x), block.gate(x))
 
 
-def test_prerouted_needs_next_token_heads(packs, checkpoints, text_file, tmp_path):
+def test_prerouted_needs_heads(packs):
     with pytest.raises(ValueError, match="needs prerouter heads"):
         edgemoe.load(packs["qwen3_moe"]["hf"], routing="prerouted")
-    out = tmp_path / "same"
-    train_prerouter.run(train_args(checkpoints, text_file, out, same_token=True, max_steps=2,
-                                   epochs=1))
-    with pytest.raises(ValueError, match="next-token heads"):
-        edgemoe.load(packs["qwen3_moe"]["hf"], routing="prerouted",
-                     prerouter_path=out / "prerouter")
+
+
+@pytest.fixture(scope="module")
+def trained_same_token(checkpoints, text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("same")
+    train_prerouter.run(train_args(checkpoints, text_file, out, same_token=True))
+    return out / "prerouter"
+
+
+def test_same_token_heads_route_each_position_by_its_own_prediction(packs, checkpoints):
+    """A same-token head run at layer 1 gives layer 2's routing for the same positions (no
+    shift, nothing carried), and those experts are read ahead at once (lead 0)."""
+    from edgemoe.routing.predictors import PreroutedPredictor
+
+    model, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    prerouter, blocks = new_prerouter(model, "qwen3_moe", same_token=True)
+    predictor = PreroutedPredictor(prerouter, blocks)
+    x, ids = inputs(model, blocks, 1)
+    state = RoutingState()
+    ahead = predictor.predict(state, 1, x, ids)
+    logits = prerouter.logits(2, x, ids, mx.concatenate(
+        [mx.full((1, 1, ids.shape[-1]), -1, dtype=mx.int32), ids[:, :-1]], axis=1))
+    assert predictor.lead == 0 and not state.carry
+    assert mx.allclose(predictor.taps[2].pending[0], logits, atol=1e-6)
+    assert mx.array_equal(ahead[2], indices_from_logits(blocks[2], logits))
+
+
+@pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
+def test_same_token_prerouted_decode_never_loads_on_demand(packs, trained_same_token, mode):
+    """Each predicted layer's experts are read while the layer before it computes, so
+    none loads on demand, and the routing is the heads' (not native)."""
+    from edgemoe.format.pack import Pack
+
+    path = packs["qwen3_moe"]["hf"]
+    budget = minimum_bytes(Pack.open(path))
+    model, _ = edgemoe.load(path, expert_budget=budget, routing=mode,
+                            prerouter_path=trained_same_token)
+    prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))
+    logits, on_demand = decode_steps(model, prompt)
+    assert all(on_demand[l] == 0 for l in (1, 2, 3)), on_demand
+    assert model.expert_store.snapshot().prefetches > 0
+    native, _ = edgemoe.load(path, expert_budget=budget)
+    native_logits, _ = decode_steps(native, prompt)
+    assert not mx.array_equal(logits, native_logits)

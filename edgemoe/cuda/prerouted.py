@@ -52,7 +52,6 @@ from . import families
 MODES = ("prerouted", "prerouted-set")
 WEIGHTS, CONFIG = "prerouter.safetensors", "prerouter_config.json"  # edgemoe.routing.prerouter
 NORM_EPS = 1e-5  # mlx.nn.RMSNorm's default, which the heads were trained with
-LEAD = 1  # next-token heads: a prediction is about the layer's next call
 
 
 @dataclass
@@ -142,9 +141,6 @@ def load_heads(path, device) -> Heads:
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     config = HeadsConfig.from_json(json.loads((path / CONFIG).read_text()))
-    if config.same_token:
-        raise ValueError(f"{path / CONFIG}: same_token heads; prerouted routing needs "
-                         f"next-token heads (trained without --same-token)")
     heads = Heads(config)
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)
@@ -192,6 +188,8 @@ class PreroutedRouting:
         for target, source in sorted(config.sources.items()):
             self.targets_of.setdefault(source, []).append(target)
         self.predicted = set(config.predicted_layers)
+        # next-token heads predict the layer's next call; same-token heads this one's
+        self.lead = 0 if config.same_token else 1
         self._states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.calls: List[Call] = []
 
@@ -246,7 +244,7 @@ class PreroutedRouting:
         if not self.calls:
             return
         for target, experts in self.calls[-1].ahead.pop(layer, {}).items():
-            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), LEAD)
+            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), self.lead)
 
     def _run_heads(self, call: Call, layer: int, x: torch.Tensor, ids: torch.Tensor):
         rows, state = call.rows, call.state
@@ -259,16 +257,13 @@ class PreroutedRouting:
         state.previous[layer] = now[:, -1]
         ahead = {}
         for target in self.targets_of.get(layer, ()):
-            logits = self.heads.logits(target, x, now, prev)  # (rows, L, E): position p+1
+            logits = self.heads.logits(target, x, now, prev)  # (rows, L, E)
             tap = self.taps[target]
-            ahead[target] = tap.route(logits[:, -1])
+            # same-token: position p's routing, read now; next-token: position p+1's
+            ahead[target] = tap.route(logits if self.lead == 0 else logits[:, -1])
             if target not in self.predicted:
                 continue
-            first = state.carry.get(target)
-            if first is None or first.shape[0] != rows:
-                first = torch.full_like(logits[:, :1], float("nan"))
-            shifted = torch.cat([first, logits[:, :-1]], 1)
-            state.carry[target] = logits[:, -1:]
+            shifted = logits if self.lead == 0 else _shifted(state, target, logits)
             if self.confine:  # the predicted set; -1 where there is no prediction
                 allowed = tap.route(torch.nan_to_num(shifted, nan=0.0)).long()
                 call.pending[target] = ("allowed", torch.where(
@@ -277,6 +272,16 @@ class PreroutedRouting:
                 call.pending[target] = ("logits", shifted)
         if ahead:
             call.ahead[layer] = ahead
+
+
+def _shifted(state: SequenceState, target: int, logits: torch.Tensor) -> torch.Tensor:
+    """Next-token logits as the routing of each position: the previous position's
+    prediction, the call's first from the sequence's last call (NaN: none)."""
+    first = state.carry.get(target)
+    if first is None or first.shape[0] != logits.shape[0]:
+        first = torch.full_like(logits[:, :1], float("nan"))
+    state.carry[target] = logits[:, -1:]
+    return torch.cat([first, logits[:, :-1]], 1)
 
 
 def returned_cache(output):

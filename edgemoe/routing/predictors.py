@@ -105,19 +105,19 @@ class HeadsPredictor:
 
 
 class PreroutedPredictor(HeadsPredictor):
-    """Predicted routing: run at MoE layer l on token t, a next-token head gives layer
-    l+1's logits for token t+1. Within one call (a prompt of L tokens) position p routes
-    by the prediction made at position p-1; the call's last prediction is carried in
-    the sequence's state to its next call, and its experts are returned, so the store
+    """Predicted routing. Next-token heads: run at MoE layer l on token t, a head gives
+    layer l+1's logits for token t+1. Within one call (a prompt of L tokens) position p
+    routes by the prediction made at position p-1; the call's last prediction is carried
+    in the sequence's state to its next call, and its experts are returned, so the store
     reads them a whole token ahead. The first token of a sequence, and the configured
-    native layers, route natively. `confine=True` is `prerouted-set`: the predicted
-    set, weighed by the native router.
+    native layers, route natively. Same-token heads (trained with --same-token): a head
+    run at layer l gives layer l+1's logits for this very call, which are its routing;
+    its experts are read while layer l computes (a layer ahead: more accurate, less
+    lead). `confine=True` is `prerouted-set`: the predicted set, weighed by the native
+    router.
     """
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False):
-        if prerouter.config.same_token:
-            raise ValueError("prerouted routing needs next-token heads (trained without "
-                             "--same-token)")
         super().__init__(prerouter, blocks)
         self.confine = confine
         self.predicted_layers = set(prerouter.config.predicted_layers)
@@ -131,19 +131,26 @@ class PreroutedPredictor(HeadsPredictor):
         now, prev = self.routing_now(state, layer, ids)
         ahead = {}
         for target in self.targets_of.get(layer, []):
-            logits = self.logits[target](x, now, prev)  # (rows, L, E): position p+1
-            ahead[target] = self.indices[target](logits[:, -1])
+            logits = self.logits[target](x, now, prev)  # (rows, L, E)
+            # same-token: position p's routing, read now; next-token: position p+1's
+            ahead[target] = self.indices[target](logits if self.same_token else logits[:, -1])
             if target not in self.predicted_layers:
                 continue
-            first = state.carry.get(target)
-            if first is None or first.shape[0] != x.shape[0]:
-                first = mx.full((x.shape[0], 1, logits.shape[-1]), mx.nan)
-            shifted = mx.concatenate([first, logits[:, :-1]], axis=1)
-            state.carry[target] = logits[:, -1:]
+            routing = logits if self.same_token else self._shifted(state, target, logits)
             if self.confine:
-                inds = self.indices[target](mx.nan_to_num(shifted, nan=0.0))
-                inds = mx.where(mx.isnan(shifted[..., :1]), -1, inds.astype(mx.int32))
+                inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
+                inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
                 self.taps[target].set_prediction(allowed=inds)
             else:
-                self.taps[target].set_prediction(shifted)
+                self.taps[target].set_prediction(routing)
         return ahead
+
+    @staticmethod
+    def _shifted(state, target: int, logits: mx.array) -> mx.array:
+        """Next-token logits as the routing of each position: the previous position's
+        prediction, the call's first from the sequence's last call (NaN: none)."""
+        first = state.carry.get(target)
+        if first is None or first.shape[0] != logits.shape[0]:
+            first = mx.full((logits.shape[0], 1, logits.shape[-1]), mx.nan)
+        state.carry[target] = logits[:, -1:]
+        return mx.concatenate([first, logits[:, :-1]], axis=1)
