@@ -119,11 +119,17 @@ def same_token_heads(folder):
     return folder
 
 
-@pytest.mark.parametrize("routing", ["prerouted", "prerouted-set"])
-def test_same_token_heads_route_as_the_mlx_path(routing, tmp_path):
+@pytest.mark.parametrize("routing, kind", [("prerouted", "same-token"),
+                                           ("prerouted-set", "same-token"),
+                                           ("prerouted", "corrected")])
+def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
     """Same-token heads route each call by their prediction for its own positions and read
-    those experts a layer ahead: the MLX path's tokens and logits."""
+    those experts a layer ahead; as the correction of next-token heads, they route while
+    the next-token heads read a token ahead: the MLX path's tokens and logits."""
     heads = same_token_heads(tmp_path / "same-token")
+    if kind == "corrected":
+        heads = shutil.copytree(HEADS, tmp_path / "corrected")
+        same_token_heads(heads / "correction")
     budget = amount("minimum")
     mlx_model, _ = edgemoe.load(PATH, expert_budget=budget, routing=routing,
                                 prerouter_path=heads)

@@ -169,15 +169,15 @@ def test_predictor_carries_the_previous_token(packs):
     predictor = HeadsPredictor(prerouter, blocks)
     source, target = 1, 2
     x, now = inputs(model, blocks, source, length=6)
-    whole = np.array(predictor.predict(RoutingState(), source, x, now)[target])
+    whole = np.array(predictor.predict(RoutingState(), source, x, now)[target, 0])
     state = RoutingState()
-    steps = [np.array(predictor.predict(state, source, x[:, i:i + 1], now[:, i:i + 1])[target])
+    steps = [np.array(predictor.predict(state, source, x[:, i:i + 1], now[:, i:i + 1])[target, 0])
              for i in range(6)]
     assert np.array_equal(np.concatenate(steps, axis=1), whole)
     state = RoutingState()  # a new request starts with no previous token
-    first = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target])
+    first = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target, 0])
     assert np.array_equal(first, whole[:, :1])
-    shifted = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target])
+    shifted = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target, 0])
     expected = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
     assert np.array_equal(shifted, np.array(expected))
 
@@ -337,9 +337,9 @@ def test_same_token_heads_route_each_position_by_its_own_prediction(packs, check
     ahead = predictor.predict(state, 1, x, ids)
     logits = prerouter.logits(2, x, ids, mx.concatenate(
         [mx.full((1, 1, ids.shape[-1]), -1, dtype=mx.int32), ids[:, :-1]], axis=1))
-    assert predictor.lead == 0 and not state.carry
+    assert list(ahead) == [(2, 0)] and not state.carry
     assert mx.allclose(predictor.taps[2].pending[0], logits, atol=1e-6)
-    assert mx.array_equal(ahead[2], indices_from_logits(blocks[2], logits))
+    assert mx.array_equal(ahead[2, 0], indices_from_logits(blocks[2], logits))
 
 
 @pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
@@ -359,3 +359,61 @@ def test_same_token_prerouted_decode_never_loads_on_demand(packs, trained_same_t
     native, _ = edgemoe.load(path, expert_budget=budget)
     native_logits, _ = decode_steps(native, prompt)
     assert not mx.array_equal(logits, native_logits)
+
+
+@pytest.fixture(scope="module")
+def corrected(trained, trained_same_token, tmp_path_factory):
+    """Next-token heads carrying same-token heads as their correction."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("corrected") / "prerouter"
+    shutil.copytree(trained[0] / "prerouter", folder)
+    shutil.copytree(trained_same_token, folder / "correction")
+    return folder
+
+
+def test_a_correction_routes_and_the_next_token_heads_read_ahead(checkpoints):
+    """With a correction, layer 2 routes by the same-token heads' prediction for this
+    call (no shift, nothing carried), read at once (lead 0); the next-token heads'
+    prediction for the next token is read a token ahead (lead 1)."""
+    from edgemoe.routing.predictors import PreroutedPredictor
+
+    model, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    heads, blocks = new_prerouter(model, "qwen3_moe", seed=0)
+    correction, _ = new_prerouter(model, "qwen3_moe", seed=1, same_token=True)
+    predictor = PreroutedPredictor(heads, blocks, correction=correction)
+    x, ids = inputs(model, blocks, 1)
+    state = RoutingState()
+    predictions = predictor.predict(state, 1, x, ids)
+    prev = mx.concatenate([mx.full((1, 1, ids.shape[-1]), -1, dtype=mx.int32), ids[:, :-1]], 1)
+    corrected = correction.logits(2, x, ids, prev)
+    ahead = heads.logits(2, x, ids, prev)[:, -1]
+    assert sorted(predictions) == [(2, 0), (2, 1)] and not state.carry
+    assert mx.allclose(predictor.taps[2].pending[0], corrected, atol=1e-6)
+    assert mx.array_equal(predictions[2, 0], indices_from_logits(blocks[2], corrected))
+    assert mx.array_equal(predictions[2, 1], indices_from_logits(blocks[2], ahead))
+    with pytest.raises(ValueError, match="same-token heads"):
+        PreroutedPredictor(correction, blocks, correction=correction)
+
+
+def test_a_corrected_decode_is_the_corrections_and_reads_a_token_ahead(
+        packs, trained_same_token, corrected):
+    """Heads carrying a correction decode exactly as the correction's same-token heads
+    alone (they route), load nothing on demand at a predicted layer, and also read the
+    next-token heads' prediction a token ahead."""
+    from edgemoe.format.pack import Pack
+
+    path = packs["qwen3_moe"]["hf"]
+    budget = minimum_bytes(Pack.open(path)) * 2
+    prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))
+    runs = {}
+    for name, heads in (("same-token", trained_same_token), ("corrected", corrected)):
+        model, _ = edgemoe.load(path, expert_budget=budget, routing="prerouted",
+                                prerouter_path=heads)
+        logits, on_demand = decode_steps(model, prompt)
+        runs[name] = logits, on_demand, model.expert_store.snapshot()
+        model.expert_store.close()
+    assert mx.array_equal(runs["corrected"][0], runs["same-token"][0])
+    assert all(runs["corrected"][1][l] == 0 for l in (1, 2, 3)), runs["corrected"][1]
+    same, both = runs["same-token"][2], runs["corrected"][2]
+    assert both.prefetches > same.prefetches

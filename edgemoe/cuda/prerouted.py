@@ -14,6 +14,10 @@ prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
   call's last prediction is carried to the next call, and its experts are prefetched
   (`store.prefetch(t, experts, 1)`, ungated) as soon as layer l's own experts are in
   slots, so they are read a whole token ahead.
+- Same-token heads: position p of target t routes by the head output of position p, and
+  those experts are read while layer l computes (a layer ahead). Next-token heads that
+  carry a correction (same-token heads in their `correction/` folder): the correction
+  routes, and the next-token prediction only starts reads a token ahead.
 - The heads' config's native_layers (the first MoE layer) keep the native router.
 - "prerouted-set": the native router confined to the predicted experts (they are picked,
   and weighed, by the native logits).
@@ -50,7 +54,8 @@ from ..streaming.store import ExpertStore
 from . import families
 
 MODES = ("prerouted", "prerouted-set")
-WEIGHTS, CONFIG = "prerouter.safetensors", "prerouter_config.json"  # edgemoe.routing.prerouter
+# as edgemoe.routing.prerouter saves them
+WEIGHTS, CONFIG, CORRECTION = "prerouter.safetensors", "prerouter_config.json", "correction"
 NORM_EPS = 1e-5  # mlx.nn.RMSNorm's default, which the heads were trained with
 
 
@@ -135,6 +140,8 @@ def heads_folder(model: Path, routing: str, given) -> Optional[Path]:
 
 
 def load_heads(path, device) -> Heads:
+    """The heads of a prerouter folder on `device`, with the correction (same-token heads
+    for the same layers, in its `correction/` folder) it may carry as `.correction`."""
     path = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (path / name).exists():
@@ -147,7 +154,14 @@ def load_heads(path, device) -> Heads:
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS}: expected the heads of {CONFIG}; missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]}")
-    return heads.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    heads = heads.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    correction = load_heads(path / CORRECTION, device) if (path / CORRECTION).is_dir() else None
+    if correction is not None and (config.same_token or not correction.config.same_token
+                                   or correction.config.sources != config.sources):
+        raise ValueError(f"{path / CORRECTION}: a correction is same-token heads for the "
+                         f"layers of next-token ones (train_prerouter --same-token)")
+    object.__setattr__(heads, "correction", correction)  # not a submodule of the heads
+    return heads
 
 
 class SequenceState:
@@ -169,7 +183,8 @@ class Call:
     cache: object
     inputs: Dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> its input
     pending: Dict[int, tuple] = field(default_factory=dict)  # target -> its routing now
-    ahead: Dict[int, Dict[int, torch.Tensor]] = field(default_factory=dict)  # prefetches
+    # prefetches: MoE layer -> {(target, lead): expert ids}
+    ahead: Dict[int, Dict[tuple, torch.Tensor]] = field(default_factory=dict)
 
 
 class PreroutedRouting:
@@ -243,8 +258,8 @@ class PreroutedRouting:
         """Layer `layer`'s experts are in slots: read the experts its heads predicted."""
         if not self.calls:
             return
-        for target, experts in self.calls[-1].ahead.pop(layer, {}).items():
-            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), self.lead)
+        for (target, lead), experts in self.calls[-1].ahead.pop(layer, {}).items():
+            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), lead)
 
     def _run_heads(self, call: Call, layer: int, x: torch.Tensor, ids: torch.Tensor):
         rows, state = call.rows, call.state
@@ -260,10 +275,15 @@ class PreroutedRouting:
             logits = self.heads.logits(target, x, now, prev)  # (rows, L, E)
             tap = self.taps[target]
             # same-token: position p's routing, read now; next-token: position p+1's
-            ahead[target] = tap.route(logits if self.lead == 0 else logits[:, -1])
+            ahead[target, self.lead] = tap.route(logits if self.lead == 0 else logits[:, -1])
+            correction = self.heads.correction
+            if correction is not None:  # the same-token prediction routes instead
+                logits = correction.logits(target, x, now, prev)
+                ahead[target, 0] = tap.route(logits)
             if target not in self.predicted:
                 continue
-            shifted = logits if self.lead == 0 else _shifted(state, target, logits)
+            shifted = logits if self.lead == 0 or correction is not None else \
+                _shifted(state, target, logits)
             if self.confine:  # the predicted set; -1 where there is no prediction
                 allowed = tap.route(torch.nan_to_num(shifted, nan=0.0)).long()
                 call.pending[target] = ("allowed", torch.where(

@@ -16,7 +16,7 @@ from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
 from ..routing.predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
-from ..routing.prerouter import load_prerouter
+from ..routing.prerouter import load_correction, load_prerouter
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
@@ -53,7 +53,9 @@ def load(
     "prerouted-set" (the predicted experts, weighed by the native router). `io` is
     "buffered" or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names
     trained heads (edgemoe.train_prerouter); the prerouted modes default to the heads
-    the pack carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
+    the pack carries (PACK/prerouter), and "pack" names them. Heads carrying a
+    correction (same-token heads in their `correction/` folder) route by it, and their
+    next-token prediction only reads ahead (edgemoe.routing.prerouter). `adapter_path` is an
     adapter folder, or "pack" for the one the pack carries (PACK/adapter). A pack's own
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
     over `read_timeout` seconds fails the call with a PackError. With `verify` (the
@@ -191,7 +193,8 @@ def _predictor(routing: str, heads: Optional[Path], model):
     blocks = moe_blocks(model)
     if routing.startswith("prerouted"):
         return PreroutedPredictor(load_prerouter(heads), blocks,
-                                  confine=routing == "prerouted-set")
+                                  confine=routing == "prerouted-set",
+                                  correction=load_correction(heads))
     if heads is not None:
         return HeadsPredictor(load_prerouter(heads), blocks)
     return NextRouterPredictor(blocks)

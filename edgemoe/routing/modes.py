@@ -14,7 +14,7 @@ evaluated predictions to `prefetch_all` once its own experts are in slots; that 
 """
 
 import contextlib
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +47,8 @@ class PredictedRouting:
             for gate in getattr(self.predictor, "gates", ()):
                 gate.set_prediction(None)  # a prediction never outlives its forward call
 
-    def predict(self, layer: int, x: mx.array, ids: mx.array) -> Dict[int, mx.array]:
+    def predict(self, layer: int, x: mx.array,
+                ids: mx.array) -> Dict[Tuple[int, int], mx.array]:
         """Layer `layer` routes its input `x` to `ids`: the predictions it makes, lazy (the
         caller evaluates them with `ids`, in one sync)."""
         state = self.state if self.state is not None else RoutingState()
@@ -59,7 +60,7 @@ class PredictedRouting:
         state.rows = x.shape[0]
         return predictions
 
-    def prefetch_all(self, predictions: Dict[int, np.ndarray]):
-        """Hand evaluated predictions to the store."""
-        for target, experts in predictions.items():
-            self.prefetch(target, experts, self.predictor.lead)
+    def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
+        """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
+        for (target, lead), experts in predictions.items():
+            self.prefetch(target, experts, lead)

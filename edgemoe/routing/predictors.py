@@ -3,18 +3,18 @@ will need.
 
 `predict(state, layer, x, ids)` sees one call of MoE layer `layer`: its input `x`
 (rows, L, D), the expert ids its router chose `ids` (rows, L, k), and the calling
-sequence's RoutingState. It returns {target layer: expert ids}, all of them lazy MLX
-arrays: the caller evaluates them together with the layer's own routing, so that a
-prediction costs no host sync of its own. Each predictor says its `lead`: 0 when the
-prediction is about this call (the same token), 1 when it is about the next call (the
-next token, a whole token ahead).
+sequence's RoutingState. It returns {(target layer, lead): expert ids}, all of them lazy
+MLX arrays: the caller evaluates them together with the layer's own routing, so that a
+prediction costs no host sync of its own. The lead is 0 when the prediction is about
+this call (the same token), 1 when it is about the next call (the next token, a whole
+token ahead).
 
 - NextRouterPredictor: the free baseline, the next layer's own router on this input.
 - HeadsPredictor: trained prerouter heads (advisory: the router still decides).
 - PreroutedPredictor: the heads' prediction *is* the routing of the predicted layers.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,7 +45,7 @@ class NextRouterPredictor:
         if layer not in self.next:
             return {}
         target, route = self.next[layer]
-        return {target: route(x)}
+        return {(target, 0): route(x)}
 
 
 class HeadsPredictor:
@@ -100,7 +100,8 @@ class HeadsPredictor:
                 xs, nows, prevs = x, now, prev
             else:  # only the last token's head output is about a token still to come
                 xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
-            predictions[target] = self.indices[target](self.logits[target](xs, nows, prevs))
+            predictions[target, self.lead] = self.indices[target](
+                self.logits[target](xs, nows, prevs))
         return predictions
 
 
@@ -113,15 +114,23 @@ class PreroutedPredictor(HeadsPredictor):
     native layers, route natively. Same-token heads (trained with --same-token): a head
     run at layer l gives layer l+1's logits for this very call, which are its routing;
     its experts are read while layer l computes (a layer ahead: more accurate, less
-    lead). `confine=True` is `prerouted-set`: the predicted set, weighed by the native
-    router.
+    lead). `correction` (same-token heads beside next-token ones): the same-token
+    prediction routes, and corrects the next-token one a layer before the layer runs;
+    the next-token prediction only starts reads a token ahead, and of the corrected set
+    only what those reads missed is read late. `confine=True` is `prerouted-set`: the
+    predicted set, weighed by the native router.
     """
 
-    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False):
+    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False,
+                 correction: Optional[Prerouter] = None):
         super().__init__(prerouter, blocks)
         self.confine = confine
         self.predicted_layers = set(prerouter.config.predicted_layers)
         self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
+        self.correction = None
+        if correction is not None:
+            check_correction(prerouter.config, correction.config)
+            self.correction = HeadsPredictor(correction, blocks)
 
     @property
     def gates(self) -> List[RouterTap]:
@@ -129,21 +138,26 @@ class PreroutedPredictor(HeadsPredictor):
 
     def predict(self, state, layer, x, ids):
         now, prev = self.routing_now(state, layer, ids)
-        ahead = {}
+        predictions = {}
         for target in self.targets_of.get(layer, []):
             logits = self.logits[target](x, now, prev)  # (rows, L, E)
             # same-token: position p's routing, read now; next-token: position p+1's
-            ahead[target] = self.indices[target](logits if self.same_token else logits[:, -1])
+            predictions[target, self.lead] = self.indices[target](
+                logits if self.same_token else logits[:, -1])
+            if self.correction is not None:  # the same-token prediction routes instead
+                logits = self.correction.logits[target](x, now, prev)
+                predictions[target, 0] = self.indices[target](logits)
             if target not in self.predicted_layers:
                 continue
-            routing = logits if self.same_token else self._shifted(state, target, logits)
+            routing = logits if self.same_token or self.correction is not None else \
+                self._shifted(state, target, logits)
             if self.confine:
                 inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
                 inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
                 self.taps[target].set_prediction(allowed=inds)
             else:
                 self.taps[target].set_prediction(routing)
-        return ahead
+        return predictions
 
     @staticmethod
     def _shifted(state, target: int, logits: mx.array) -> mx.array:
@@ -154,3 +168,14 @@ class PreroutedPredictor(HeadsPredictor):
             first = mx.full((logits.shape[0], 1, logits.shape[-1]), mx.nan)
         state.carry[target] = logits[:, -1:]
         return mx.concatenate([first, logits[:, :-1]], axis=1)
+
+
+def check_correction(heads, correction):
+    """A correction is same-token heads for the very targets and sources of next-token
+    heads (PrerouterConfig each)."""
+    if heads.same_token or not correction.same_token:
+        raise ValueError("a prerouter correction is same-token heads (train_prerouter "
+                         "--same-token) beside next-token ones")
+    if correction.sources != heads.sources or correction.num_experts != heads.num_experts:
+        raise ValueError(f"the prerouter correction's heads (sources {correction.sources}) "
+                         f"are not for the heads' layers (sources {heads.sources})")

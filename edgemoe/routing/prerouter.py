@@ -13,7 +13,11 @@ the same logits.
     logits = prerouter.logits(target, x, routed_now, routed_prev)   # (..., num_experts)
     indices = indices_from_logits(blocks[target], logits)
 
-Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one folder.
+Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one folder. A
+folder of next-token heads may hold a correction, same-token heads for the same layers,
+in its subfolder `correction/` (`load_correction`): the prerouted modes then route by the
+correction and read the next-token prediction a token ahead
+(edgemoe.routing.predictors.PreroutedPredictor).
 """
 
 import json
@@ -29,6 +33,7 @@ from .gates import indices_from_logits, multi_hot, num_experts, top_k
 
 WEIGHTS = "prerouter.safetensors"
 CONFIG = "prerouter_config.json"
+CORRECTION = "correction"  # same-token heads beside next-token ones (a subfolder)
 
 
 @dataclass
@@ -136,3 +141,9 @@ def load_prerouter(path) -> Prerouter:
     prerouter.eval()
     mx.eval(prerouter.parameters())
     return prerouter
+
+
+def load_correction(path) -> Optional[Prerouter]:
+    """The same-token heads a next-token heads folder carries in `correction/`, or None."""
+    folder = Path(path) / CORRECTION
+    return load_prerouter(folder) if folder.is_dir() else None
