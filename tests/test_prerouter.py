@@ -417,3 +417,40 @@ def test_a_corrected_decode_is_the_corrections_and_reads_a_token_ahead(
     assert all(runs["corrected"][1][l] == 0 for l in (1, 2, 3)), runs["corrected"][1]
     same, both = runs["same-token"][2], runs["corrected"][2]
     assert both.prefetches > same.prefetches
+
+
+def test_a_corrections_lookahead_reads_only_while_it_earns_it(packs, trained_same_token,
+                                                               tmp_path, monkeypatch):
+    """The next-token heads beside a correction no longer route: their reads a token ahead
+    are advisory, held to the store's waste budget. Next-token heads that guess wrong
+    (random, sharp) cost at most 10% more bytes than the correction alone; read
+    unconditionally, they cost far more."""
+    import shutil
+
+    from mlx.utils import tree_map
+
+    from edgemoe.format.pack import Pack
+    from edgemoe.streaming import slots
+
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path)
+    wrong, _ = new_prerouter(model, "qwen3_moe", seed=3)
+    wrong.update(tree_map(lambda a: a * 8, wrong.parameters()))  # confident, and wrong
+    heads = save_prerouter(wrong, tmp_path / "wrong")
+    shutil.copytree(trained_same_token, heads / "correction")
+    budget = minimum_bytes(Pack.open(path)) * 2
+    prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))
+
+    def bytes_read(folder):
+        m, _ = edgemoe.load(path, expert_budget=budget, routing="prerouted",
+                            prerouter_path=folder)
+        decode_steps(m, prompt, steps=96)
+        read = m.expert_store.snapshot().bytes_read
+        m.expert_store.close()
+        return read
+
+    alone, gated = bytes_read(trained_same_token), bytes_read(heads)
+    monkeypatch.setattr(slots, "WASTE_BUDGET", float("inf"))  # every guess earns its reads
+    ungated = bytes_read(heads)
+    print(alone, gated, ungated)
+    assert gated <= 1.1 * alone < ungated

@@ -259,7 +259,10 @@ class PreroutedRouting:
         if not self.calls:
             return
         for (target, lead), experts in self.calls[-1].ahead.pop(layer, {}).items():
-            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), lead)
+            # with a correction the next-token prediction is advisory: it reads while it
+            # earns it (the MLX path's PreroutedPredictor.advisory_leads)
+            advisory = True if lead == 1 and self.heads.correction is not None else None
+            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), lead, advisory)
 
     def _run_heads(self, call: Call, layer: int, x: torch.Tensor, ids: torch.Tensor):
         rows, state = call.rows, call.state

@@ -23,7 +23,8 @@ from .state import RoutingState, sequence_state
 
 ROUTING_MODES = ("native", "advisory", "prerouted", "prerouted-set")
 
-Prefetch = Callable[[int, np.ndarray, int], None]  # (layer index, expert ids, lead)
+# (layer index, expert ids, lead, advisory: edgemoe.streaming.store.ExpertStore.prefetch)
+Prefetch = Callable[[int, np.ndarray, int, Optional[bool]], None]
 
 
 class PredictedRouting:
@@ -62,5 +63,6 @@ class PredictedRouting:
 
     def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
         """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
+        advisory = self.predictor.advisory_leads  # read only while they earn it
         for (target, lead), experts in predictions.items():
-            self.prefetch(target, experts, lead)
+            self.prefetch(target, experts, lead, True if lead in advisory else None)

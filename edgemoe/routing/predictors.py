@@ -28,6 +28,8 @@ class NextRouterPredictor:
     """The next MoE layer's own router applied to this layer's input."""
 
     lead = 0
+    advisory_leads = ()  # leads of predictions that read only while they earn it (see
+    # PreroutedPredictor); the others read as the store's gating says
 
     def __init__(self, blocks: Dict[int, nn.Module]):
         layers = sorted(blocks)
@@ -52,6 +54,8 @@ class HeadsPredictor:
     """The trained heads: at each MoE layer, the expert ids of every target whose head
     runs there. A next-token head predicts, for each sequence, the ids of its next
     token; a same-token one the ids of every token of this call."""
+
+    advisory_leads = ()
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module]):
         self.prerouter = prerouter
@@ -116,7 +120,8 @@ class PreroutedPredictor(HeadsPredictor):
     its experts are read while layer l computes (a layer ahead: more accurate, less
     lead). `correction` (same-token heads beside next-token ones): the same-token
     prediction routes, and corrects the next-token one a layer before the layer runs;
-    the next-token prediction only starts reads a token ahead, and of the corrected set
+    the next-token prediction only starts reads a token ahead, advisory (while what
+    such reads waste stays within the store's waste budget), and of the corrected set
     only what those reads missed is read late. `confine=True` is `prerouted-set`: the
     predicted set, weighed by the native router.
     """
@@ -131,6 +136,9 @@ class PreroutedPredictor(HeadsPredictor):
         if correction is not None:
             check_correction(prerouter.config, correction.config)
             self.correction = HeadsPredictor(correction, blocks)
+            # the next-token prediction no longer routes: it reads a token ahead only
+            # while such reads earn it (the store's waste budget), as advisory prefetch
+            self.advisory_leads = (1,)
 
     @property
     def gates(self) -> List[RouterTap]:

@@ -55,7 +55,8 @@ class SlotPool(Protocol):
 
     def release(self) -> None: ...
 
-    def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
+    def prefetch(self, experts: np.ndarray, lead: int = 0,
+                 advisory: Optional[bool] = None) -> None: ...
 
     def read_ahead(self, experts: np.ndarray) -> None: ...
 
@@ -150,6 +151,7 @@ class LayerSlots:
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.pending_prediction: Optional[set] = None  # for this layer's next call
         self.next_prediction: Optional[set] = None  # for the call after
+        self.pending_advisory = self.next_advisory = False  # must they earn their reads
         self.staged: set = set()  # read ahead for a later pass of the current call
         self.on_demand = 0  # this layer's share of stats.on_demand
         self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
@@ -165,9 +167,14 @@ class LayerSlots:
     @property
     def trusted(self) -> bool:
         """Whether this layer's predictions may be read ahead now."""
-        return not self.gated or (self.scored >= TRUST_AFTER
-                                  and self.precision >= MIN_PRECISION
-                                  and self.wasted_bytes <= WASTE_BUDGET * self.bytes_read)
+        return not self.gated or self.earned
+
+    @property
+    def earned(self) -> bool:
+        """Whether advisory predictions have earned their reads: enough of them used, and
+        what prefetches wasted within the waste budget."""
+        return (self.scored >= TRUST_AFTER and self.precision >= MIN_PRECISION
+                and self.wasted_bytes <= WASTE_BUDGET * self.bytes_read)
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -254,8 +261,11 @@ class LayerSlots:
             # experts predicted for the next call that found no room, or that this
             # call's own loads evicted: read them now, a call ahead still
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
-        if missing and self.trusted:
-            self._fill_ahead(np.array(sorted(missing)))
+            advisory = self.pending_advisory or self.gated
+            if advisory and not self.earned:  # (an untrusted prediction is only scored)
+                missing = []
+        if missing:
+            self._fill_ahead(np.array(sorted(missing)), advisory)
 
     def read_ahead(self, experts: np.ndarray):
         """Start reading a later pass's experts of the current call into the slots this
@@ -275,31 +285,36 @@ class LayerSlots:
         finally:
             self._submit(new)
 
-    def prefetch(self, experts: np.ndarray, lead: int = 0):
+    def prefetch(self, experts: np.ndarray, lead: int = 0, advisory: Optional[bool] = None):
         """Start reading `experts` (a prediction) where slots can be had without waiting.
 
         `lead` is how many of this layer's calls pass before the predicted one: 0 for a
         prediction about the current token, 1 for one about the next token. What finds
         no room now is read as soon as this layer's current call releases its slots.
+        `advisory` says whether this prediction must earn its reads (`earned`) or is the
+        routing itself; None: as the pool is `gated`.
         """
         experts = experts[self.owned[experts]]  # a host reads ahead only its own experts
+        advisory = self.gated if advisory is None else advisory
         with self.lock:
             if lead == 0:
                 self.pending_prediction = set(experts.tolist())
+                self.pending_advisory = advisory
             else:
                 self.next_prediction = set(experts.tolist())
-            trusted = self.trusted
+                self.next_advisory = advisory
+            trusted = not advisory or self.earned
         if trusted:  # (an untrusted prediction is only scored)
-            self._fill_ahead(experts)
+            self._fill_ahead(experts, advisory)
 
-    def _fill_ahead(self, experts: np.ndarray):
+    def _fill_ahead(self, experts: np.ndarray, advisory: bool):
         new = []
         try:
             with self.lock:
                 # the experts predicted for this layer's next call stay too, and a guess
                 # never evicts what the layer's last call used (likely needed again)
                 pinned = set(experts.tolist()) | (self.pending_prediction or set())
-                if self.gated:
+                if advisory:
                     pinned |= self.last_call
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
@@ -323,6 +338,7 @@ class LayerSlots:
                 PRECISION_DECAY * self.precision + (1 - PRECISION_DECAY) * share
             self.scored += 1
         self.pending_prediction, self.next_prediction = self.next_prediction, None
+        self.pending_advisory, self.next_advisory = self.next_advisory, False
 
     def _wait(self, fills, raise_errors=True):
         tic = time.perf_counter()
