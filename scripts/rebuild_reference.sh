@@ -23,17 +23,12 @@ for step in $STEPS; do
       $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
-    heads)  # next-token heads, distilled from the pack's own routers, and their
-            # correction: same-token heads on the same features
+    heads)  # next-token heads, distilled from the pack's own routers
       $PY -m edgemoe.train_prerouter --model "$PACK" --data "$RUN/train.txt" \
           --eval-data "$RUN/heldout.txt" --out "$RUN/prerouter" \
           --max-train-tokens 64000 --max-eval-tokens 16384
-      $PY -m edgemoe.train_prerouter --model "$PACK" --data "$RUN/train.txt" \
-          --eval-data "$RUN/heldout.txt" --out "$RUN/correction" --same-token \
-          --max-train-tokens 64000 --max-eval-tokens 16384
-      rm -rf "$HEADS" && mkdir -p "$HEADS/correction"
-      cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/"
-      cp "$RUN"/correction/prerouter/* "$RUN/correction/report.json" "$HEADS/correction/" ;;
+      rm -rf "$HEADS" && mkdir -p "$HEADS"
+      cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/" ;;
     lora)  # distilled from the unquantized model into the prerouted int4 pack
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$RUN/hf" --data "$RUN/train.txt" \
           --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" --steps 120

@@ -112,8 +112,8 @@ def test_each_sequence_carries_its_own_routing():
 
 
 def same_token_heads(folder):
-    """The pack's heads read as same-token heads (parity needs no good heads)."""
-    shutil.copytree(HEADS, folder)
+    """The pack's next-token heads read as same-token heads (parity needs no good heads)."""
+    shutil.copytree(HEADS, folder, ignore=shutil.ignore_patterns("correction"))
     config = json.loads((folder / CONFIG).read_text())
     (folder / CONFIG).write_text(json.dumps({**config, "same_token": True}))
     return folder
@@ -127,7 +127,7 @@ def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
     those experts a layer ahead; as the correction of next-token heads, they route while
     the next-token heads read a token ahead: the MLX path's tokens and logits."""
     heads = same_token_heads(tmp_path / "same-token")
-    if kind == "corrected":
+    if kind == "corrected":  # the pack's heads, corrected by same-token heads
         heads = shutil.copytree(HEADS, tmp_path / "corrected")
         same_token_heads(heads / "correction")
     budget = amount("minimum")
