@@ -11,6 +11,11 @@ loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given stream
 options (read in place); any other folder (a Hugging Face or mlx-lm checkpoint) loads
 with mlx_lm.load, fully resident. With two configurations it reports, token by token over the same
 windows, top-1 agreement and mean KL(first || second) of the next-token distributions.
+
+`--completions N` adds a task users can judge: N lines of the text, evenly spaced, each cut
+at the last space before its middle; the model sees up to `--context` tokens before the
+cut and completes the line greedily; a completion counts when it reproduces the rest of the
+line exactly (held-out code completion, on the bundled model's own domain).
 """
 
 import argparse
@@ -18,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -107,9 +112,55 @@ def compare(models: list, tokens: List[int], context: int = 256, desc: str = "ev
     return result
 
 
+MIN_LINE = 16  # characters of a line worth completing (without its indentation)
+MAX_COMPLETION = 48  # tokens a completion may take before it counts as wrong
+
+
+def completion_cases(text: str, count: int) -> List[Tuple[str, str]]:
+    """(text before the cut, the rest of the line) for `count` lines spread evenly over
+    `text`, each cut at the last space before the middle of its content."""
+    cases, start = [], 0
+    for line in text.split("\n"):
+        content = line.strip()
+        body = len(line) - len(line.lstrip())
+        cut = line.rfind(" ", body, body + len(content) // 2)
+        if len(content) >= MIN_LINE and cut > body:
+            cases.append((text[:start + cut + 1], line[cut + 1:].rstrip()))
+        start += len(line) + 1
+    step = max(1, len(cases) // count) if count else 1
+    return cases[::step][:count]
+
+
+def complete(model, tokenizer, before: str, context: int) -> str:
+    """The model's greedy continuation of `before` (its last `context` tokens) up to the
+    end of the line."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(tokenizer.encode(before[-8 * context:])[-context:])
+    tokens = []
+    for (token, _), _ in zip(generate_step(prompt, model), range(MAX_COMPLETION)):
+        tokens.append(int(token))
+        if "\n" in tokenizer.decode(tokens):
+            break
+    return tokenizer.decode(tokens).split("\n")[0].rstrip()
+
+
+def completion_scores(models: list, cases: List[Tuple[str, str]], context: int) -> dict:
+    """Exact matches of each model's completions; with two models, how often they agree."""
+    outputs = [[complete(model, tok, before, context)
+                for before, _ in tqdm(cases, desc="complete", unit="line")]
+               for model, tok in models]
+    result = {"lines": len(cases),
+              "exact_match": [sum(o == rest for o, (_, rest) in zip(out, cases)) / len(cases)
+                              for out in outputs]}
+    if len(outputs) == 2:
+        result["same_completion"] = sum(a == b for a, b in zip(*outputs)) / len(cases)
+    return result
+
+
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
              max_tokens: Optional[int] = None, routing_stats: bool = False,
-             defaults: Optional[StreamOptions] = None) -> dict:
+             defaults: Optional[StreamOptions] = None, completions: int = 0) -> dict:
     models = [c.load(defaults) for c in configs]
     first_store = getattr(models[0][0], "expert_store", None)
     if routing_stats:
@@ -133,6 +184,11 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
     if routing_stats:
         result["routing"] = trace_routing_stats(recorder.as_trace(),
                                                 first_store.info().experts_per_layer)
+    if completions:
+        cases = completion_cases(text, completions)
+        if not cases:
+            raise ValueError(f"no line of at least {MIN_LINE} characters to complete")
+        result["completion"] = completion_scores(models, cases, context)
     return result
 
 
@@ -147,6 +203,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
     p.add_argument("--routing-stats", action="store_true",
                    help="Per-layer expert usage and routing entropy of the first model")
+    p.add_argument("--completions", type=int, default=0, metavar="N",
+                   help="Also complete N lines of the text greedily and count exact matches")
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     add_debug_flag(p)
@@ -157,12 +215,17 @@ def main(argv=None):
     configs = [ModelConfig.parse(s) for s in args.model]
     text = Path(args.text).read_text()
     result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats,
-                      StreamOptions.from_args(args))
+                      StreamOptions.from_args(args), args.completions)
     for c in result["configs"]:
         print(f"{c['model']}: perplexity {c['perplexity']:.3f} (nll {c['nll']:.4f} nats/token)")
     if "mean_kl" in result:
         print(f"top-1 agreement {result['top1_agreement']:.2%}, "
               f"mean KL {result['mean_kl']:.5f} nats/token over {result['tokens']} tokens")
+    if "completion" in result:
+        c = result["completion"]
+        matches = ", ".join(f"{m:.1%}" for m in c["exact_match"])
+        agree = f"; the two agree on {c['same_completion']:.1%}" if "same_completion" in c else ""
+        print(f"line completion, exact match over {c['lines']} lines: {matches}{agree}")
     for r in result.get("routing", []):
         print(f"layer {r['layer']}: routing entropy {r['entropy_bits']:.2f} of "
               f"{r['max_entropy_bits']:.2f} bits; experts used "

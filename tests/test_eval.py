@@ -69,3 +69,42 @@ def test_routing_statistics(packs):
     for r in layers:
         assert sum(r["counts"]) == result["tokens"] * 4  # every token, top-4
         assert 0 < r["entropy_bits"] <= r["max_entropy_bits"] == 4.0
+
+
+CODE = '''import os
+
+def read_lines(path):
+    with open(path) as f:
+        return f.read().splitlines()
+
+for name in sorted(os.listdir(".")):
+    print(name)
+'''
+
+
+def test_completion_cases_cut_each_line_before_its_middle():
+    from edgemoe.eval import completion_cases
+
+    cases = completion_cases(CODE, 10)
+    assert [rest for _, rest in cases] == ["read_lines(path):", "open(path) as f:",
+                                           "f.read().splitlines()", 'sorted(os.listdir(".")):']
+    for before, rest in cases:  # the text up to the cut, then the line's rest
+        assert CODE.startswith(before) and CODE[len(before):].startswith(rest + "\n")
+    assert len(completion_cases(CODE, 2)) == 2
+
+
+def test_line_completion_scores_exact_matches(packs, monkeypatch):
+    """A completion counts only when it reproduces the rest of the line; the pack at a small
+    budget completes every line as at 100% (native routing is exact)."""
+    import edgemoe.eval as ev
+
+    path = str(packs["qwen3_moe"]["hf"])
+    result = evaluate([ModelConfig(path), ModelConfig(path, {"budget": "0.25"})], CODE,
+                      context=64, completions=4)
+    completion = result["completion"]
+    assert completion["lines"] == 4 and completion["same_completion"] == 1.0
+    assert completion["exact_match"][0] == completion["exact_match"][1]
+    answers = iter(["read_lines(path):", "open(path)", "f.read().splitlines()", ""])
+    monkeypatch.setattr(ev, "complete", lambda *args: next(answers))
+    result = evaluate([ModelConfig(path)], CODE, context=64, completions=4)
+    assert result["completion"]["exact_match"] == [0.5]
