@@ -165,11 +165,6 @@ class LayerSlots:
         self.wasted_bytes = 0.0  # by its prefetches: read unused, or re-reads they caused
 
     @property
-    def trusted(self) -> bool:
-        """Whether this layer's predictions may be read ahead now."""
-        return not self.gated or self.earned
-
-    @property
     def earned(self) -> bool:
         """Whether advisory predictions have earned their reads: enough of them used, and
         what prefetches wasted within the waste budget."""
