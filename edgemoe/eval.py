@@ -15,7 +15,8 @@ windows, top-1 agreement and mean KL(first || second) of the next-token distribu
 `--completions N` adds a task users can judge: N lines of the text, evenly spaced, each cut
 at the last space before its middle; the model sees up to `--context` tokens before the
 cut and completes the line greedily; a completion counts when it reproduces the rest of the
-line exactly (held-out code completion, on the bundled model's own domain).
+line exactly, and each scores the share of the rest it reproduces before its first wrong
+character (held-out code completion, on the bundled model's own domain).
 """
 
 import argparse
@@ -150,12 +151,22 @@ def completion_scores(models: list, cases: List[Tuple[str, str]], context: int) 
     outputs = [[complete(model, tok, before, context)
                 for before, _ in tqdm(cases, desc="complete", unit="line")]
                for model, tok in models]
+    rests = [rest for _, rest in cases]
     result = {"lines": len(cases),
-              "exact_match": [sum(o == rest for o, (_, rest) in zip(out, cases)) / len(cases)
-                              for out in outputs]}
+              "exact_match": [sum(o == r for o, r in zip(out, rests)) / len(cases)
+                              for out in outputs],
+              "prefix_matched": [sum(_matched(o, r) for o, r in zip(out, rests)) / len(cases)
+                                 for out in outputs]}
     if len(outputs) == 2:
         result["same_completion"] = sum(a == b for a, b in zip(*outputs)) / len(cases)
     return result
+
+
+def _matched(completion: str, rest: str) -> float:
+    """The share of `rest` that `completion` reproduces before it first differs."""
+    same = next((i for i, (a, b) in enumerate(zip(completion, rest)) if a != b),
+                min(len(completion), len(rest)))
+    return same / len(rest) if rest else 1.0
 
 
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
@@ -224,8 +235,10 @@ def main(argv=None):
     if "completion" in result:
         c = result["completion"]
         matches = ", ".join(f"{m:.1%}" for m in c["exact_match"])
+        prefixes = ", ".join(f"{m:.1%}" for m in c["prefix_matched"])
         agree = f"; the two agree on {c['same_completion']:.1%}" if "same_completion" in c else ""
-        print(f"line completion, exact match over {c['lines']} lines: {matches}{agree}")
+        print(f"line completion over {c['lines']} lines: exact match {matches}; share of "
+              f"the line reproduced before the first wrong character {prefixes}{agree}")
     for r in result.get("routing", []):
         print(f"layer {r['layer']}: routing entropy {r['entropy_bits']:.2f} of "
               f"{r['max_entropy_bits']:.2f} bits; experts used "

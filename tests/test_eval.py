@@ -104,7 +104,9 @@ def test_line_completion_scores_exact_matches(packs, monkeypatch):
     completion = result["completion"]
     assert completion["lines"] == 4 and completion["same_completion"] == 1.0
     assert completion["exact_match"][0] == completion["exact_match"][1]
-    answers = iter(["read_lines(path):", "open(path)", "f.read().splitlines()", ""])
+    answers = iter(["read_lines(path):", "open(path)", "f.read().splitlines()", "sorted(x"])
     monkeypatch.setattr(ev, "complete", lambda *args: next(answers))
     result = evaluate([ModelConfig(path)], CODE, context=64, completions=4)
     assert result["completion"]["exact_match"] == [0.5]
+    assert result["completion"]["prefix_matched"] == [pytest.approx(
+        (1 + len("open(path)") / len("open(path) as f:") + 1 + len("sorted(") / 24) / 4)]
