@@ -166,6 +166,14 @@ def host_bytes(slots, row):
     return slots.memory.host.buffer[row].numpy().tobytes()
 
 
+def hold_reads(slots) -> threading.Event:
+    """The reader stops before it writes a row of `slots` until the event is set."""
+    gate = threading.Event()
+    before_read = slots.memory.before_read
+    slots.memory.before_read = lambda slot: (gate.wait(5), before_read(slot))
+    return gate
+
+
 def wait_for(condition, timeout=5.0):
     end = time.monotonic() + timeout
     while not condition():
@@ -337,9 +345,7 @@ def test_a_record_is_copied_only_once_its_read_completed(small):
     store = device_store(pack, budget * 2, device)
     layer = pack.layers[1]
     slots = store.layers[layer.module]
-    gate = threading.Event()
-    before_read = slots.memory.before_read
-    slots.memory.before_read = lambda slot: (gate.wait(5), before_read(slot))
+    gate = hold_reads(slots)
     slots.prefetch(np.array([9]))
     time.sleep(0.1)  # the reader is held before it writes the row
     assert not any(op == "copy" for op, _ in device.log), "copied before the read"
@@ -430,9 +436,7 @@ def test_a_fill_racing_its_prefetch_is_read_once_and_waited_for(small):
     store = device_store(pack, budget * 2, device)
     layer = pack.layers[2]
     slots = store.layers[layer.module]
-    gate = threading.Event()
-    before_read = slots.memory.before_read
-    slots.memory.before_read = lambda slot: (gate.wait(5), before_read(slot))
+    gate = hold_reads(slots)
     slots.prefetch(np.array([7]))
     done = threading.Event()
     thread = threading.Thread(target=lambda: (slots.ensure(np.array([7, 8])), done.set()))
@@ -684,11 +688,12 @@ def test_a_host_tier_turns_reads_into_copies_and_changes_no_logit():
     assert fake[0].host_hits == tier[0].host_hits
 
 
-def test_the_backend_runs_without_mlx():
+@pytest.mark.parametrize("options", ["", ", adapter_path='pack'"], ids=["plain", "adapter"])
+def test_the_backend_runs_without_mlx(options):
     script = (
         "import sys; sys.modules.update(mlx=None, mlx_lm=None)  # importing them fails\n"
         "from edgemoe.cuda import load, greedy\n"
-        "model, _ = load(expert_budget=0.25, device='cpu', tokenizer=False)\n"
+        f"model, _ = load(expert_budget=0.25, device='cpu', tokenizer=False{options})\n"
         "print(len(greedy(model, [5, 6, 7], 2).tokens))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr

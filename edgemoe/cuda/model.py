@@ -93,26 +93,23 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
                             layer, n, device, streams, HostTier(layer, rows, streams,
                                                                 host_policy)),
                         learned_policy=pack_asset(path, "cache_policy"))
-    model = _build(config, dtype)
-    _install(model, store, _kernel(device, kernel))
-    _load_resident(model, path, config, dtype, device, skip=tuple(f"{m}." for m in store.layers))
-    if adapter is not None:
-        try:
+    try:  # the store's reader threads end with a failed load
+        model = _build(config, dtype)
+        _install(model, store, _kernel(device, kernel))
+        _load_resident(model, path, config, dtype, device,
+                       skip=tuple(f"{m}." for m in store.layers))
+        if adapter is not None:
             apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
-        except BaseException:
-            store.close()
-            raise
-    if routing == "advisory":
-        _advise(model, store)
-    if heads is not None:
-        try:
-            prerouted.install(model, store, heads, confine=routing == "prerouted-set")
-        except UnsupportedModelError as e:  # a router it cannot route by given logits
-            store.close()
-            raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
-        except BaseException:
-            store.close()
-            raise
+        if routing == "advisory":
+            _advise(model, store)
+        if heads is not None:
+            try:
+                prerouted.install(model, store, heads, confine=routing == "prerouted-set")
+            except UnsupportedModelError as e:  # a router it cannot route by given logits
+                raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
+    except BaseException:
+        store.close()
+        raise
     model.expert_store = store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
