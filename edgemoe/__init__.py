@@ -18,6 +18,9 @@ Entry points (the modules at this level): generate, convert, server, eval, docto
 cache_sim, train_prerouter, train_lora; `options` holds the flags they share.
 """
 
+import sys
+import types
+
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate"]
 
@@ -34,3 +37,17 @@ def __getattr__(name):
 
         return getattr(generation, name)
     raise AttributeError(f"module 'edgemoe' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Importing the CLI module `edgemoe.generate` would bind it over the function of
+    the same name; as in mlx_lm, the package's `generate` stays the function (the module
+    is in sys.modules, where `python -m` and `from edgemoe.generate import main` find it)."""
+
+    def __setattr__(self, name, value):
+        if name in __all__ and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -58,15 +58,8 @@ def corrupt_record(pack_path, layer: int, expert: int):
 
 
 def tool_module(name):
-    """The module `python -m edgemoe.NAME` runs. Importing edgemoe.generate binds the
-    package's `generate` to the module; unbind it, so that `edgemoe.generate` stays the
-    mlx-lm style function (the package's __getattr__) for the other tests."""
-    import edgemoe
-
-    module = importlib.import_module(f"edgemoe.{name}")
-    if name in edgemoe.__all__:
-        vars(edgemoe).pop(name, None)
-    return module
+    """The module `python -m edgemoe.NAME` runs."""
+    return importlib.import_module(f"edgemoe.{name}")
 
 
 def error_line(main, *argv) -> str:

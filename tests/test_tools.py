@@ -264,3 +264,15 @@ def test_generate_refuses_bad_sampling_flags_in_one_line(flag, value):
     with pytest.raises(SystemExit) as e:
         setup_arg_parser().parse_args([flag, value])
     assert e.value.code == 2  # argparse's usage error: one line, no traceback
+
+
+def test_importing_the_generate_cli_keeps_the_package_generate_the_function():
+    """`python -m edgemoe.generate`'s module shares the name of mlx-lm's `generate`: the
+    package's attribute stays the function, as in mlx_lm, whatever was imported first."""
+    code = ("import edgemoe, edgemoe.generate\nfrom edgemoe.generate import main\n"
+            "import importlib; importlib.import_module('edgemoe.server')\n"
+            "from edgemoe.model.generation import generate, stream_generate\n"
+            "assert edgemoe.generate is generate, edgemoe.generate\n"
+            "assert edgemoe.stream_generate is stream_generate\n"
+            "assert callable(main) and edgemoe.load.__name__ == 'load'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
