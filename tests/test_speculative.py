@@ -55,7 +55,8 @@ def test_prompt_lookup_gives_greedy_decodes_tokens_and_drafts_only_on_a_match(pa
     steps = list(draft_generate_step(prompt, model, PromptLookup(3), max_tokens=24))
     assert [t for t, _, _ in steps] == plain
     assert any(d for _, _, d in steps)
-    assert PromptLookup(3).draft([1, 2, 3, 4, 9, 1, 2, 3], 5) == [4, 9, 1]
+    assert PromptLookup(3).draft([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert PromptLookup(3).draft([1, 2, 3, 4, 9, 1, 2, 3], 5) == [4, 9, 1, 2, 3]
     assert PromptLookup(3).draft([1, 2, 3, 4, 9, 2, 3], 5) == []  # a 2-token match: none
     assert PromptLookup(3).draft([1, 2, 3, 4, 1, 2, 3], 1) == [4]
     # and through generate, the text of plain greedy generate
@@ -127,7 +128,7 @@ def engine_run(target, load_draft, requests, budget=0.25):
     engine.start(timeout=60)
     try:
         pending = []
-        for prompt, max_tokens, sampling in requests:
+        for prompt, max_tokens, sampling, *fields in requests:
             out, done = [], threading.Event()
 
             def emit(event, out=out, done=done):
@@ -135,7 +136,7 @@ def engine_run(target, load_draft, requests, budget=0.25):
                 if event["type"] != "token":
                     done.set()
             assert engine.submit(Job(id="t", prompt=prompt, max_tokens=max_tokens,
-                                     emit=emit, sampling=sampling))
+                                     emit=emit, sampling=sampling, **dict(*fields)))
             pending.append((out, done))
         results = []
         for out, done in pending:
@@ -182,6 +183,22 @@ def test_the_server_engine_speculates_with_a_lone_requests_own_tokens(checkpoint
                 assert spec["accepted"] < spec["drafted"]
 
 
+def test_a_requests_num_draft_tokens_fixes_its_windows(checkpoints, packs):
+    """A request's num_draft_tokens (6, over the draft's 2) is its windows' length: a draft
+    of the target's own weights, kept whole, makes 20 greedy tokens in windows of 7, 7, 6
+    (the last one short of max_tokens); without it DraftLength keeps to at most 2."""
+    from edgemoe.model.drafts import DraftModel
+
+    target = packs["qwen3_moe"]["mlx"]
+    load_draft = lambda tok: DraftModel(mlx_lm_load(str(checkpoints["qwen3_moe"][1]))[0], 2)
+    plain, _ = engine_run(target, None, [(PROMPT, 20, None)])
+    got, m = engine_run(target, load_draft, [(PROMPT, 20, None, {"num_draft_tokens": 6})])
+    same_output(got, plain)
+    assert m["speculative"] == {**m["speculative"], "windows": 3, "drafted": 17, "accepted": 17}
+    _, m = engine_run(target, load_draft, [(PROMPT, 20, None)])
+    assert m["speculative"]["windows"] >= 20 // 3
+
+
 def test_a_request_left_alone_in_the_batch_speculates_from_where_it_is(checkpoints, packs):
     """Two requests decode as a batch (one token per row), the shorter one ends, and
     the other speculates from there, its draft first fed the tokens it decoded in the
@@ -226,20 +243,33 @@ def test_draft_length_follows_what_windows_keep_and_cost():
 
 def test_the_server_speculates_over_http_and_refuses_a_draft_it_cannot_use(packs):
     """`edgemoe.server --prompt-lookup`: a completion's tokens and logprobs are those of
-    the server without a draft, and /metrics counts the windows."""
-    from test_server import completion, metrics, running_server
+    the server without a draft, and /metrics counts the windows. A request's own
+    `num_draft_tokens` (mlx_lm.server's field) fixes its windows' length, 0 drafting
+    nothing, more than --num-draft-tokens drafting more; a server without a draft
+    refuses it with a 400 naming the field."""
+    from test_server import completion, metrics, post, running_server
 
     pack = str(packs["qwen3_moe"]["hf"])
     prompt = (PROMPT[:8] * 4)[:-1]
     with running_server("--model", pack, "--expert-budget", "0.25") as url:
         plain = completion(url, prompt, max_tokens=20)
+        assert completion(url, prompt, max_tokens=20, num_draft_tokens=0) == plain
+        refused = post(url, "/v1/completions", {"prompt": prompt, "num_draft_tokens": 2})
+        assert refused.status_code == 400 and \
+            refused.json()["error"]["param"] == "num_draft_tokens"
     with running_server("--model", pack, "--expert-budget", "0.25", "--prompt-lookup",
-                        "--num-draft-tokens", "4") as url:
+                        "--num-draft-tokens", "2") as url:
         got = completion(url, prompt, max_tokens=20)
         spec = metrics(url)["speculative"]
-    assert got[0] == plain[0] and got[2] == plain[2]
-    np.testing.assert_allclose(got[1], plain[1], atol=1e-4)
+        none = completion(url, prompt, max_tokens=20, num_draft_tokens=0)
+        after_none = metrics(url)["speculative"]
+        more = completion(url, prompt, max_tokens=20, num_draft_tokens=6)
+        after_more = metrics(url)["speculative"]
+    for run in (got, none, more):
+        assert run[0] == plain[0] and run[2] == plain[2]
+        np.testing.assert_allclose(run[1], plain[1], atol=1e-4)
     assert spec["windows"] > 0 and spec["accepted"] > 0
+    assert after_none["windows"] > spec["windows"] and after_none["drafted"] == spec["drafted"]
     import subprocess
     import sys
 

@@ -63,9 +63,9 @@ class SequenceDraft:
                            self.source.prefill_step_size)
 
     def draft(self, history: List[int], limit: int) -> List[int]:
-        """Up to `limit` greedy tokens after `history`."""
+        """Up to `limit` greedy tokens after `history` (the caller's length: DraftLength's
+        choice, at most num_draft_tokens, or a request's own)."""
         model = self.source.model
-        limit = min(limit, self.source.num_draft_tokens)
         if limit <= 0:
             return []
         self.catch_up(history)

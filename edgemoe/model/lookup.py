@@ -26,8 +26,8 @@ MIN_NGRAM = MAX_NGRAM = 3
 
 
 class PromptLookup:
-    """The draft: `num_draft_tokens` at most, from n-grams of `min_ngram` to `max_ngram`
-    tokens."""
+    """The draft: tokens that followed an earlier n-gram of `min_ngram` to `max_ngram`
+    tokens; its DraftLength chooses at most `num_draft_tokens` of them per window."""
 
     def __init__(self, num_draft_tokens: int = 3, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = MIN_NGRAM):
@@ -47,7 +47,6 @@ class PromptLookup:
     def draft(self, tokens: List[int], limit: int) -> List[int]:
         """The tokens after the latest earlier occurrence of the longest suffix of
         `tokens` that occurred before (at most `limit` of them); [] when none did."""
-        limit = min(limit, self.num_draft_tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             suffix = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):

@@ -92,6 +92,7 @@ class Job:
     cached_tokens: int = 0  # prompt tokens whose KV cache came from the prompt cache
     prompt_scores: List[Optional[float]] = field(default_factory=list)
     draft: object = None  # the draft's state for this sequence (its for_sequence())
+    num_draft_tokens: Optional[int] = None  # a window's drafts, fixed; None: DraftLength's
 
 
 @dataclass
@@ -207,6 +208,7 @@ class Engine:
         (a DraftModel or PromptLookup) that requests decoded alone speculate with."""
         self._load = load  # returns (model, tokenizer, config); called on the engine thread
         self._load_draft = load_draft
+        self.drafting = load_draft is not None
         self.draft = None
         self.prompt_cache = LRUPromptCache(max(prompt_cache_size, 1),
                                            prompt_cache_bytes or 1 << 63) \
@@ -569,7 +571,8 @@ class Engine:
             job.draft = self.draft.for_sequence()
         job.draft.catch_up(history)  # (tokens it decoded in a batch: not the window's time)
         tic, before = time.perf_counter(), self.metrics.store_stats()
-        arm = self.draft.length.choose()
+        fixed = job.num_draft_tokens is not None  # the request's own (mlx_lm.server's field)
+        arm = job.num_draft_tokens if fixed else self.draft.length.choose()
         guess = job.draft.draft(history, min(arm, job.max_tokens - had - 1))
         window = [job.next_input] + guess
         logits = self.model(mx.array([window]), cache=self.batch_cache)[0]
@@ -604,7 +607,8 @@ class Engine:
         emitted = len(job.tokens) - had
         trim_prompt_cache(self.batch_cache, len(window) - emitted)  # the guesses not kept
         job.draft.settle(len(history) + kept)
-        self.draft.length.record(arm, emitted, time.perf_counter() - tic)
+        if not fixed:
+            self.draft.length.record(arm, emitted, time.perf_counter() - tic)
 
     def _choose(self, job: Job, logits: mx.array):
         """(token, its logprob, top logprobs or None) of one row for `job`; raises with

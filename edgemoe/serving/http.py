@@ -59,6 +59,7 @@ def error_response(message: str, status: int = 400, param: Optional[str] = None,
 # ---- request fields ----------------------------------------------------------------
 
 NUMBER = (int, float)
+MAX_DRAFT_TOKENS = 64  # a window's drafts a request may ask for
 
 
 def field(body: dict, name: str, types, default=None, lo=None, hi=None, where: str = ""):
@@ -212,6 +213,15 @@ class Server:
         return Job(id=id_prefix + uuid.uuid4().hex[:24], prompt=prompt,
                    max_tokens=max_tokens, emit=lambda e: None, sampling=sampling,
                    stop=stop or [], processors=processors, grammar=grammar, **flags)
+
+    def draft_tokens_field(self, body: dict) -> Optional[int]:
+        """mlx_lm.server's per-request draft length: drafts per window, fixed for this
+        request (else the server's DraftLength adapts it, at most --num-draft-tokens)."""
+        count = field(body, "num_draft_tokens", int, None, lo=0, hi=MAX_DRAFT_TOKENS)
+        if count and not self.engine.drafting:
+            raise BadRequest("'num_draft_tokens' needs a draft: this server was started "
+                             "without --draft-model or --prompt-lookup", "num_draft_tokens")
+        return count
 
     def top_k_field(self, body: dict, name: str = "top_k", where: str = "",
                     default: int = 0) -> int:

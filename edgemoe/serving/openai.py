@@ -2,7 +2,7 @@
 
 Every field OpenAI defines is implemented or refused with a 400 naming it; mlx_lm.server's
 extra fields (top_k, min_p, repetition_penalty and the penalties' context sizes,
-chat_template_kwargs, role_mapping) are taken as it takes them.
+chat_template_kwargs, role_mapping, num_draft_tokens) are taken as it takes them.
 """
 
 from typing import Any, Dict, List, Optional
@@ -20,7 +20,7 @@ from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, error_response, field, publ
 COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "max_tokens", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "repetition_context_size", "presence_context_size",
-          "frequency_context_size", "logit_bias", "logprobs", "top_logprobs", "user"}
+          "frequency_context_size", "logit_bias", "logprobs", "top_logprobs", "user", "num_draft_tokens"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
                  "role_mapping", "metadata", "store"}
@@ -94,7 +94,8 @@ class OpenAIAPI:
                           seed=field(body, "seed", int, lo=0, hi=2**63 - 1),
                           stop=stop_strings(body.get("stop")), penalties=penalties,
                           logit_bias=s.logit_bias(body.get("logit_bias"))),
-            max_tokens=field(body, name, int, None, lo=1), max_tokens_name=name)
+            max_tokens=field(body, name, int, None, lo=1), max_tokens_name=name,
+            num_draft_tokens=s.draft_tokens_field(body))
 
     def _messages(self, body: dict) -> List[dict]:
         messages = body.get("messages")
@@ -215,7 +216,8 @@ class OpenAIAPI:
         job = s.job(prompt, max_tokens=opts["max_tokens"],
                     max_tokens_name=opts["max_tokens_name"], prompt_param="messages",
                     grammar=grammar, id_prefix="chatcmpl-", want_logprobs=logprobs,
-                    top_logprobs=top, **opts["sampling"])
+                    top_logprobs=top, num_draft_tokens=opts["num_draft_tokens"],
+                    **opts["sampling"])
         return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=parse)
 
     def parse_completion(self, body: dict):
@@ -239,7 +241,8 @@ class OpenAIAPI:
                     max_tokens_name=opts["max_tokens_name"], prompt_param="prompt",
                     id_prefix="cmpl-", want_logprobs=logprobs, top_logprobs=top,
                     prompt_logprobs=opts["echo"] and logprobs,
-                    use_prompt_cache=not (opts["echo"] and logprobs), **opts["sampling"])
+                    use_prompt_cache=not (opts["echo"] and logprobs),
+                    num_draft_tokens=opts["num_draft_tokens"], **opts["sampling"])
         return job, opts, None
 
     async def chat(self, request: Request):
