@@ -154,7 +154,8 @@ class WaitingReader:
         return getattr(self.reader, name)
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru"])
+# (not LRU: under it a guess, used longer ago than any resident, takes free slots only)
+@pytest.mark.parametrize("policy", ["lfu", "lfuda"])
 def test_prefetch_replay_matches_the_store_in_advisory_mode(packs, policy):
     path = packs["qwen3_moe_large"]["hf"]
     model, _ = edgemoe.load(path, expert_budget=0.25, routing="advisory", cache_policy=policy)

@@ -7,6 +7,11 @@ expert touched and not forgotten is resident or about to be loaded. A policy can
 tell the two apart: `pinned` must hold every expert the current step needs, loaded or
 not. Policies that need a clock count touches.
 
+A policy that can rank an expert it does not hold has `heat(expert)`: higher is kept
+longer, comparable across one layer's experts, resident or not. An advisory prefetch
+evicts only an expert colder than its prediction (`edgemoe.streaming.slots`); under a
+policy without `heat` it takes free slots only.
+
 Belady's optimum needs the future; it lives in `edgemoe.cache_sim`, which replays
 recorded routing traces through these policies and measures them against it.
 """
@@ -28,13 +33,20 @@ class LRUPolicy:
 
     def __init__(self):
         self._order = OrderedDict()  # expert -> None, oldest first
+        self._clock = 0
+        self._last = {}  # expert -> its last touch, kept after eviction
 
     def touch(self, expert: int):
         self._order[expert] = None
         self._order.move_to_end(expert)
+        self._clock += 1
+        self._last[expert] = self._clock
 
     def forget(self, expert: int):
         self._order.pop(expert, None)
+
+    def heat(self, expert: int):
+        return self._last.get(expert, 0)
 
     def victim(self, pinned: Iterable[int]) -> Optional[int]:
         """The expert to evict, never one of `pinned` (those the current step uses)."""
@@ -62,6 +74,9 @@ class LFUPolicy(LRUPolicy):
         candidates = [e for e in self._order if e not in pinned]  # least recent first
         return min(candidates, key=self._uses.__getitem__, default=None)
 
+    def heat(self, expert: int):
+        return self._uses.get(expert, 0), self._last.get(expert, 0)
+
 
 class LFUDAPolicy(LRUPolicy):
     """LFU with dynamic aging (Arlitt et al., 2000): an expert's key is its uses since
@@ -85,6 +100,10 @@ class LFUDAPolicy(LRUPolicy):
         pinned = set(pinned)
         candidates = [e for e in self._order if e not in pinned]
         return min(candidates, key=self._key.__getitem__, default=None)
+
+    def heat(self, expert: int):
+        """A resident's key; an absent expert's, were it loaded now."""
+        return self._key.get(expert, self._age + 1)
 
 
 class S3FIFOPolicy:
@@ -247,6 +266,12 @@ class LearnedPolicy:
         if not candidates:
             return None
         return candidates[int(np.argmax(self.model.predict(self.features(candidates))))]
+
+    def heat(self, expert: int) -> float:
+        """Minus its predicted distance to next use; never touched: the coldest."""
+        if expert not in self._last:
+            return -np.inf
+        return -float(self.model.predict(self.features([expert]))[0])
 
 
 POLICIES = {

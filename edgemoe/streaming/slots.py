@@ -316,6 +316,8 @@ class LayerSlots:
                         continue
                     if not self._has_room(pinned, e):
                         break  # release() reads the rest once this layer's call is done
+                    if advisory and not self._worth_a_slot(e, pinned):
+                        continue
                     new.append(self._start_fill(e, pinned=pinned, prefetch=True))
                     self.stats.prefetches += 1
                     self.prefetched.add(e)
@@ -361,6 +363,25 @@ class LayerSlots:
         return [e for e in self.expert_in.tolist()
                 if e >= 0 and e not in busy and self.state[self.slot_of[e]] == READY]
 
+    def _worth_a_slot(self, expert: int, pinned) -> bool:
+        """Whether a guess may have a slot: a free one, or the policy's victim's if the
+        policy ranks the guess hotter (never one it would keep over the guess)."""
+        if (self.state == FREE).any():
+            return True
+        heat = getattr(self.policy, "heat", None)
+        return heat is not None and heat(expert) > heat(self._victim(pinned))
+
+    def _victim(self, pinned) -> int:
+        """The resident, unpinned, settled expert the policy gives up next."""
+        candidates = set(self._evictable(pinned))
+        # pinned: the experts this step needs, whether resident yet or not
+        victim = self.policy.victim([e for e in self.expert_in.tolist()
+                                     if e not in candidates] + list(pinned))
+        if victim is None or victim not in candidates:
+            raise RuntimeError(f"{type(self.policy).__name__}: victim {victim} is not a "
+                               f"resident, unpinned expert")
+        return victim
+
     def _has_room(self, pinned, expert: int) -> bool:
         slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned))
         return slot_free and self.memory.has_room(expert)
@@ -384,13 +405,7 @@ class LayerSlots:
         if len(free):
             slot = int(free[0])
         else:
-            candidates = set(self._evictable(pinned))
-            # pinned: the experts this step needs, whether resident yet or not
-            victim = self.policy.victim([e for e in self.expert_in.tolist()
-                                         if e not in candidates] + list(pinned))
-            if victim is None or victim not in candidates:
-                raise RuntimeError(f"{type(self.policy).__name__}: victim {victim} is not a "
-                                   f"resident, unpinned expert")
+            victim = self._victim(pinned)
             slot = int(self.slot_of[victim])
             self.slot_of[victim] = -1
             self.policy.forget(victim)
