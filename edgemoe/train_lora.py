@@ -4,7 +4,8 @@
            [--eval-data FILE] [--routing prerouted] [--prerouter DIR] [--rank 8]
            [--scale 20] [--steps 200] [--batch-size 4] [--context 256] [--lr 5e-5] [--seed 0]
 
-Teacher: the unquantized checkpoint, fully resident (`mlx_lm.load`), native routing.
+Teacher: the unquantized checkpoint, fully resident (`mlx_lm.load`), native routing; or
+an edgemoe pack (the student's own, say), all experts resident, native routing.
 Student: the int4 pack (`edgemoe.load`) with the chosen routing, prerouted by default;
 its prerouter heads stay frozen (they belong to the expert store, not to the model's
 parameters). The student gets zero-initialised LoRA deltas on its resident linear
@@ -189,6 +190,10 @@ def lora_arguments(args) -> dict:
 
 
 def _load_teacher(path):
+    """An edgemoe pack teaches as int4 native routing, every expert resident: the LoRA
+    then recovers what the student's routing loses, not what int4 loses too."""
+    if (Path(path) / "manifest.json").exists():
+        return load(path, expert_budget=1.0, routing="native")
     from mlx_lm import load as mlx_lm_load
 
     return mlx_lm_load(path)
@@ -219,7 +224,8 @@ def report_lines(report: dict) -> list:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="the int4 edgemoe pack (the student)")
-    p.add_argument("--teacher", required=True, help="the unquantized checkpoint")
+    p.add_argument("--teacher", required=True,
+                   help="the unquantized checkpoint, or a pack (int4 native routing)")
     p.add_argument("--data", required=True, help="UTF-8 training text")
     p.add_argument("--eval-data", default=None,
                    help="UTF-8 held-out text (default: the last tenth of --data)")

@@ -2,6 +2,7 @@
 
     python -m edgemoe.train_prerouter --model PATH --data FILE --out DIR
            [--eval-data FILE] [--hidden 256] [--epochs N] [--seed S] [--same-token]
+           [--first-layer]
 
 1. Run the base model with native routing over windows of the text (the last 10% of
    windows held out, or --eval-data) and record, for every MoE layer and token, the
@@ -165,26 +166,29 @@ class Features:
 
     def rows(self, same_token: bool) -> np.ndarray:
         """Tokens with a target: all (same token), or those followed in their window."""
-        n = len(self.pos)
         if same_token:
-            return np.arange(n)
-        return np.flatnonzero(np.append(self.pos[1:] == self.pos[:-1] + 1, False))
+            return np.arange(len(self.pos))
+        return np.flatnonzero(self.followed)
+
+    @property
+    def followed(self) -> np.ndarray:
+        return np.append(self.pos[1:] == self.pos[:-1] + 1, False)
 
     def batch(self, config: PrerouterConfig, rows: np.ndarray, targets=None) -> dict:
         """Head inputs and native targets for `rows` (sorted), for every head (or those
-        of `targets`): {target: (x, routed now, routed before, native logits, native set)}."""
-        shift = 0 if config.same_token else 1
+        of `targets`): {target: (x, routed now, routed before, native logits, native set)}.
+        A head about the next token (config.shift) takes those of `rows` followed."""
         e = config.num_experts
-        first = self.pos[rows] == 0
         out = {}
         for t in targets or config.targets:
-            s = config.sources[t]
-            prev = multi_hot_np(self.routed[s][np.maximum(rows - 1, 0)], e)
-            prev[first] = 0
-            out[t] = (mx.array(self.x[s][rows].astype(np.float32)),
-                      mx.array(multi_hot_np(self.routed[s][rows], e)), mx.array(prev),
-                      mx.array(self.logits[t][rows + shift]),
-                      mx.array(multi_hot_np(self.routed[t][rows + shift], e)))
+            s, shift = config.sources[t], config.shift(t)
+            r = rows[self.followed[rows]] if shift else rows
+            prev = multi_hot_np(self.routed[s][np.maximum(r - 1, 0)], e)
+            prev[self.pos[r] == 0] = 0
+            out[t] = (mx.array(self.x[s][r].astype(np.float32)),
+                      mx.array(multi_hot_np(self.routed[s][r], e)), mx.array(prev),
+                      mx.array(self.logits[t][r + shift]),
+                      mx.array(multi_hot_np(self.routed[t][r + shift], e)))
         return out
 
 
@@ -277,12 +281,11 @@ def agreement(predicted: np.ndarray, native: np.ndarray) -> dict:
 
 def evaluate(prerouter: Prerouter, blocks, features: Features, chunk: int = 4096) -> dict:
     config = prerouter.config
-    shift = 0 if config.same_token else 1
-    head_rows = features.rows(config.same_token)
     next_rows, all_rows = features.rows(False), features.rows(True)
     layers = []
     for t, s in sorted(config.sources.items()):
-        block = blocks[t]
+        block, shift = blocks[t], config.shift(t)
+        head_rows = features.rows(not shift)
         predicted, base = [], []
         for i in range(0, len(head_rows), chunk):
             b = features.batch(config, head_rows[i:i + chunk], [t])[t]
@@ -293,7 +296,7 @@ def evaluate(prerouter: Prerouter, blocks, features: Features, chunk: int = 4096
         predicted, base = np.concatenate(predicted), np.concatenate(base)
         routed = np.asarray(features.routed[t]).astype(np.int64)
         layers.append({
-            "target": t, "source": s,
+            "target": t, "source": s, "next_token": bool(shift),
             "head": agreement(predicted, routed[head_rows + shift]),
             "baseline_same_token": agreement(base, routed),
             "baseline_next_token": agreement(base[next_rows], routed[next_rows + 1]),
@@ -311,8 +314,10 @@ def print_table(report: dict):
     for r in report["layers"]:
         cells = [r[k] for k in ("head", "baseline_next_token", "baseline_same_token",
                                 "repeat_previous_token")]
+        wraps = r["target"] <= r["source"]  # the first layer's head: the next token's
         print(f"{r['target']:>5} " + " ".join(f"{c['recall']:>7.3f} / {c['exact']:.3f}"
-                                             for c in cells))
+                                             for c in cells)
+              + (f"  (head at layer {r['source']}, next token)" if wraps else ""))
 
 
 @tool("train_prerouter")
@@ -328,6 +333,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--same-token", action="store_true",
                    help="predict layer l+1 of the same token (one layer of lead time)")
+    p.add_argument("--first-layer", action="store_true",
+                   help="also a head for the first MoE layer, run at the last (the next "
+                        "token's): prerouted then loads no layer on demand; beside "
+                        "same-token heads it only reads ahead (advisory)")
     p.add_argument("--native-layers", default="",
                    help="comma-separated MoE layers a prerouted mode keeps native "
                         "(the first MoE layer always is)")
@@ -352,7 +361,8 @@ def run(args) -> dict:
     native = [int(l) for l in args.native_layers.split(",") if l.strip()]
     mx.random.seed(args.seed)
     config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
-                                       blocks, args.hidden, args.same_token, native)
+                                       blocks, args.hidden, args.same_token, native,
+                                       getattr(args, "first_layer", False))
     prerouter = Prerouter(config)
 
     def tokens_of(path, limit):
@@ -379,7 +389,8 @@ def run(args) -> dict:
               "record train") and (out / "checkpoints").exists():
         shutil.rmtree(out / "checkpoints")  # heads of other features: start over
     eval_key = dict(key, eval_data=str(Path(args.eval_data).resolve()) if args.eval_data
-                    else None, max_eval_tokens=args.max_eval_tokens)
+                    else None, max_eval_tokens=args.max_eval_tokens,
+                    baselines=sorted(config.sources.items()))
     record(model, blocks, eval_windows, out / "features" / "eval", eval_key, config.sources,
            "record eval")
     layers = sorted(blocks)

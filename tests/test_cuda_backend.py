@@ -716,3 +716,20 @@ def test_the_core_never_imports_the_backend():
                    for n in names):
                 offenders.append(f"{path.name}: {names}")
     assert offenders == []
+
+
+def test_heads_with_a_first_layer_head_are_refused_in_one_line(tmp_path):
+    """The first-layer head (train_prerouter --first-layer) is the MLX path's: the CUDA
+    backend names the file and what it takes instead of routing without it."""
+    import json
+
+    from edgemoe.cuda.prerouted import load_heads
+    from edgemoe.routing.prerouter import CONFIG, WEIGHTS
+
+    (tmp_path / CONFIG).write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4, "top_k": 2,
+        "sources": {"0": 1, "1": 0}, "first_layer": True}))
+    (tmp_path / WEIGHTS).write_bytes(b"")
+    with pytest.raises(ValueError, match="first-layer head.*MLX path only") as e:
+        load_heads(tmp_path, "cpu")
+    assert str(tmp_path / CONFIG) in str(e.value) and "\n" not in str(e.value)

@@ -147,7 +147,12 @@ def load_heads(path, device) -> Heads:
         if not (path / name).exists():
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
-    config = HeadsConfig.from_json(json.loads((path / CONFIG).read_text()))
+    raw = json.loads((path / CONFIG).read_text())
+    if raw.get("first_layer"):
+        raise ValueError(f"{path / CONFIG}: heads with a first-layer head (train_prerouter "
+                         f"--first-layer) run on the MLX path only; the CUDA backend takes "
+                         f"heads trained without it")
+    config = HeadsConfig.from_json(raw)
     heads = Heads(config)
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)

@@ -41,6 +41,9 @@ class PredictedRouting:
         outer = self.state, self.rows
         self.state = sequence_state(cache)
         self.rows = inputs.shape[0] if inputs is not None and inputs.ndim > 1 else 1
+        begin = getattr(self.predictor, "begin", None)
+        if begin is not None and inputs is not None:
+            begin(self.state, self.rows, inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0])
         try:
             yield self.state
         finally:
@@ -63,6 +66,7 @@ class PredictedRouting:
 
     def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
         """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
-        advisory = self.predictor.advisory_leads  # read only while they earn it
-        for (target, lead), experts in predictions.items():
-            self.prefetch(target, experts, lead, True if lead in advisory else None)
+        leads, targets = self.predictor.advisory_leads, self.predictor.advisory_targets
+        for (target, lead), experts in predictions.items():  # advisory: read only while
+            advisory = lead in leads or target in targets  # they earn it
+            self.prefetch(target, experts, lead, True if advisory else None)

@@ -29,7 +29,8 @@ class NextRouterPredictor:
 
     lead = 0
     advisory_leads = ()  # leads of predictions that read only while they earn it (see
-    # PreroutedPredictor); the others read as the store's gating says
+    advisory_targets = ()  # PreroutedPredictor), and targets; the others read as the
+    # store's gating says
 
     def __init__(self, blocks: Dict[int, nn.Module]):
         layers = sorted(blocks)
@@ -55,7 +56,7 @@ class HeadsPredictor:
     runs there. A next-token head predicts, for each sequence, the ids of its next
     token; a same-token one the ids of every token of this call."""
 
-    advisory_leads = ()
+    advisory_leads = advisory_targets = ()
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module]):
         self.prerouter = prerouter
@@ -96,15 +97,22 @@ class HeadsPredictor:
         state.previous[layer] = now[:, -1]
         return now, prev
 
+    def lead_of(self, target: int) -> int:
+        """How many of `target`'s calls pass before the one its head predicts: the next
+        token's is 1 call away, but 0 for a head that wraps around (the first layer's,
+        run at the last: the first layer's next call is the next token's)."""
+        config = self.prerouter.config
+        return config.shift(target) - config.wraps(target)
+
     def predict(self, state, layer, x, ids):
         now, prev = self.routing_now(state, layer, ids)
         predictions = {}
         for target in self.targets_of.get(layer, []):
-            if self.same_token:
+            if self.prerouter.config.shift(target):  # only the last token's head output
+                xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]  # is about a token
+            else:  # still to come
                 xs, nows, prevs = x, now, prev
-            else:  # only the last token's head output is about a token still to come
-                xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]
-            predictions[target, self.lead] = self.indices[target](
+            predictions[target, self.lead_of(target)] = self.indices[target](
                 self.logits[target](xs, nows, prevs))
         return predictions
 
@@ -123,31 +131,55 @@ class PreroutedPredictor(HeadsPredictor):
     the next-token prediction only starts reads a token ahead, advisory (while what
     such reads waste stays within the store's waste budget), and of the corrected set
     only what those reads missed is read late. `confine=True` is `prerouted-set`: the
-    predicted set, weighed by the native router.
+    predicted set, weighed by the native router. A first-layer head (run at the last
+    layer, about the next token) routes the first layer of the next call's first
+    position (`begin`) beside next-token heads; beside same-token heads or a correction
+    the first layer keeps its router and the head's prediction reads ahead, advisory.
     """
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False,
                  correction: Optional[Prerouter] = None):
         super().__init__(prerouter, blocks)
         self.confine = confine
-        self.predicted_layers = set(prerouter.config.predicted_layers)
-        self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
+        config = prerouter.config
+        self.predicted_layers = set(config.predicted_layers)
+        self.wrapping = {t for t in config.targets if config.wraps(t)}
         self.correction = None
         if correction is not None:
-            check_correction(prerouter.config, correction.config)
+            check_correction(config, correction.config)
             self.correction = HeadsPredictor(correction, blocks)
             # the next-token prediction no longer routes: it reads a token ahead only
             # while such reads earn it (the store's waste budget), as advisory prefetch
             self.advisory_leads = (1,)
+            self.predicted_layers -= self.wrapping
+        self.advisory_targets = tuple(sorted(self.wrapping - self.predicted_layers))
+        self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
 
     @property
     def gates(self) -> List[RouterTap]:
         return list(self.taps.values())
 
+    def begin(self, state, rows: int, length: int):
+        """A forward call of `length` tokens starts: its first position routes the first
+        layer by the wrapping head's prediction of the sequence's last call (NaN, -1:
+        the other positions, whose predictions come too late, route natively)."""
+        for target in self.wrapping & self.predicted_layers:
+            first = state.carry.get(target)
+            if first is None or first.shape[0] != rows:
+                continue
+            rest = mx.full((rows, length - 1, first.shape[-1]), mx.nan)
+            self._route(target, mx.concatenate([first, rest], axis=1))
+
     def predict(self, state, layer, x, ids):
         now, prev = self.routing_now(state, layer, ids)
         predictions = {}
         for target in self.targets_of.get(layer, []):
+            if target in self.wrapping:  # the next call's: routed by `begin`
+                logits = self.logits[target](x[:, -1:], now[:, -1:], prev[:, -1:])
+                predictions[target, 0] = self.indices[target](logits[:, 0])
+                if target in self.predicted_layers:
+                    state.carry[target] = logits
+                continue
             logits = self.logits[target](x, now, prev)  # (rows, L, E)
             # same-token: position p's routing, read now; next-token: position p+1's
             predictions[target, self.lead] = self.indices[target](
@@ -159,13 +191,17 @@ class PreroutedPredictor(HeadsPredictor):
                 continue
             routing = logits if self.same_token or self.correction is not None else \
                 self._shifted(state, target, logits)
-            if self.confine:
-                inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
-                inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
-                self.taps[target].set_prediction(allowed=inds)
-            else:
-                self.taps[target].set_prediction(routing)
+            self._route(target, routing)
         return predictions
+
+    def _route(self, target: int, routing: mx.array):
+        """Make `routing` (logits; NaN rows: none) the routing of `target`'s next call."""
+        if self.confine:
+            inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
+            inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
+            self.taps[target].set_prediction(allowed=inds)
+        else:
+            self.taps[target].set_prediction(routing)
 
     @staticmethod
     def _shifted(state, target: int, logits: mx.array) -> mx.array:
@@ -184,6 +220,7 @@ def check_correction(heads, correction):
     if heads.same_token or not correction.same_token:
         raise ValueError("a prerouter correction is same-token heads (train_prerouter "
                          "--same-token) beside next-token ones")
-    if correction.sources != heads.sources or correction.num_experts != heads.num_experts:
+    ahead = {t: s for t, s in heads.sources.items() if not heads.wraps(t)}
+    if correction.sources != ahead or correction.num_experts != heads.num_experts:
         raise ValueError(f"the prerouter correction's heads (sources {correction.sources}) "
-                         f"are not for the heads' layers (sources {heads.sources})")
+                         f"are not for the heads' layers (sources {ahead})")

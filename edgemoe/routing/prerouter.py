@@ -5,6 +5,8 @@ vector that layer l's MoE block receives (the post-attention-norm hidden state a
 t) and layer l's routing at tokens t and t-1 (multi-hot over its experts). It outputs
 router logits for layer l+1 at token t+1 (`same_token=False`, a whole token of lead
 time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of lead).
+With `first_layer`, the first MoE layer has a head too, run at the last MoE layer: it
+wraps around, predicting the first layer's routing of token t+1 in either variant.
 The target block's own code turns those logits into routing (edgemoe.routing.gates), so
 predicted routing picks and weighs experts exactly as the native router would have from
 the same logits.
@@ -46,17 +48,35 @@ class PrerouterConfig:
     head_hidden: int = 256
     same_token: bool = False  # predict layer l+1 of token t, not of token t+1
     native_layers: List[int] = field(default_factory=list)  # keep the native router here
+    first_layer: bool = False  # a head for the first MoE layer, run at the last one
 
     @classmethod
     def for_model(cls, model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
                   head_hidden: int = 256, same_token: bool = False,
-                  native_layers: Sequence[int] = ()) -> "PrerouterConfig":
-        """A head for every MoE layer but the first (it has no previous MoE layer)."""
+                  native_layers: Sequence[int] = (), first_layer: bool = False
+                  ) -> "PrerouterConfig":
+        """A head for every MoE layer but the first (it has no previous MoE layer), and
+        with `first_layer` one for the first, run at the last (the next token's). Beside
+        same-token heads, whose routing its next-token guess would spoil, the first layer
+        keeps its router and the head only reads ahead (advisory)."""
         layers = sorted(blocks)
         first = blocks[layers[0]]
-        return cls(model_type, hidden_size, num_experts(first), top_k(first),
-                   dict(zip(layers[1:], layers[:-1])), head_hidden, same_token,
-                   sorted({layers[0], *native_layers}))
+        sources = dict(zip(layers[1:], layers[:-1]))
+        native = set(native_layers)
+        if first_layer:
+            sources[layers[0]] = layers[-1]
+        if same_token or not first_layer:
+            native.add(layers[0])
+        return cls(model_type, hidden_size, num_experts(first), top_k(first), sources,
+                   head_hidden, same_token, sorted(native), first_layer)
+
+    def wraps(self, target: int) -> bool:
+        """Whether `target`'s head runs at a later layer: it predicts the next token."""
+        return target <= self.sources[target]
+
+    def shift(self, target: int) -> int:
+        """1: `target`'s head predicts the next token's routing; 0: this token's."""
+        return 0 if self.same_token and not self.wraps(target) else 1
 
     @property
     def targets(self) -> List[int]:
