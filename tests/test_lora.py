@@ -108,12 +108,13 @@ TEXT = "\n\n".join((Path(json.__file__).parent / f).read_text()
                    for f in ("decoder.py", "encoder.py", "scanner.py"))
 
 
-def distil(tmp_path, checkpoints, packs, out, *extra):
+def distil(tmp_path, checkpoints, packs, out, *extra, teacher=None):
     """train_lora on the tiny Qwen3-MoE: the int4 pack distilled from its fp32 source."""
     hf, _ = checkpoints["qwen3_moe"]
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
-    argv = ["--model", str(packs["qwen3_moe"]["hf"]), "--teacher", str(hf), "--data", str(data),
+    argv = ["--model", str(packs["qwen3_moe"]["hf"]), "--teacher", str(teacher or hf),
+            "--data", str(data),
             "--out", str(out), "--context", "64", "--batch-size", "4", "--eval-tokens", "512",
             "--save-every", "5", *extra]
     train_lora.main(argv)
@@ -191,3 +192,21 @@ def test_survival_is_the_projection_on_the_unmerged_effect(packs):
     layer.lora_b = mx.full(layer.lora_b.shape, 1.0)
     base = layer.linear(x)
     assert 0.95 < survival(layer.fuse()(x) - base, layer(x) - base) < 1.05
+
+
+def test_a_pack_teaches_as_its_int4_native_routing(checkpoints, packs, tmp_path):
+    """`--teacher PACK`: the pack itself, every expert resident, native routing. A native
+    student starts at its teacher exactly; a prerouted one starts at the routing's gap."""
+    pack = packs["qwen3_moe"]["hf"]
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "native", "--routing", "native",
+                    "--steps", "1", teacher=pack)
+    assert report["before"]["kl_to_teacher"] == 0.0
+    assert report["before"]["perplexity"] == report["before"]["teacher_perplexity"]
+    model, _ = edgemoe.load(pack)
+    mx.random.seed(0)
+    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size,
+                                                moe_blocks(model), head_hidden=32))
+    save_prerouter(heads, tmp_path / "heads")
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "prerouted", "--steps", "1",
+                    "--prerouter", str(tmp_path / "heads"), teacher=pack)
+    assert report["before"]["kl_to_teacher"] > 0.0
