@@ -224,3 +224,53 @@ def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkey
         again = model(OTHER)
         mx.eval(again)
     assert mx.array_equal(again, expected) and store.healthy()
+
+
+class HeldReader:
+    """The real reader, but the first fills submitted wait in a list until `release()`."""
+
+    def __init__(self, reader):
+        self.reader, self.held = reader, None
+
+    def submit(self, fills):
+        if self.held is None:
+            self.held = list(fills)
+        else:
+            self.reader.submit(fills)
+
+    def release(self):
+        self.reader.submit(self.held)
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+def test_a_stale_prefetch_is_dropped_unread_and_its_slot_freed(packs):
+    """A prefetch for a call that then does not request its expert, still queued when the
+    call starts, is cancelled: never read, its slot free again; a prefetch the call does
+    request is kept (a late fill)."""
+    import time
+
+    from edgemoe.streaming.slots import FILLING
+
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=0.5)
+    store = model.expert_store
+    pool = store.pool(store.layer_indices[1])
+    held = pool.reader = HeldReader(pool.reader)
+    free = [e for e in range(pool.layer.num_experts) if pool.slot_of[e] < 0]
+    stale, kept, needed = free[:3]
+    before = store.snapshot()
+    pool.prefetch(np.array([stale, kept]), advisory=False)
+    threading.Timer(0.2, held.release).start()  # `kept` lands while the call waits for it
+    pool.ensure(np.array([kept, needed]))
+    pool.release()
+    deadline = time.monotonic() + 5  # the reader ends the stale fill (unread) by itself
+    while np.any(pool.state == FILLING) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    delta = store.snapshot() - before
+    assert delta.prefetch_cancelled == 1 and delta.prefetches == 2 and delta.late_fills == 1
+    assert delta.bytes_read == 2 * pool.layer.expert_bytes  # kept and needed, not stale
+    assert pool.slot_of[stale] < 0 and stale not in pool.fills
+    assert not np.any(pool.state == FILLING)  # the stale one's slot is free again
+    store.close()

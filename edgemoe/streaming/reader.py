@@ -56,6 +56,17 @@ class Fill:
     pending: int = 0
     failed: Optional[Exception] = None
     ready: Optional[threading.Event] = None
+    # a fill the reader has not begun can be cancelled (`Reader.cancel`); it then ends
+    # with CANCELLED as its error, unread
+    begun: bool = False
+    cancelled: bool = False
+
+
+class Cancelled(Exception):
+    """A fill's end when it was cancelled before its read began."""
+
+
+CANCELLED = Cancelled("cancelled before its read began")
 
 
 @dataclass
@@ -145,6 +156,35 @@ class Reader:
         if run:
             self.queue.put(run)
 
+    def cancel(self, fill: Fill) -> bool:
+        """Cancel `fill` if its read has not begun (a record of a pack; the slices of a
+        record read in place are not cancelled): True if it will end unread."""
+        with self.lock:
+            if fill.begun or fill.ready is not None:
+                return False
+            fill.cancelled = True
+            return True
+
+    def _begin(self, run: List[Fill]) -> List[List[Fill]]:
+        """The fills of `run` still wanted, marked begun (none can be cancelled from now),
+        as runs of adjacent records; the cancelled ones end, unread."""
+        with self.lock:
+            live = [f for f in run if not f.cancelled]
+            for f in live:
+                f.begun = True
+        for f in run:
+            if f.cancelled:
+                f.on_done(f, 0, CANCELLED)
+        if len(live) == len(run):
+            return [run] if run else []
+        runs: List[List[Fill]] = []
+        for f in live:  # a cancelled record may have joined two: read them apart
+            if runs and _adjacent(runs[-1][-1].record, f.record):
+                runs[-1].append(f)
+            else:
+                runs.append([f])
+        return runs
+
     def alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
 
@@ -166,18 +206,23 @@ class Reader:
             if isinstance(run, Slice):
                 staging = self._read_slice(run, staging)
                 continue
-            try:
-                for f in run:
-                    if f.before_read is not None:
-                        f.before_read(f.slot)
-                if self.direct_fds:
-                    staging = self._read_direct(run, staging)
-                else:
-                    self._read_buffered(run)
-            except Exception as e:  # every fill of the run fails with a clear error
-                for f in run:
-                    if not f.done.is_set():
-                        f.on_done(f, 0, _describe(self.pack, f, e))
+            for part in self._begin(run):
+                staging = self._read_run(part, staging)
+
+    def _read_run(self, run: List[Fill], staging):
+        try:
+            for f in run:
+                if f.before_read is not None:
+                    f.before_read(f.slot)
+            if self.direct_fds:
+                staging = self._read_direct(run, staging)
+            else:
+                self._read_buffered(run)
+        except Exception as e:  # every fill of the run fails with a clear error
+            for f in run:
+                if not f.done.is_set():
+                    f.on_done(f, 0, _describe(self.pack, f, e))
+        return staging
 
     def _read_buffered(self, run: List[Fill]):
         """A run of pack records: one read of their span, the alignment gaps between

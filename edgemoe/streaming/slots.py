@@ -149,6 +149,7 @@ class LayerSlots:
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
         self.state = np.full(num_slots, FREE, dtype=np.int8)
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
+        self.cancelled: List[Fill] = []  # fills cancelled unread, their slots not yet free
         self.pending_prediction: Optional[set] = None  # for this layer's next call
         self.next_prediction: Optional[set] = None  # for the call after
         self.pending_advisory = self.next_advisory = False  # must they earn their reads
@@ -188,6 +189,8 @@ class LayerSlots:
         waits, missing = [], []
         with self.lock:
             if new_call:
+                self._cancel_stale((self.pending_prediction or set()) - set(wanted)
+                                   - (self.next_prediction or set()))
                 self._score_prediction(wanted)
                 self.bytes_read *= WASTE_DECAY
                 self.wasted_bytes *= WASTE_DECAY
@@ -230,7 +233,7 @@ class LayerSlots:
                     if missing:  # every other slot (or host row) is filling: a fill
                         # must land first, a prefetch's if there is one
                         in_flight = [f for e, f in self.fills.items() if e not in wanted] \
-                            or list(self.fills.values())
+                            or self.cancelled[:1] or list(self.fills.values())
                         if not in_flight and not new:
                             raise RuntimeError(
                                 f"layer {self.layer.index}: no slot can be had: every slot "
@@ -337,6 +340,23 @@ class LayerSlots:
         self.pending_prediction, self.next_prediction = self.next_prediction, None
         self.pending_advisory, self.next_advisory = self.next_advisory, False
 
+    def _cancel_stale(self, stale):
+        """Prefetches for this call of experts it did not request: those not yet begun are
+        dropped unread (the caller holds the lock), so that the reads this call does need
+        do not queue behind them. A cancelled fill keeps its slot until the reader ends it."""
+        cancel = getattr(self.reader, "cancel", None)
+        for e in stale:
+            fill = self.fills.get(e)
+            if fill is None or e not in self.prefetched or cancel is None or not cancel(fill):
+                continue
+            del self.fills[e]
+            self.cancelled.append(fill)
+            self.slot_of[e] = -1
+            self.expert_in[fill.slot] = -1
+            self.prefetched.discard(e)
+            self.policy.forget(e)
+            self.stats.prefetch_cancelled += 1
+
     def _wait(self, fills, raise_errors=True):
         tic = time.perf_counter()
         try:
@@ -439,6 +459,11 @@ class LayerSlots:
         if error is not None:
             self.memory.abandon(fill.slot)
         with self.lock:
+            if fill.cancelled:  # detached when cancelled (_cancel_stale): the slot is free
+                self.cancelled.remove(fill)
+                self.state[fill.slot] = FREE
+                fill.done.set()
+                return
             self.fills.pop(fill.expert, None)
             if error is None:
                 self.state[fill.slot] = READY

@@ -32,6 +32,8 @@ class ExpertStats:
     needed: int = 0  # experts requested by calls that had a prediction
     prefetch_wasted_bytes: int = 0  # prefetched, then evicted before any call requested it
     prefetch_evicted_needed: int = 0  # requests of experts a prefetch had evicted
+    prefetch_cancelled: int = 0  # prefetches dropped unread: the call they were for ran
+    #                              without them (stale), and the reader had not begun them
     read_busy_s: float = 0.0  # wall time with a preadv in flight
     verify_s: float = 0.0  # CRC32 checks and O_DIRECT staging copies, summed over threads
     host_syncs: int = 0  # evaluations the expert path waited on (routing, each pass's compute)
