@@ -4,6 +4,7 @@
         [--policies lru,lfu,lfuda,s3fifo,learned] [--prefetch] [--png hit_rate.png] [--json out.json]
     python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out cache_policy.npz
     python -m edgemoe.cache_sim split TRACE [TRACE ...] --budget 0.1,0.25 [--policy lfu]
+    python -m edgemoe.cache_sim windows TRACE [TRACE ...] --budget 0.1,0.25 --window 1,2,4,8
 
 The replay runs the store's own slot state machine (edgemoe.streaming.slots.LayerSlots)
 over a memory that holds nothing and a reader that finishes each fill as it is
@@ -13,6 +14,10 @@ and with `--prefetch` the prefetches the trace recorded are issued where they we
 the layer call that issued them. Slot counts come from the store's rule
 (edgemoe.streaming.budget). A trace records its forward calls; an older one without them
 is replayed as mlx-lm prefills, in calls of at most 2048 prompt tokens.
+
+`windows` asks what speculative decoding can save in reads at best: the decoded tokens
+verified in windows, every draft kept, each window one call over the union of its
+tokens' experts (a draft that is sometimes wrong reads more).
 
 `split` asks whether one budget shared across layers beats the even split the store uses:
 it fits a split of the same slot total to the first half of the traces (slots go one at a
@@ -458,6 +463,49 @@ def compare_split(traces: List[Dict[str, np.ndarray]], budget, policy: str) -> d
             "fitted_bytes_per_token": per_token["fitted"]}
 
 
+# -- speculative windows --
+
+def windowed(trace: Dict[str, np.ndarray], window: int) -> Dict[str, np.ndarray]:
+    """`trace` with its decoded tokens verified `window` at a time, every draft kept: each
+    window one forward call over the union of its tokens' experts (speculative decoding's
+    best case for reads); prompt calls as recorded."""
+    decode = trace["decode"].astype(bool)
+    sizes, run = [], 0
+    for call in trace_calls(trace):
+        if not decode[call.start]:
+            if run:
+                sizes.append(run)
+                run = 0
+            sizes.append(call.stop - call.start)
+            continue
+        run += call.stop - call.start
+        if run >= window:
+            sizes.append(run)
+            run = 0
+    if run:
+        sizes.append(run)
+    return dict(trace, calls=np.array(sizes))
+
+
+def compare_windows(traces: List[Dict[str, np.ndarray]], budget, windows: List[int],
+                    policy: str) -> List[dict]:
+    """Decode bytes per token with the tokens verified in windows of each size, against
+    one token a call (plain decode), at one budget."""
+    rows = []
+    for window in windows:
+        results = [simulate(windowed(t, window), budget, policy) for t in traces]
+        tokens = sum(r.decode_tokens for r in results)
+        rows.append({"budget": str(budget), "policy": policy, "window": window,
+                     "slots": results[0].slots,
+                     "bytes_per_token": sum(r.decode_bytes_read for r in results) / max(tokens, 1)})
+    plain = next((r["bytes_per_token"] for r in rows if r["window"] == 1), None)
+    if plain is None:
+        plain = compare_windows(traces, budget, [1], policy)[0]["bytes_per_token"]
+    for r in rows:
+        r["ratio_to_plain"] = r["bytes_per_token"] / plain if plain else 1.0
+    return rows
+
+
 # -- command line --
 
 def plot(results: List[Result], path):
@@ -499,6 +547,8 @@ def main(argv=None):
         return main_train(argv[1:])
     if argv[:1] == ["split"]:
         return main_split(argv[1:])
+    if argv[:1] == ["windows"]:
+        return main_windows(argv[1:])
     p = argparse.ArgumentParser(description="Replay routing traces through expert cache "
                                             "policies and Belady's optimum.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -592,6 +642,33 @@ def main_split(argv):
         print(f"{r['budget']:>7} {r['even_slots']:>10} {str(r['split']):>24} "
               f"{r['even_bytes_per_token'] / 1e3:>14.1f} {r['fitted_bytes_per_token'] / 1e3:>16.1f} "
               f"{r['fitted_bytes_per_token'] / max(r['even_bytes_per_token'], 1):>6.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}")
+
+
+def main_windows(argv):
+    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim windows",
+                                description="Decode bytes per token were the traces' decoded "
+                                            "tokens verified in speculative windows, every "
+                                            "draft kept: the best a draft can do for reads.")
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--budget", default="0.1,0.25")
+    p.add_argument("--window", default="1,2,3,4,6,8", help="tokens per window")
+    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
+    p.add_argument("--json", default=None, help="Write the results here")
+    add_debug_flag(p)
+    args = p.parse_args(argv)
+    traces = [load_trace(t) for t in args.traces]
+    windows = [int(w) for w in args.window.split(",")]
+    rows = [r for b in args.budget.split(",")
+            for r in compare_windows(traces, b, windows, args.policy)]
+    print(f"{len(traces)} traces, {sum(int(t['decode'].sum()) for t in traces)} decoded "
+          f"tokens ({args.policy}); every draft kept")
+    print(f"{'budget':>7} {'slots':>5} {'window':>6} {'KB/token':>9} {'vs plain':>8}")
+    for r in rows:
+        print(f"{r['budget']:>7} {r['slots']:>5} {r['window']:>6} "
+              f"{r['bytes_per_token'] / 1e3:>9.1f} {r['ratio_to_plain']:>8.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.json}")

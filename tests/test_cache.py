@@ -425,3 +425,31 @@ def test_an_advisory_guess_never_evicts_what_the_policy_ranks_hotter():
     pool.prefetch(np.array([9]), advisory=False)  # the routing: it must load
     pool._wait(list(pool.fills.values()))
     assert pool.slot_of[9] >= 0
+
+
+def test_windows_replay_decode_in_speculative_windows(tmp_path, capsys):
+    """`cache_sim windows`: one token a window is the trace as recorded; where no token
+    shares an expert with another, a window reads exactly what its tokens would alone;
+    the command prints and writes a row per budget and window."""
+    import json
+    from pathlib import Path
+
+    from edgemoe.cache_sim import compare_windows, main, simulate, windowed
+    from edgemoe.streaming.trace import load_trace
+
+    shipped = Path(__file__).parent / "data" / "reference_traces" / "r0.npz"
+    trace = load_trace(shipped)
+    one = simulate(windowed(trace, 1), "10%", "lfu")
+    assert one.decode_bytes_read == simulate(trace, "10%", "lfu").decode_bytes_read
+    n = 24  # 4 prompt tokens, 20 decoded, each routed to 2 experts no other token uses
+    fresh = dict(routed=np.arange(2 * n).reshape(n, 1, 2), decode=np.arange(n) >= 4,
+                 expert_bytes=np.array([100]), num_experts=np.array([2 * n]))
+    rows = compare_windows([fresh], "25%", [1, 2, 3, 4, 8], "lfu")
+    assert [r["ratio_to_plain"] for r in rows] == [1.0] * 5
+    assert rows[0]["bytes_per_token"] == 200
+    main(["windows", str(shipped), "--budget", "0.1,0.25", "--window", "1,4",
+          "--json", str(tmp_path / "w.json")])
+    written = json.loads((tmp_path / "w.json").read_text())
+    assert [(r["budget"], r["window"]) for r in written] == [
+        ("0.1", 1), ("0.1", 4), ("0.25", 1), ("0.25", 4)]
+    assert "every draft kept" in capsys.readouterr().out
