@@ -546,3 +546,35 @@ def test_beside_same_token_heads_a_first_layer_head_only_reads_ahead(packs, trai
         model.expert_store.close()
     assert mx.array_equal(runs["first"][0], runs["alone"][0])
     assert runs["first"][2].predicted > runs["alone"][2].predicted  # layer 0's guesses
+
+
+@pytest.mark.parametrize("heads", ["next-token", "with a first-layer head"])
+def test_a_decode_step_of_next_token_routing_skips_the_routing_sync(packs, trained,
+                                                                    trained_first,
+                                                                    monkeypatch, heads):
+    """A predicted layer's decode routing is on the host a token early (its next-token
+    prediction): the step skips that layer's routing sync, one host sync a layer instead
+    of two, and computes exactly what the step with the sync computes."""
+    from edgemoe.format.pack import Pack
+    from edgemoe.routing.modes import PredictedRouting
+
+    folder = trained[0] / "prerouter" if heads == "next-token" else trained_first[False][0]
+    path = packs["qwen3_moe"]["hf"]
+    budget = minimum_bytes(Pack.open(path)) * 2
+    prompt = mx.array(np.random.default_rng(5).integers(3, 500, 20))
+    runs = {}
+    for name in ("skipping", "syncing"):
+        with monkeypatch.context() as m:
+            if name == "syncing":
+                m.setattr(PredictedRouting, "known_routing", lambda self, layer, shape: None)
+            model, _ = edgemoe.load(path, expert_budget=budget, routing="prerouted",
+                                    prerouter_path=folder)
+            before = model.expert_store.snapshot().host_syncs
+            logits, _ = decode_steps(model, prompt, steps=8)
+            syncs = model.expert_store.snapshot().host_syncs - before
+            runs[name] = logits, syncs
+            model.expert_store.close()
+    layers, predicted = 4, len(load_prerouter(folder).config.predicted_layers)
+    prefill = runs["syncing"][1] - 8 * 2 * layers  # (decode_steps counts from before it)
+    assert mx.array_equal(runs["skipping"][0], runs["syncing"][0])
+    assert runs["skipping"][1] - prefill == 8 * (2 * layers - predicted)

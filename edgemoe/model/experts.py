@@ -42,16 +42,22 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
-        predicted = {}
+        predicted, ids = {}, None
         if self.routing is not None:
             seen = x if self.block_input is None else self.block_input
             predicted = self.routing.predict(layer, seen, indices)
-        # the host learns this layer's routing here, and any prediction, in one sync
-        mx.eval(indices, *predicted.values())
-        self.slots.stats.host_syncs += 1
-        ids = np.array(indices)
-        routed = None if not predicted else (  # its prefetches overlap this layer's compute
-            lambda: self.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()}))
+            # a decode step of next-token predicted routing: the host has the ids already
+            ids = self.routing.known_routing(layer, indices.shape)
+        routed, later = None, {}
+        if ids is None:  # the host learns this layer's routing, and any prediction, in one sync
+            mx.eval(indices, *predicted.values())
+            self.slots.stats.host_syncs += 1
+            ids = np.array(indices)
+            if predicted:  # its prefetches overlap this layer's compute
+                routed = lambda: self.routing.prefetch_all(  # noqa: E731
+                    {t: np.array(p) for t, p in predicted.items()})
+        else:  # no routing sync: the predictions (about the next token) come with compute's
+            later = predicted
 
         def compute(rows, slot_ids):
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
@@ -59,20 +65,27 @@ class StreamingExperts(nn.Module):
             else:  # (token, k) rows of this pass
                 tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
                 out = self.pool(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
-            mx.eval(out)  # every read of the slots is done before any can be refilled
-            self.slots.stats.host_syncs += 1
+            mx.eval(out, *later.values())  # every read of the slots is done before any
+            self.slots.stats.host_syncs += 1  # can be refilled
             return out
 
         if self.share is not None:
             mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
+            self._prefetch_later(later)
             return self.share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed)
+        self._prefetch_later(later)
         if len(parts) == 1:
             return parts[0][1]
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
+
+
+    def _prefetch_later(self, later: dict):
+        if later:
+            self.routing.prefetch_all({t: np.array(p) for t, p in later.items()})
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:

@@ -33,21 +33,23 @@ class PredictedRouting:
     def __init__(self, predictor, prefetch: Prefetch):
         self.predictor, self.prefetch = predictor, prefetch
         self.state: Optional[RoutingState] = None
-        self.rows = 1
+        self.rows, self.length = 1, None  # of the current forward call
 
     @contextlib.contextmanager
     def sequence(self, inputs: Optional[mx.array], cache):
         """One forward call of the sequence(s) that own `cache` ((rows, L) `inputs`)."""
-        outer = self.state, self.rows
+        outer = self.state, self.rows, self.length
         self.state = sequence_state(cache)
+        self.state.calls += 1
         self.rows = inputs.shape[0] if inputs is not None and inputs.ndim > 1 else 1
+        self.length = None if inputs is None else inputs.shape[1 if inputs.ndim > 1 else 0]
         begin = getattr(self.predictor, "begin", None)
-        if begin is not None and inputs is not None:
-            begin(self.state, self.rows, inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0])
+        if begin is not None and self.length is not None:
+            begin(self.state, self.rows, self.length)
         try:
             yield self.state
         finally:
-            self.state, self.rows = outer
+            self.state, self.rows, self.length = outer
             for gate in getattr(self.predictor, "gates", ()):
                 gate.set_prediction(None)  # a prediction never outlives its forward call
 
@@ -67,6 +69,23 @@ class PredictedRouting:
     def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
         """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
         leads, targets = self.predictor.advisory_leads, self.predictor.advisory_targets
+        fixes = getattr(self.predictor, "fixes_next_call", None)
         for (target, lead), experts in predictions.items():  # advisory: read only while
             advisory = lead in leads or target in targets  # they earn it
             self.prefetch(target, experts, lead, True if advisory else None)
+            if fixes is not None and self.state is not None and fixes(target):
+                self.state.known[target, self.state.calls + 1] = experts
+
+    def known_routing(self, layer: int, shape) -> Optional[np.ndarray]:
+        """This call's expert ids of `layer` (shaped as its router's `shape`), when a
+        prediction made in the sequence's last call fixed them and the host has them: a
+        decode step of predicted routing; else None (the router's ids must be evaluated)."""
+        state = self.state
+        if state is None:
+            return None
+        ids = state.known.pop((layer, state.calls), None)
+        for key in [k for k in state.known if k[1] < state.calls]:  # unused (a prefill's)
+            del state.known[key]
+        if ids is None or self.length != 1 or ids.size != int(np.prod(shape)):
+            return None
+        return ids.reshape(shape)

@@ -154,6 +154,15 @@ class PreroutedPredictor(HeadsPredictor):
             self.predicted_layers -= self.wrapping
         self.advisory_targets = tuple(sorted(self.wrapping - self.predicted_layers))
         self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
+        # next-token predictions that route by themselves: the host knows a decode step's
+        # routing of their layers before it runs (`fixes_next_call`)
+        self.fixes = set() if confine or correction is not None else \
+            {t for t in self.predicted_layers if config.shift(t)}
+
+    def fixes_next_call(self, target: int) -> bool:
+        """Whether `target`'s prediction made now is its routing for the next token's
+        call, expert for expert (next-token heads routing, not confined to a set)."""
+        return target in self.fixes
 
     @property
     def gates(self) -> List[RouterTap]:

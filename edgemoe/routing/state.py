@@ -27,6 +27,11 @@ class RoutingState:
         self.rows: Optional[int] = None  # known after the first call
         self.previous: Dict[int, mx.array] = {}  # layer -> (rows, k) int32; -1: none
         self.carry: Dict[int, mx.array] = {}  # layer -> (rows, 1, E) float; NaN: none
+        self.calls = 0  # forward calls begun
+        # (layer, the call it routes) -> host expert ids (rows, k): a prediction that is
+        # the layer's whole routing of that call, already on the host (no routing sync
+        # needed); an optimisation only, so a batch's merge or filter drops it
+        self.known: Dict[tuple, object] = {}
 
     @property
     def size(self) -> int:
@@ -52,6 +57,7 @@ class RoutingState:
         """Append `other`'s rows (in place, as a batch cache's `extend`)."""
         merged = RoutingState.merge([self, other])
         self.rows, self.previous, self.carry = merged.rows, merged.previous, merged.carry
+        self.known = {}
 
     def filter(self, keep: List[int]):
         """Keep only the rows `keep` (in place, as a batch cache's `filter`)."""
@@ -59,6 +65,7 @@ class RoutingState:
         self.previous = {k: v[index] for k, v in self.previous.items()}
         self.carry = {k: v[index] for k, v in self.carry.items()}
         self.rows = len(keep)
+        self.known = {}
 
 
 def sequence_state(cache) -> RoutingState:
