@@ -2,7 +2,7 @@
 
     python -m edgemoe.train_prerouter --model PATH --data FILE --out DIR
            [--eval-data FILE] [--hidden 256] [--epochs N] [--seed S] [--same-token]
-           [--first-layer]
+           [--first-layer] [--history 2]
 
 1. Run the base model with native routing over windows of the text (the last 10% of
    windows held out, or --eval-data) and record, for every MoE layer and token, the
@@ -183,8 +183,12 @@ class Features:
         for t in targets or config.targets:
             s, shift = config.sources[t], config.shift(t)
             r = rows[self.followed[rows]] if shift else rows
-            prev = multi_hot_np(self.routed[s][np.maximum(r - 1, 0)], e)
-            prev[self.pos[r] == 0] = 0
+            prevs = []  # the earlier tokens' routing, most recent first (none: zeros)
+            for j in range(1, config.history + 1):
+                prev = multi_hot_np(self.routed[s][np.maximum(r - j, 0)], e)
+                prev[self.pos[r] < j] = 0
+                prevs.append(prev)
+            prev = np.concatenate(prevs, axis=-1)
             out[t] = (mx.array(self.x[s][r].astype(np.float32)),
                       mx.array(multi_hot_np(self.routed[s][r], e)), mx.array(prev),
                       mx.array(self.logits[t][r + shift]),
@@ -337,6 +341,8 @@ def main(argv=None):
                    help="also a head for the first MoE layer, run at the last (the next "
                         "token's): prerouted then loads no layer on demand; beside "
                         "same-token heads it only reads ahead (advisory)")
+    p.add_argument("--history", type=int, default=1,
+                   help="earlier tokens whose routing a head reads (Edge0 reads 2)")
     p.add_argument("--native-layers", default="",
                    help="comma-separated MoE layers a prerouted mode keeps native "
                         "(the first MoE layer always is)")
@@ -362,7 +368,8 @@ def run(args) -> dict:
     mx.random.seed(args.seed)
     config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
                                        blocks, args.hidden, args.same_token, native,
-                                       getattr(args, "first_layer", False))
+                                       getattr(args, "first_layer", False),
+                                       getattr(args, "history", 1))
     prerouter = Prerouter(config)
 
     def tokens_of(path, limit):

@@ -718,9 +718,13 @@ def test_the_core_never_imports_the_backend():
     assert offenders == []
 
 
-def test_heads_with_a_first_layer_head_are_refused_in_one_line(tmp_path):
-    """The first-layer head (train_prerouter --first-layer) is the MLX path's: the CUDA
-    backend names the file and what it takes instead of routing without it."""
+@pytest.mark.parametrize("option, message", [
+    ({"first_layer": True}, "first-layer head.*MLX path only"),
+    ({"history": 2}, "2 earlier tokens' routing.*MLX path only")])
+def test_heads_of_mlx_only_options_are_refused_in_one_line(tmp_path, option, message):
+    """A first-layer head (train_prerouter --first-layer) and heads reading two earlier
+    tokens (--history 2) are the MLX path's: the CUDA backend names the file and what it
+    takes instead of routing without them."""
     import json
 
     from edgemoe.cuda.prerouted import load_heads
@@ -728,8 +732,8 @@ def test_heads_with_a_first_layer_head_are_refused_in_one_line(tmp_path):
 
     (tmp_path / CONFIG).write_text(json.dumps({
         "model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4, "top_k": 2,
-        "sources": {"0": 1, "1": 0}, "first_layer": True}))
+        "sources": {"0": 1, "1": 0}, **option}))
     (tmp_path / WEIGHTS).write_bytes(b"")
-    with pytest.raises(ValueError, match="first-layer head.*MLX path only") as e:
+    with pytest.raises(ValueError, match=message) as e:
         load_heads(tmp_path, "cpu")
     assert str(tmp_path / CONFIG) in str(e.value) and "\n" not in str(e.value)

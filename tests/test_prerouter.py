@@ -162,10 +162,11 @@ def test_training_is_deterministic_and_resumable(checkpoints, text_file, trained
     assert not all(mx.array_equal(first[k], third[k]) for k in first)
 
 
-def test_predictor_carries_the_previous_token(packs):
-    """Token by token or all at once, the heads see the same t-1 routing."""
+@pytest.mark.parametrize("history", [1, 2])
+def test_predictor_carries_the_previous_token(packs, history):
+    """Token by token or all at once, the heads see the same t-1 (and t-2) routing."""
     model, _ = edgemoe.load(packs["olmoe"]["hf"])
-    prerouter, blocks = new_prerouter(model, "olmoe", same_token=True)
+    prerouter, blocks = new_prerouter(model, "olmoe", same_token=True, history=history)
     predictor = HeadsPredictor(prerouter, blocks)
     source, target = 1, 2
     x, now = inputs(model, blocks, source, length=6)
@@ -180,6 +181,32 @@ def test_predictor_carries_the_previous_token(packs):
     shifted = np.array(predictor.predict(state, source, x[:, :1], now[:, :1])[target, 0])
     expected = prerouter.route(target, blocks[target], x[:, :1], now[:, :1], now[:, :1])
     assert np.array_equal(shifted, np.array(expected))
+    if history == 2:  # the third step reads the two before it, most recent first
+        third = predictor.predict(state, source, x[:, 1:2], now[:, 1:2])[target, 0]
+        earlier = mx.stack([now[:, :1], now[:, :1]], axis=2)
+        expected = prerouter.route(target, blocks[target], x[:, 1:2], now[:, 1:2], earlier)
+        assert np.array_equal(np.array(third), np.array(expected))
+        other = mx.stack([now[:, :1], now[:, 1:2]], axis=2)  # another t-2: another guess
+        assert not mx.array_equal(prerouter.logits(target, x[:, 1:2], now[:, 1:2], earlier),
+                                  prerouter.logits(target, x[:, 1:2], now[:, 1:2], other))
+
+
+def test_heads_that_read_two_earlier_tokens_train_and_route(checkpoints, text_file, packs,
+                                                            tmp_path):
+    """train_prerouter --history 2 (as Edge0): the heads read the routing of t-1 and t-2,
+    train from the recorded features, and route a prerouted decode that loads nothing on
+    demand at the predicted layers."""
+    from edgemoe.format.pack import Pack
+
+    report = train_prerouter.run(train_args(checkpoints, text_file, tmp_path, history=2))
+    heads = load_prerouter(tmp_path / "prerouter")
+    assert heads.config.history == 2 and report["train_loss"][1] < report["train_loss"][0]
+    assert heads.head(1).up.weight.shape[1] == heads.config.hidden_size + 3 * 16
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=minimum_bytes(Pack.open(path)),
+                            routing="prerouted", prerouter_path=tmp_path / "prerouter")
+    _, on_demand = decode_steps(model, mx.array(np.random.default_rng(5).integers(3, 500, 20)))
+    assert all(on_demand[l] == 0 for l in (1, 2, 3)), on_demand
 
 
 def decode_logits(model, tokens, steps=16, cache=None):

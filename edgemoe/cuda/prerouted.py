@@ -148,6 +148,10 @@ def load_heads(path, device) -> Heads:
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     raw = json.loads((path / CONFIG).read_text())
+    if raw.get("history", 1) != 1:
+        raise ValueError(f"{path / CONFIG}: heads that read {raw['history']} earlier tokens' "
+                         f"routing (train_prerouter --history) run on the MLX path only; the "
+                         f"CUDA backend takes heads of --history 1")
     if raw.get("first_layer"):
         raise ValueError(f"{path / CONFIG}: heads with a first-layer head (train_prerouter "
                          f"--first-layer) run on the MLX path only; the CUDA backend takes "

@@ -86,15 +86,19 @@ class HeadsPredictor:
         return 0 if self.same_token else 1
 
     def routing_now(self, state: RoutingState, layer: int, ids: mx.array):
-        """This call's ids (rows, L, k) and the previous token's at each position; the
-        last token's ids are kept for the sequence's next call."""
+        """This call's ids (rows, L, k) and, at each position, the earlier tokens' (rows,
+        L, history, k), most recent first; the last `history` tokens' ids are kept for the
+        sequence's next call."""
         rows, length, k = ids.shape
+        history = self.prerouter.config.history
         now = mx.array(ids).astype(mx.int32)
-        last = state.previous.get(layer)
-        if last is None or last.shape != (rows, k):
-            last = mx.full((rows, k), -1, dtype=mx.int32)  # -1: no expert, all zeros
-        prev = mx.concatenate([last[:, None], now[:, :-1]], axis=1)
-        state.previous[layer] = now[:, -1]
+        last = state.previous.get(layer)  # (rows, history, k), oldest first
+        if last is None or last.shape != (rows, history, k):
+            last = mx.full((rows, history, k), -1, dtype=mx.int32)  # -1: none, all zeros
+        seq = mx.concatenate([last, now], axis=1)
+        prev = mx.stack([seq[:, history - 1 - j:history - 1 - j + length]
+                         for j in range(history)], axis=2)
+        state.previous[layer] = seq[:, -history:]
         return now, prev
 
     def lead_of(self, target: int) -> int:

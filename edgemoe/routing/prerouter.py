@@ -2,7 +2,8 @@
 
 A head for target layer l+1 runs while token t passes MoE layer l. Its input is the
 vector that layer l's MoE block receives (the post-attention-norm hidden state at token
-t) and layer l's routing at tokens t and t-1 (multi-hot over its experts). It outputs
+t) and layer l's routing at token t and at the `history` tokens before it (multi-hot over
+its experts; 1 by default, Edge0 reads 2). It outputs
 router logits for layer l+1 at token t+1 (`same_token=False`, a whole token of lead
 time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of lead).
 With `first_layer`, the first MoE layer has a head too, run at the last MoE layer: it
@@ -49,12 +50,13 @@ class PrerouterConfig:
     same_token: bool = False  # predict layer l+1 of token t, not of token t+1
     native_layers: List[int] = field(default_factory=list)  # keep the native router here
     first_layer: bool = False  # a head for the first MoE layer, run at the last one
+    history: int = 1  # earlier tokens whose routing (at the source layer) a head reads
 
     @classmethod
     def for_model(cls, model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
                   head_hidden: int = 256, same_token: bool = False,
-                  native_layers: Sequence[int] = (), first_layer: bool = False
-                  ) -> "PrerouterConfig":
+                  native_layers: Sequence[int] = (), first_layer: bool = False,
+                  history: int = 1) -> "PrerouterConfig":
         """A head for every MoE layer but the first (it has no previous MoE layer), and
         with `first_layer` one for the first, run at the last (the next token's). Beside
         same-token heads, whose routing its next-token guess would spoil, the first layer
@@ -67,8 +69,11 @@ class PrerouterConfig:
             sources[layers[0]] = layers[-1]
         if same_token or not first_layer:
             native.add(layers[0])
+        if history < 1:
+            raise ValueError(f"prerouter history {history}: a head reads at least 1 "
+                             f"earlier token's routing")
         return cls(model_type, hidden_size, num_experts(first), top_k(first), sources,
-                   head_hidden, same_token, sorted(native), first_layer)
+                   head_hidden, same_token, sorted(native), first_layer, history)
 
     def wraps(self, target: int) -> bool:
         """Whether `target`'s head runs at a later layer: it predicts the next token."""
@@ -100,12 +105,14 @@ class PrerouterConfig:
 
 
 class PrerouterHead(nn.Module):
-    """A small MLP: [norm(x), routing at t, routing at t-1] -> router logits of the target."""
+    """A small MLP: [norm(x), routing at t, routing at t-1, ..., t-history] -> router
+    logits of the target (`prev`: the earlier tokens' multi-hots, most recent first)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, head_hidden: int):
+    def __init__(self, hidden_size: int, num_experts: int, head_hidden: int,
+                 history: int = 1):
         super().__init__()
         self.norm = nn.RMSNorm(hidden_size)
-        self.up = nn.Linear(hidden_size + 2 * num_experts, head_hidden)
+        self.up = nn.Linear(hidden_size + (1 + history) * num_experts, head_hidden)
         self.down = nn.Linear(head_hidden, num_experts)
 
     def __call__(self, x: mx.array, now: mx.array, prev: mx.array) -> mx.array:
@@ -120,7 +127,7 @@ class Prerouter(nn.Module):
         super().__init__()
         self.config = config
         self.heads = {f"layer_{t}": PrerouterHead(config.hidden_size, config.num_experts,
-                                                   config.head_hidden)
+                                                   config.head_hidden, config.history)
                       for t in config.targets}
 
     def head(self, target: int) -> PrerouterHead:
@@ -129,12 +136,20 @@ class Prerouter(nn.Module):
     def logits(self, target: int, x: mx.array, routed_now: mx.array,
                routed_prev: Optional[mx.array] = None) -> mx.array:
         """Predicted router logits of `target` from its source layer's input `x` (..., D)
-        and that layer's expert ids (..., k) at this token and the previous one (None:
-        no previous token). Token t+1's logits, or token t's when `same_token`."""
-        n = self.config.num_experts
+        and that layer's expert ids (..., k) at this token and the earlier ones: (..., k)
+        for the previous token, or (..., h, k) for h of them, most recent first (None, or
+        ids -1: none). Token t+1's logits, or token t's when `same_token`."""
+        n, history = self.config.num_experts, self.config.history
         now = multi_hot(routed_now, n)
-        prev = mx.zeros_like(now) if routed_prev is None else multi_hot(routed_prev, n)
-        return self.head(target)(x, now, prev)
+        if routed_prev is None:
+            routed_prev = mx.full((*routed_now.shape[:-1], 1, routed_now.shape[-1]), -1)
+        elif routed_prev.ndim == routed_now.ndim:
+            routed_prev = routed_prev[..., None, :]
+        prev = multi_hot(routed_prev[..., :history, :], n)  # (..., h, E)
+        if prev.shape[-2] < history:
+            pad = mx.zeros((*prev.shape[:-2], history - prev.shape[-2], n), prev.dtype)
+            prev = mx.concatenate([prev, pad], axis=-2)
+        return self.head(target)(x, now, prev.reshape(*prev.shape[:-2], history * n))
 
     def route(self, target: int, block: nn.Module, x: mx.array, routed_now: mx.array,
               routed_prev: Optional[mx.array] = None) -> mx.array:

@@ -20,12 +20,13 @@ _states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class RoutingState:
-    """Per MoE layer: the last token's expert ids; per predicted layer: the logits
+    """Per MoE layer: the last tokens' expert ids; per predicted layer: the logits
     predicted for the next call's first token. Arrays have one row per sequence."""
 
     def __init__(self):
         self.rows: Optional[int] = None  # known after the first call
-        self.previous: Dict[int, mx.array] = {}  # layer -> (rows, k) int32; -1: none
+        self.previous: Dict[int, mx.array] = {}  # layer -> (rows, history, k) int32, the
+        #                                          last tokens' ids, oldest first; -1: none
         self.carry: Dict[int, mx.array] = {}  # layer -> (rows, 1, E) float; NaN: none
         self.calls = 0  # forward calls begun
         # (layer, the call it routes) -> host expert ids (rows, k): a prediction that is
