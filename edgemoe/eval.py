@@ -3,6 +3,10 @@
     python -m edgemoe.eval --text heldout.txt --model PACK[,budget=0.25]
     python -m edgemoe.eval --text heldout.txt --model HF_DIR --model PACK,budget=0.25
 
+Each window is one forward call by default; `--stepwise` scores it a token a call with a
+KV cache, as decode runs (what a first-layer prerouter head needs: it routes only the
+next call's first position).
+
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
 advisory, prerouted, prerouted-set), `prerouter=` (heads folder), `adapter=` (adapter
 folder); the streaming flags (--expert-budget, --routing, ...) give every configuration's
@@ -83,20 +87,32 @@ def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
             yield np.array(chunk)
 
 
-def log_probs(model, window: np.ndarray) -> mx.array:
-    """Next-token log-probs over one window: a whole sequence (no cache, fresh routing)."""
-    logits = model(mx.array(window[None, :-1]))[0].astype(mx.float32)
+def log_probs(model, window: np.ndarray, stepwise: bool = False) -> mx.array:
+    """Next-token log-probs over one window: a whole sequence (no cache, fresh routing) in
+    one forward call, or `stepwise`, a token a call with a KV cache, as decode runs it."""
+    if stepwise:  # (predicted routing carried from call to call: a first-layer head's too)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        rows = []
+        for token in window[:-1].tolist():
+            rows.append(model(mx.array([[token]]), cache=cache)[0, -1])
+            mx.eval(rows[-1])
+        logits = mx.stack(rows).astype(mx.float32)
+    else:
+        logits = model(mx.array(window[None, :-1]))[0].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def compare(models: list, tokens: List[int], context: int = 256, desc: str = "eval") -> dict:
+def compare(models: list, tokens: List[int], context: int = 256, desc: str = "eval",
+            stepwise: bool = False) -> dict:
     """Summed negative log-likelihood of each model over the same windows of `tokens`;
     with two models also top-1 agreement and summed KL(first || second)."""
     nll = [0.0] * len(models)
     agree, kl, count = 0, 0.0, 0
     for window in tqdm(list(windows(tokens, context)), desc=desc, unit="window"):
         targets = mx.array(window[1:])
-        lps = [log_probs(m, window) for m in models]
+        lps = [log_probs(m, window, stepwise) for m in models]
         for i, lp in enumerate(lps):
             nll[i] -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
         if len(lps) == 2:
@@ -171,7 +187,8 @@ def _matched(completion: str, rest: str) -> float:
 
 def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
              max_tokens: Optional[int] = None, routing_stats: bool = False,
-             defaults: Optional[StreamOptions] = None, completions: int = 0) -> dict:
+             defaults: Optional[StreamOptions] = None, completions: int = 0,
+             stepwise: bool = False) -> dict:
     models = [c.load(defaults) for c in configs]
     first_store = getattr(models[0][0], "expert_store", None)
     if routing_stats:
@@ -181,8 +198,9 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
     tokens = models[0][1].encode(text)
     if max_tokens:
         tokens = tokens[:max_tokens + 1]
-    scores = compare([m for m, _ in models], tokens, context)
-    result = {"tokens": scores["tokens"], "context": context, "configs": []}
+    scores = compare([m for m, _ in models], tokens, context, stepwise=stepwise)
+    result = {"tokens": scores["tokens"], "context": context, "stepwise": stepwise,
+              "configs": []}
     for config, (model, _), nll in zip(configs, models, scores["nll"]):
         entry = {"model": str(config), "nll": nll, "perplexity": math.exp(nll)}
         store = getattr(model, "expert_store", None)
@@ -216,6 +234,10 @@ def main(argv=None):
                    help="Per-layer expert usage and routing entropy of the first model")
     p.add_argument("--completions", type=int, default=0, metavar="N",
                    help="Also complete N lines of the text greedily and count exact matches")
+    p.add_argument("--stepwise", action="store_true",
+                   help="Score each window a token a forward call, with a KV cache, as "
+                        "decode runs (slower; predicted routing carried from token to "
+                        "token, the first-layer head's too)")
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     add_debug_flag(p)
@@ -226,7 +248,7 @@ def main(argv=None):
     configs = [ModelConfig.parse(s) for s in args.model]
     text = Path(args.text).read_text()
     result = evaluate(configs, text, args.context, args.max_tokens, args.routing_stats,
-                      StreamOptions.from_args(args), args.completions)
+                      StreamOptions.from_args(args), args.completions, args.stepwise)
     for c in result["configs"]:
         print(f"{c['model']}: perplexity {c['perplexity']:.3f} (nll {c['nll']:.4f} nats/token)")
     if "mean_kl" in result:

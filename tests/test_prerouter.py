@@ -605,3 +605,23 @@ def test_a_decode_step_of_next_token_routing_skips_the_routing_sync(packs, train
     prefill = runs["syncing"][1] - 8 * 2 * layers  # (decode_steps counts from before it)
     assert mx.array_equal(runs["skipping"][0], runs["syncing"][0])
     assert runs["skipping"][1] - prefill == 8 * (2 * layers - predicted)
+
+
+def test_stepwise_eval_scores_as_decode_routes(packs, trained, trained_first):
+    """`edgemoe.eval --stepwise` scores a token a call, as decode runs: for native routing
+    and next-token heads that is what one call per window scores (their shift is the same
+    within a call), but a first-layer head routes only from call to call, so only the
+    stepwise score has it."""
+    from edgemoe.eval import compare
+
+    path = packs["qwen3_moe"]["hf"]
+    tokens = np.random.default_rng(7).integers(3, 500, 49).tolist()
+
+    def nll(stepwise, **options):
+        model, _ = edgemoe.load(path, **options)
+        return compare([model], tokens, context=24, stepwise=stepwise)["nll"][0]
+
+    for options in ({}, {"routing": "prerouted", "prerouter_path": trained[0] / "prerouter"}):
+        assert abs(nll(True, **options) - nll(False, **options)) < 1e-3, options
+    first = {"routing": "prerouted", "prerouter_path": trained_first[False][0]}
+    assert abs(nll(True, **first) - nll(False, **first)) > 1e-3
