@@ -28,9 +28,9 @@ class NextRouterPredictor:
     """The next MoE layer's own router applied to this layer's input."""
 
     lead = 0
-    advisory_leads = ()  # leads of predictions that read only while they earn it (see
-    advisory_targets = ()  # PreroutedPredictor), and targets; the others read as the
-    # store's gating says
+    # the predictions that read only while they earn it, by lead and by target (see
+    # PreroutedPredictor); the others read as the store's gating says
+    advisory_leads = advisory_targets = ()
 
     def __init__(self, blocks: Dict[int, nn.Module]):
         layers = sorted(blocks)
