@@ -4,8 +4,7 @@
     python -m edgemoe.eval --text heldout.txt --model HF_DIR --model PACK,budget=0.25
 
 Each window is one forward call by default; `--stepwise` scores it a token a call with a
-KV cache, as decode runs (what a first-layer prerouter head needs: it routes only the
-next call's first position).
+KV cache, as decode runs it (for the routing modes, predictions carried from call to call).
 
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
 advisory, prerouted, prerouted-set), `prerouter=` (heads folder), `adapter=` (adapter
@@ -90,7 +89,7 @@ def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
 def log_probs(model, window: np.ndarray, stepwise: bool = False) -> mx.array:
     """Next-token log-probs over one window: a whole sequence (no cache, fresh routing) in
     one forward call, or `stepwise`, a token a call with a KV cache, as decode runs it."""
-    if stepwise:  # (predicted routing carried from call to call: a first-layer head's too)
+    if stepwise:  # (predicted routing carried from call to call)
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
@@ -236,8 +235,8 @@ def main(argv=None):
                    help="Also complete N lines of the text greedily and count exact matches")
     p.add_argument("--stepwise", action="store_true",
                    help="Score each window a token a forward call, with a KV cache, as "
-                        "decode runs (slower; predicted routing carried from token to "
-                        "token, the first-layer head's too)")
+                        "decode runs it (slower; predicted routing carried from call to "
+                        "call)")
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     add_debug_flag(p)

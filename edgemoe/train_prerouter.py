@@ -339,8 +339,8 @@ def main(argv=None):
                    help="predict layer l+1 of the same token (one layer of lead time)")
     p.add_argument("--first-layer", action="store_true",
                    help="also a head for the first MoE layer, run at the last (the next "
-                        "token's): prerouted then loads no layer on demand; beside "
-                        "same-token heads it only reads ahead (advisory)")
+                        "token's); it only reads ahead (advisory): the first layer keeps "
+                        "its router")
     p.add_argument("--history", type=int, default=1,
                    help="earlier tokens whose routing a head reads (Edge0 reads 2)")
     p.add_argument("--native-layers", default="",

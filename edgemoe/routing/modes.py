@@ -43,9 +43,6 @@ class PredictedRouting:
         self.state.calls += 1
         self.rows = inputs.shape[0] if inputs is not None and inputs.ndim > 1 else 1
         self.length = None if inputs is None else inputs.shape[1 if inputs.ndim > 1 else 0]
-        begin = getattr(self.predictor, "begin", None)
-        if begin is not None and self.length is not None:
-            begin(self.state, self.rows, self.length)
         try:
             yield self.state
         finally:

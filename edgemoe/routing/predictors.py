@@ -136,9 +136,8 @@ class PreroutedPredictor(HeadsPredictor):
     such reads waste stays within the store's waste budget), and of the corrected set
     only what those reads missed is read late. `confine=True` is `prerouted-set`: the
     predicted set, weighed by the native router. A first-layer head (run at the last
-    layer, about the next token) routes the first layer of the next call's first
-    position (`begin`) beside next-token heads; beside same-token heads or a correction
-    the first layer keeps its router and the head's prediction reads ahead, advisory.
+    layer, about the next token) only reads ahead, advisory: the first layer keeps its
+    router.
     """
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module], confine=False,
@@ -146,8 +145,9 @@ class PreroutedPredictor(HeadsPredictor):
         super().__init__(prerouter, blocks)
         self.confine = confine
         config = prerouter.config
-        self.predicted_layers = set(config.predicted_layers)
-        self.wrapping = {t for t in config.targets if config.wraps(t)}
+        self.wrapping = {t for t in config.targets if config.wraps(t)}  # read ahead only
+        self.predicted_layers = set(config.predicted_layers) - self.wrapping
+        self.advisory_targets = tuple(sorted(self.wrapping))
         self.correction = None
         if correction is not None:
             check_correction(config, correction.config)
@@ -155,8 +155,6 @@ class PreroutedPredictor(HeadsPredictor):
             # the next-token prediction no longer routes: it reads a token ahead only
             # while such reads earn it (the store's waste budget), as advisory prefetch
             self.advisory_leads = (1,)
-            self.predicted_layers -= self.wrapping
-        self.advisory_targets = tuple(sorted(self.wrapping - self.predicted_layers))
         self.taps = {t: install_tap(blocks[t]) for t in sorted(self.predicted_layers)}
         # next-token predictions that route by themselves: the host knows a decode step's
         # routing of their layers before it runs (`fixes_next_call`)
@@ -172,26 +170,13 @@ class PreroutedPredictor(HeadsPredictor):
     def gates(self) -> List[RouterTap]:
         return list(self.taps.values())
 
-    def begin(self, state, rows: int, length: int):
-        """A forward call of `length` tokens starts: its first position routes the first
-        layer by the wrapping head's prediction of the sequence's last call (NaN, -1:
-        the other positions, whose predictions come too late, route natively)."""
-        for target in self.wrapping & self.predicted_layers:
-            first = state.carry.get(target)
-            if first is None or first.shape[0] != rows:
-                continue
-            rest = mx.full((rows, length - 1, first.shape[-1]), mx.nan)
-            self._route(target, mx.concatenate([first, rest], axis=1))
-
     def predict(self, state, layer, x, ids):
         now, prev = self.routing_now(state, layer, ids)
         predictions = {}
         for target in self.targets_of.get(layer, []):
-            if target in self.wrapping:  # the next call's: routed by `begin`
-                logits = self.logits[target](x[:, -1:], now[:, -1:], prev[:, -1:])
-                predictions[target, 0] = self.indices[target](logits[:, 0])
-                if target in self.predicted_layers:
-                    state.carry[target] = logits
+            if target in self.wrapping:  # the first layer's next call: read ahead only
+                logits = self.logits[target](x[:, -1], now[:, -1], prev[:, -1])
+                predictions[target, 0] = self.indices[target](logits)
                 continue
             logits = self.logits[target](x, now, prev)  # (rows, L, E)
             # same-token: position p's routing, read now; next-token: position p+1's
