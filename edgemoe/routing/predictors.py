@@ -69,9 +69,23 @@ class HeadsPredictor:
         targets = prerouter.config.targets
         self.logits = {t: mx.compile(self._logits_of(t)) for t in targets}
         self.indices = {t: mx.compile(self._indices_of(blocks[t])) for t in targets}
+        self.earlier = mx.compile(self._earlier_of(prerouter.config.history))
 
     def _logits_of(self, target: int):
         return lambda x, now, prev: self.prerouter.logits(target, x, now, prev)
+
+    @staticmethod
+    def _earlier_of(history: int):
+        """(last `history` tokens' ids, this call's) -> (now, earlier tokens' ids at each
+        position, most recent first, the ids to keep for the next call)."""
+        def earlier(last, ids):
+            now = ids.astype(mx.int32)
+            seq = mx.concatenate([last, now], axis=1)
+            length = now.shape[1]
+            prev = mx.stack([seq[:, history - 1 - j:history - 1 - j + length]
+                             for j in range(history)], axis=2)
+            return now, prev, seq[:, -history:]
+        return earlier
 
     @staticmethod
     def _indices_of(block: nn.Module):
@@ -91,14 +105,10 @@ class HeadsPredictor:
         sequence's next call."""
         rows, length, k = ids.shape
         history = self.prerouter.config.history
-        now = mx.array(ids).astype(mx.int32)
         last = state.previous.get(layer)  # (rows, history, k), oldest first
         if last is None or last.shape != (rows, history, k):
             last = mx.full((rows, history, k), -1, dtype=mx.int32)  # -1: none, all zeros
-        seq = mx.concatenate([last, now], axis=1)
-        prev = mx.stack([seq[:, history - 1 - j:history - 1 - j + length]
-                         for j in range(history)], axis=2)
-        state.previous[layer] = seq[:, -history:]
+        now, prev, state.previous[layer] = self.earlier(last, ids)
         return now, prev
 
     def lead_of(self, target: int) -> int:
@@ -209,6 +219,8 @@ class PreroutedPredictor(HeadsPredictor):
         if first is None or first.shape[0] != logits.shape[0]:
             first = mx.full((logits.shape[0], 1, logits.shape[-1]), mx.nan)
         state.carry[target] = logits[:, -1:]
+        if logits.shape[1] == 1:  # a decode step: its routing is the carried prediction
+            return first
         return mx.concatenate([first, logits[:, :-1]], axis=1)
 
 
