@@ -621,16 +621,21 @@ def main_train(argv):
     print(f"wrote {args.out} (trained on {len(traces)} traces)")
 
 
-def main_split(argv):
-    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim split",
-                                description="Fit a split of the slots across layers to half "
-                                            "of the traces; replay the other half with it "
-                                            "and with the even split.")
+def replay_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, with the flags `split` and `windows` share."""
+    p = argparse.ArgumentParser(prog=f"python -m edgemoe.cache_sim {name}",
+                                description=description)
     p.add_argument("traces", nargs="+")
     p.add_argument("--budget", default="0.1,0.25")
     p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
     p.add_argument("--json", default=None, help="Write the results here")
     add_debug_flag(p)
+    return p
+
+
+def main_split(argv):
+    p = replay_parser("split", "Fit a split of the slots across layers to half of the traces; "
+                               "replay the other half with it and with the even split.")
     args = p.parse_args(argv)
     traces = [load_trace(t) for t in args.traces]
     rows = [compare_split(traces, b, args.policy) for b in args.budget.split(",")]
@@ -648,16 +653,10 @@ def main_split(argv):
 
 
 def main_windows(argv):
-    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim windows",
-                                description="Decode bytes per token were the traces' decoded "
-                                            "tokens verified in speculative windows, every "
-                                            "draft kept: the best a draft can do for reads.")
-    p.add_argument("traces", nargs="+")
-    p.add_argument("--budget", default="0.1,0.25")
+    p = replay_parser("windows", "Decode bytes per token were the traces' decoded tokens "
+                                 "verified in speculative windows, every draft kept: the "
+                                 "best a draft can do for reads.")
     p.add_argument("--window", default="1,2,3,4,6,8", help="tokens per window")
-    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
-    p.add_argument("--json", default=None, help="Write the results here")
-    add_debug_flag(p)
     args = p.parse_args(argv)
     traces = [load_trace(t) for t in args.traces]
     windows = [int(w) for w in args.window.split(",")]
