@@ -54,8 +54,7 @@ class StreamingExperts(nn.Module):
             self.slots.stats.host_syncs += 1
             ids = np.array(indices)
             if predicted:  # its prefetches overlap this layer's compute
-                routed = lambda: self.routing.prefetch_all(  # noqa: E731
-                    {t: np.array(p) for t, p in predicted.items()})
+                routed = lambda: self._prefetch(predicted)  # noqa: E731
         else:  # no routing sync: the predictions (about the next token) come with compute's
             later = predicted
 
@@ -72,20 +71,20 @@ class StreamingExperts(nn.Module):
         if self.share is not None:
             mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
-            self._prefetch_later(later)
+            self._prefetch(later)
             return self.share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed)
-        self._prefetch_later(later)
+        self._prefetch(later)
         if len(parts) == 1:
             return parts[0][1]
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
 
-
-    def _prefetch_later(self, later: dict):
-        if later:
-            self.routing.prefetch_all({t: np.array(p) for t, p in later.items()})
+    def _prefetch(self, predicted: dict):
+        """Hand evaluated predictions to the store (none: nothing)."""
+        if predicted:
+            self.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()})
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:

@@ -199,17 +199,13 @@ class PreroutedPredictor(HeadsPredictor):
                 continue
             routing = logits if self.same_token or self.correction is not None else \
                 self._shifted(state, target, logits)
-            self._route(target, routing)
+            if self.confine:
+                inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
+                inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
+                self.taps[target].set_prediction(allowed=inds)
+            else:
+                self.taps[target].set_prediction(routing)
         return predictions
-
-    def _route(self, target: int, routing: mx.array):
-        """Make `routing` (logits; NaN rows: none) the routing of `target`'s next call."""
-        if self.confine:
-            inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
-            inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
-            self.taps[target].set_prediction(allowed=inds)
-        else:
-            self.taps[target].set_prediction(routing)
 
     @staticmethod
     def _shifted(state, target: int, logits: mx.array) -> mx.array:
