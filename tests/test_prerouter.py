@@ -260,9 +260,14 @@ def test_predicted_gate_routes_by_the_given_logits(checkpoints, family):
     assert indices_from_logits(block, logits).shape[-1] == top_k(block)
     tap.set_prediction(logits)
     assert mx.array_equal(block(x), native)
-    assert tap.pending == (None, None) and "pending" not in tap
+    assert tap.pending == (None, None, True) and "pending" not in tap
+    tap.set_prediction(logits, fallback=False)  # known to cover every row: no native map
+    assert mx.array_equal(block(x), native)
     tap.set_prediction(-logits)
     assert not mx.array_equal(block(x), native)
+    assert mx.array_equal(block(x), native)
+    nan_rows = mx.where(mx.arange(x.shape[1])[:, None] < 2, mx.nan, logits)
+    tap.set_prediction(nan_rows)  # rows without a prediction keep the native logits
     assert mx.array_equal(block(x), native)
 
 

@@ -16,6 +16,7 @@ No family's routing math is copied here, so a new family needs no code.
 """
 
 import contextlib
+import functools
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -49,6 +50,8 @@ class RouterTap(nn.Module):
 
     `set_prediction(logits)`: router logits for the tokens of the next call, (..., E);
     rows of NaN (no prediction: the first token of a sequence) keep the native logits.
+    With `fallback=False` the caller knows no row is NaN: the native map is not computed
+    (a decode step's carried prediction; logits given to `indices_from_logits`).
     `set_prediction(allowed=ids)`: the native logits confined to the experts `ids` (..., m)
     (ids -1: no prediction). A prediction is used once. `recorded` holds the last logits
     the native map computed. `inline` is a router module whose own `weight` is the map
@@ -63,8 +66,8 @@ class RouterTap(nn.Module):
         self.set_prediction(None)
 
     def set_prediction(self, logits: Optional[mx.array] = None,
-                       allowed: Optional[mx.array] = None):
-        object.__setattr__(self, "pending", (logits, allowed))  # plain attributes
+                       allowed: Optional[mx.array] = None, fallback: bool = True):
+        object.__setattr__(self, "pending", (logits, allowed, fallback))  # plain attributes
         object.__setattr__(self, "recorded", None)
 
     @property
@@ -83,12 +86,14 @@ class RouterTap(nn.Module):
         return x @ self.native.weight.T if self.inline else self.native(x)
 
     def __call__(self, x: mx.array):
-        (predicted, allowed), native = self.pending, self.logits(x)
-        object.__setattr__(self, "recorded", native)
-        object.__setattr__(self, "pending", (None, None))
+        (predicted, allowed, fallback), native = self.pending, self.logits(x)
+        self.set_prediction(None)
+        object.__setattr__(self, "recorded", native)  # lazy: computed only if used
         if predicted is None and allowed is None:
             return self.native(x) if self.inline else native
-        if allowed is not None:
+        if not fallback:  # the same as the `where` below on rows without NaN
+            logits = predicted.reshape(*x.shape[:-1], predicted.shape[-1]).astype(native.dtype)
+        elif allowed is not None:
             allowed = allowed.reshape(*x.shape[:-1], allowed.shape[-1])
             logits = mx.where(allowed[..., :1] < 0, native, restrict_logits(native, allowed))
         else:
@@ -170,7 +175,7 @@ def indices_from_logits(block: nn.Module, logits: mx.array) -> mx.array:
     """The expert ids (..., k) that `block`'s own code routes to, given router logits
     (..., E): native logits give the native ids, in the same order."""
     with tapped(block) as tap:
-        tap.set_prediction(logits)
+        tap.set_prediction(logits, fallback=False)
         # one batch of all the rows: every block takes (B, L, D); some flatten it themselves
         x = mx.zeros((1, logits.size // logits.shape[-1], tap.input_width), dtype=logits.dtype)
         indices = routed_indices(block, x)
@@ -213,4 +218,12 @@ def uses_sigmoid(block: nn.Module) -> bool:
 
 def multi_hot(indices: mx.array, n: int) -> mx.array:
     """(..., k) expert ids -> (..., n) float32 with ones at those ids (on the device)."""
-    return (indices[..., None] == mx.arange(n)).any(axis=-2).astype(mx.float32)
+    return (indices[..., None] == _expert_ids(n)).any(axis=-2).astype(mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_ids(n: int) -> mx.array:
+    """0 .. n-1, made once: a compiled head takes it as a constant, not an op per call."""
+    ids = mx.arange(n)
+    mx.eval(ids)
+    return ids

@@ -14,6 +14,7 @@ evaluated predictions to `prefetch_all` once its own experts are in slots; that 
 """
 
 import contextlib
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -81,8 +82,10 @@ class PredictedRouting:
         if state is None:
             return None
         ids = state.known.pop((layer, state.calls), None)
+        if ids is None:
+            return None
         for key in [k for k in state.known if k[1] < state.calls]:  # unused (a prefill's)
             del state.known[key]
-        if ids is None or self.length != 1 or ids.size != int(np.prod(shape)):
+        if self.length != 1 or ids.size != math.prod(shape):
             return None
         return ids.reshape(shape)

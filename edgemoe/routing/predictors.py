@@ -72,19 +72,18 @@ class HeadsPredictor:
         self.earlier = mx.compile(self._earlier_of(prerouter.config.history))
 
     def _logits_of(self, target: int):
-        return lambda x, now, prev: self.prerouter.logits(target, x, now, prev)
+        return lambda x, recent: self.prerouter.logits_of_recent(target, x, recent)
 
     @staticmethod
     def _earlier_of(history: int):
-        """(last `history` tokens' ids, this call's) -> (now, earlier tokens' ids at each
-        position, most recent first, the ids to keep for the next call)."""
+        """(last `history` tokens' ids, this call's) -> (at each position, its ids and the
+        earlier tokens', most recent first, the ids to keep for the next call)."""
         def earlier(last, ids):
-            now = ids.astype(mx.int32)
-            seq = mx.concatenate([last, now], axis=1)
-            length = now.shape[1]
-            prev = mx.stack([seq[:, history - 1 - j:history - 1 - j + length]
-                             for j in range(history)], axis=2)
-            return now, prev, seq[:, -history:]
+            seq = mx.concatenate([last, ids.astype(mx.int32)], axis=1)
+            length = ids.shape[1]
+            recent = mx.stack([seq[:, history - j:history - j + length]
+                               for j in range(history + 1)], axis=2)
+            return recent, seq[:, -history:]
         return earlier
 
     @staticmethod
@@ -99,17 +98,17 @@ class HeadsPredictor:
     def lead(self) -> int:
         return 0 if self.same_token else 1
 
-    def routing_now(self, state: RoutingState, layer: int, ids: mx.array):
-        """This call's ids (rows, L, k) and, at each position, the earlier tokens' (rows,
-        L, history, k), most recent first; the last `history` tokens' ids are kept for the
-        sequence's next call."""
+    def routing_now(self, state: RoutingState, layer: int, ids: mx.array) -> mx.array:
+        """At each position of this call, its ids (`ids`: rows, L, k) and the earlier
+        tokens', (rows, L, 1 + history, k), most recent first; the last `history` tokens'
+        ids are kept for the sequence's next call."""
         rows, length, k = ids.shape
         history = self.prerouter.config.history
         last = state.previous.get(layer)  # (rows, history, k), oldest first
         if last is None or last.shape != (rows, history, k):
             last = mx.full((rows, history, k), -1, dtype=mx.int32)  # -1: none, all zeros
-        now, prev, state.previous[layer] = self.earlier(last, ids)
-        return now, prev
+        recent, state.previous[layer] = self.earlier(last, ids)
+        return recent
 
     def lead_of(self, target: int) -> int:
         """How many of `target`'s calls pass before the one its head predicts: the next
@@ -119,15 +118,15 @@ class HeadsPredictor:
         return config.shift(target) - config.wraps(target)
 
     def predict(self, state, layer, x, ids):
-        now, prev = self.routing_now(state, layer, ids)
+        recent = self.routing_now(state, layer, ids)
         predictions = {}
         for target in self.targets_of.get(layer, []):
             if self.prerouter.config.shift(target):  # only the last token's head output
-                xs, nows, prevs = x[:, -1], now[:, -1], prev[:, -1]  # is about a token
-            else:  # still to come
-                xs, nows, prevs = x, now, prev
+                xs, recents = x[:, -1], recent[:, -1]  # is about a token still to come
+            else:
+                xs, recents = x, recent
             predictions[target, self.lead_of(target)] = self.indices[target](
-                self.logits[target](xs, nows, prevs))
+                self.logits[target](xs, recents))
         return predictions
 
 
@@ -181,19 +180,19 @@ class PreroutedPredictor(HeadsPredictor):
         return list(self.taps.values())
 
     def predict(self, state, layer, x, ids):
-        now, prev = self.routing_now(state, layer, ids)
+        recent = self.routing_now(state, layer, ids)
         predictions = {}
         for target in self.targets_of.get(layer, []):
             if target in self.wrapping:  # the first layer's next call: read ahead only
-                logits = self.logits[target](x[:, -1], now[:, -1], prev[:, -1])
+                logits = self.logits[target](x[:, -1], recent[:, -1])
                 predictions[target, 0] = self.indices[target](logits)
                 continue
-            logits = self.logits[target](x, now, prev)  # (rows, L, E)
+            logits = self.logits[target](x, recent)  # (rows, L, E)
             # same-token: position p's routing, read now; next-token: position p+1's
             predictions[target, self.lead] = self.indices[target](
                 logits if self.same_token else logits[:, -1])
             if self.correction is not None:  # the same-token prediction routes instead
-                logits = self.correction.logits[target](x, now, prev)
+                logits = self.correction.logits[target](x, recent)
                 predictions[target, 0] = self.indices[target](logits)
             if target not in self.predicted_layers:
                 continue
@@ -203,8 +202,9 @@ class PreroutedPredictor(HeadsPredictor):
                 inds = self.indices[target](mx.nan_to_num(routing, nan=0.0))
                 inds = mx.where(mx.isnan(routing[..., :1]), -1, inds.astype(mx.int32))
                 self.taps[target].set_prediction(allowed=inds)
-            else:
-                self.taps[target].set_prediction(routing)
+            else:  # a decode step's routing the host knows is a prediction for every row
+                complete = (target, state.calls) in state.known
+                self.taps[target].set_prediction(routing, fallback=not complete)
         return predictions
 
     @staticmethod

@@ -114,8 +114,9 @@ class PrerouterHead(nn.Module):
         self.up = nn.Linear(hidden_size + (1 + history) * num_experts, head_hidden)
         self.down = nn.Linear(head_hidden, num_experts)
 
-    def __call__(self, x: mx.array, now: mx.array, prev: mx.array) -> mx.array:
-        h = mx.concatenate([self.norm(x.astype(mx.float32)), now, prev], axis=-1)
+    def __call__(self, x: mx.array, *routed: mx.array) -> mx.array:
+        """`routed`: the multi-hots [now, prev], or both as one (decode: one op fewer)."""
+        h = mx.concatenate([self.norm(x.astype(mx.float32)), *routed], axis=-1)
         return self.down(nn.silu(self.up(h)))
 
 
@@ -138,17 +139,23 @@ class Prerouter(nn.Module):
         and that layer's expert ids (..., k) at this token and the earlier ones: (..., k)
         for the previous token, or (..., h, k) for h of them, most recent first (None, or
         ids -1: none). Token t+1's logits, or token t's when `same_token`."""
-        n, history = self.config.num_experts, self.config.history
-        now = multi_hot(routed_now, n)
+        history, k = self.config.history, routed_now.shape[-1]
         if routed_prev is None:
-            routed_prev = mx.full((*routed_now.shape[:-1], 1, routed_now.shape[-1]), -1)
+            routed_prev = mx.full((*routed_now.shape[:-1], 1, k), -1)
         elif routed_prev.ndim == routed_now.ndim:
             routed_prev = routed_prev[..., None, :]
-        prev = multi_hot(routed_prev[..., :history, :], n)  # (..., h, E)
-        if prev.shape[-2] < history:
-            pad = mx.zeros((*prev.shape[:-2], history - prev.shape[-2], n), prev.dtype)
-            prev = mx.concatenate([prev, pad], axis=-2)
-        return self.head(target)(x, now, prev.reshape(*prev.shape[:-2], history * n))
+        routed_prev = routed_prev[..., :history, :]
+        if routed_prev.shape[-2] < history:  # -1: none
+            pad = mx.full((*routed_prev.shape[:-2], history - routed_prev.shape[-2], k), -1)
+            routed_prev = mx.concatenate([routed_prev, pad.astype(routed_prev.dtype)], axis=-2)
+        recent = mx.concatenate([routed_now[..., None, :], routed_prev], axis=-2)
+        return self.logits_of_recent(target, x, recent)
+
+    def logits_of_recent(self, target: int, x: mx.array, recent: mx.array) -> mx.array:
+        """As `logits`, given the source layer's ids at this token and the `history` before
+        it as one array (..., 1 + history, k), most recent first."""
+        hot = multi_hot(recent, self.config.num_experts)  # (..., 1 + h, E)
+        return self.head(target)(x, hot.reshape(*hot.shape[:-2], -1))
 
     def route(self, target: int, block: nn.Module, x: mx.array, routed_now: mx.array,
               routed_prev: Optional[mx.array] = None) -> mx.array:

@@ -107,7 +107,8 @@ class ExpertStore:
         """Read `experts` of a layer ahead of its call `lead` calls from now (0: the next).
         `advisory`: the prediction reads only while such predictions earn it (True), or
         always, being the routing (False); None: as `gate_prefetches` said."""
-        experts = np.unique(experts)
+        # distinct and sorted; a set, not np.unique: a few ids, on the decode path
+        experts = np.array(sorted(set(experts.ravel().tolist())), dtype=np.int64)
         if self.trace is not None:
             self.trace.record_prefetch(layer_index, experts, lead)
         self._by_index[layer_index].prefetch(experts, lead, advisory)
