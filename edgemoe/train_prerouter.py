@@ -2,7 +2,7 @@
 
     python -m edgemoe.train_prerouter --model PATH --data FILE --out DIR
            [--eval-data FILE] [--hidden 256] [--epochs N] [--seed S] [--same-token]
-           [--first-layer] [--history 2]
+           [--first-layer] [--history 2] [--inputs 2] [--depth 2]
 
 1. Run the base model with native routing over windows of the text (the last 10% of
    windows held out, or --eval-data) and record, for every MoE layer and token, the
@@ -189,7 +189,9 @@ class Features:
                 prev[self.pos[r] < j] = 0
                 prevs.append(prev)
             prev = np.concatenate(prevs, axis=-1)
-            out[t] = (mx.array(self.x[s][r].astype(np.float32)),
+            xs = [np.zeros((len(r), self.x[s].shape[1]), np.float32) if l is None
+                  else self.x[l][r].astype(np.float32) for l in config.input_layers(t)]
+            out[t] = (mx.array(np.concatenate(xs, axis=-1)),
                       mx.array(multi_hot_np(self.routed[s][r], e)), mx.array(prev),
                       mx.array(self.logits[t][r + shift]),
                       mx.array(multi_hot_np(self.routed[t][r + shift], e)))
@@ -343,6 +345,9 @@ def main(argv=None):
                         "its router")
     p.add_argument("--history", type=int, default=1,
                    help="earlier tokens whose routing a head reads (Edge0 reads 2)")
+    p.add_argument("--inputs", type=int, default=1,
+                   help="MoE layers whose input a head reads: its own and those before it")
+    p.add_argument("--depth", type=int, default=1, help="hidden layers of each head")
     p.add_argument("--native-layers", default="",
                    help="comma-separated MoE layers a prerouted mode keeps native "
                         "(the first MoE layer always is)")
@@ -369,7 +374,8 @@ def run(args) -> dict:
     config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
                                        blocks, args.hidden, args.same_token, native,
                                        getattr(args, "first_layer", False),
-                                       getattr(args, "history", 1))
+                                       getattr(args, "history", 1),
+                                       getattr(args, "inputs", 1), getattr(args, "depth", 1))
     prerouter = Prerouter(config)
 
     def tokens_of(path, limit):
@@ -412,6 +418,7 @@ def run(args) -> dict:
                   top_k=config.top_k, num_experts=config.num_experts,
                   train_tokens=len(train_features.pos), eval_tokens=len(eval_features.pos),
                   epochs=args.epochs, seed=args.seed, head_hidden=args.hidden,
+                  inputs=config.inputs, depth=config.depth,
                   train_loss=losses, heads=str(out / "prerouter"))
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report

@@ -720,7 +720,9 @@ def test_the_core_never_imports_the_backend():
 
 @pytest.mark.parametrize("option, message", [
     ({"first_layer": True}, "first-layer head.*MLX path only"),
-    ({"history": 2}, "2 earlier tokens' routing.*MLX path only")])
+    ({"history": 2}, "2 earlier tokens' routing.*MLX path only"),
+    ({"inputs": 2}, "2 layers' inputs.*MLX path only"),
+    ({"depth": 2}, "2 hidden layers.*MLX path only")])
 def test_heads_of_mlx_only_options_are_refused_in_one_line(tmp_path, option, message):
     """A first-layer head (train_prerouter --first-layer) and heads reading two earlier
     tokens (--history 2) are the MLX path's: the CUDA backend names the file and what it

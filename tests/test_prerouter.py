@@ -209,6 +209,43 @@ def test_heads_that_read_two_earlier_tokens_train_and_route(checkpoints, text_fi
     assert all(on_demand[l] == 0 for l in (1, 2, 3)), on_demand
 
 
+def test_heads_that_read_more_layers_and_go_deeper_train_and_route(checkpoints, text_file,
+                                                                    packs, tmp_path):
+    """train_prerouter --inputs 2 --depth 2: a head reads its source layer's input and the
+    MoE layer's before it (zeros before the first), at the same token, through two hidden
+    layers; it trains from the recorded features and routes a prerouted decode that loads
+    nothing on demand at the predicted layers."""
+    from edgemoe.format.pack import Pack
+
+    report = train_prerouter.run(train_args(checkpoints, text_file, tmp_path, inputs=2,
+                                            depth=2))
+    heads = load_prerouter(tmp_path / "prerouter")
+    assert (heads.config.inputs, heads.config.depth, report["inputs"]) == (2, 2, 2)
+    assert report["train_loss"][1] < report["train_loss"][0]
+    width = heads.config.hidden_size
+    assert heads.head(1).up.weight.shape[1] == 2 * width + 2 * 16
+    assert len(heads.head(1).deep) == 1
+    assert heads.config.input_layers(1) == [0, None] and heads.config.input_layers(3) == [2, 1]
+
+    model, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    blocks = moe_blocks(model)
+    predictor, state = HeadsPredictor(heads, blocks), RoutingState()
+    xs = {l: inputs(model, blocks, l, length=3, seed=l) for l in (0, 1, 2)}
+    got = {l: predictor.predict(state, l, *xs[l]) for l in (0, 1, 2)}  # one call's layers
+    for source, before in ((2, xs[1][0]), (0, mx.zeros_like(xs[0][0]))):
+        x, now = xs[source]
+        expected = heads.route(source + 1, blocks[source + 1],
+                               mx.concatenate([x, before], axis=-1)[:, -1], now[:, -1],
+                               now[:, -2])
+        assert np.array_equal(np.array(got[source][source + 1, 1]), np.array(expected))
+
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget=minimum_bytes(Pack.open(path)),
+                            routing="prerouted", prerouter_path=tmp_path / "prerouter")
+    _, on_demand = decode_steps(model, mx.array(np.random.default_rng(5).integers(3, 500, 20)))
+    assert all(on_demand[l] == 0 for l in (1, 2, 3)), on_demand
+
+
 def decode_logits(model, tokens, steps=16, cache=None):
     cache = cache if cache is not None else make_prompt_cache(model)
     out = model(tokens[None], cache=cache)

@@ -148,14 +148,17 @@ def load_heads(path, device) -> Heads:
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     raw = json.loads((path / CONFIG).read_text())
-    if raw.get("history", 1) != 1:
-        raise ValueError(f"{path / CONFIG}: heads that read {raw['history']} earlier tokens' "
-                         f"routing (train_prerouter --history) run on the MLX path only; the "
-                         f"CUDA backend takes heads of --history 1")
-    if raw.get("first_layer"):
-        raise ValueError(f"{path / CONFIG}: heads with a first-layer head (train_prerouter "
-                         f"--first-layer) run on the MLX path only; the CUDA backend takes "
-                         f"heads trained without it")
+    mlx_only = {  # heads the CUDA backend does not run: (what it takes, they, trained with)
+        "history": (1, f"heads that read {raw.get('history')} earlier tokens' routing",
+                    "--history 1"),
+        "first_layer": (False, "heads with a first-layer head", "no --first-layer"),
+        "inputs": (1, f"heads that read {raw.get('inputs')} layers' inputs", "--inputs 1"),
+        "depth": (1, f"heads of {raw.get('depth')} hidden layers", "--depth 1"),
+    }
+    for key, (runs, what, trained) in mlx_only.items():
+        if raw.get(key, runs) != runs:
+            raise ValueError(f"{path / CONFIG}: {what} run on the MLX path only; the CUDA "
+                             f"backend takes heads trained with {trained} (train_prerouter)")
     config = HeadsConfig.from_json(raw)
     heads = Heads(config)
     found = load_file(str(path / WEIGHTS))

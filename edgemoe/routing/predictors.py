@@ -70,6 +70,8 @@ class HeadsPredictor:
         self.logits = {t: mx.compile(self._logits_of(t)) for t in targets}
         self.indices = {t: mx.compile(self._indices_of(blocks[t])) for t in targets}
         self.earlier = mx.compile(self._earlier_of(prerouter.config.history))
+        self.input_layers = {s: prerouter.config.input_layers(t)
+                             for t, s in prerouter.config.sources.items()}
 
     def _logits_of(self, target: int):
         return lambda x, recent: self.prerouter.logits_of_recent(target, x, recent)
@@ -110,6 +112,18 @@ class HeadsPredictor:
         recent, state.previous[layer] = self.earlier(last, ids)
         return recent
 
+    def block_inputs(self, state: RoutingState, layer: int, x: mx.array) -> mx.array:
+        """What the heads at `layer` read of the model: its block input `x`, or with heads
+        reading more than one layer's, this call's inputs of those layers concatenated
+        (zeros for those before the first MoE layer)."""
+        if self.prerouter.config.inputs == 1:
+            return x
+        state.inputs[layer] = x
+        if layer not in self.input_layers:
+            return x
+        return mx.concatenate([mx.zeros_like(x) if l is None else state.inputs[l]
+                               for l in self.input_layers[layer]], axis=-1)
+
     def lead_of(self, target: int) -> int:
         """How many of `target`'s calls pass before the one its head predicts: the next
         token's is 1 call away, but 0 for a head that wraps around (the first layer's,
@@ -119,6 +133,7 @@ class HeadsPredictor:
 
     def predict(self, state, layer, x, ids):
         recent = self.routing_now(state, layer, ids)
+        x = self.block_inputs(state, layer, x)
         predictions = {}
         for target in self.targets_of.get(layer, []):
             if self.prerouter.config.shift(target):  # only the last token's head output
@@ -181,6 +196,7 @@ class PreroutedPredictor(HeadsPredictor):
 
     def predict(self, state, layer, x, ids):
         recent = self.routing_now(state, layer, ids)
+        x = self.block_inputs(state, layer, x)
         predictions = {}
         for target in self.targets_of.get(layer, []):
             if target in self.wrapping:  # the first layer's next call: read ahead only

@@ -9,7 +9,9 @@ time, as Edge0) or at token t (`same_token=True`: more accurate, one layer of le
 With `first_layer`, the first MoE layer has a head too, run at the last MoE layer: it
 wraps around, predicting the first layer's routing of token t+1 in either variant. It only
 reads ahead: the first layer always keeps its router (routed by such a head, the bundled
-model's decode perplexity went from 79 to 352).
+model's decode perplexity went from 79 to 352). With `inputs` > 1 a head also reads the
+inputs of the MoE layers before its source (at the same token), and with `depth` > 1 it
+has more hidden layers.
 The target block's own code turns those logits into routing (edgemoe.routing.gates), so
 predicted routing picks and weighs experts exactly as the native router would have from
 the same logits.
@@ -53,12 +55,14 @@ class PrerouterConfig:
     native_layers: List[int] = field(default_factory=list)  # keep the native router here
     first_layer: bool = False  # a head for the first MoE layer, run at the last one
     history: int = 1  # earlier tokens whose routing (at the source layer) a head reads
+    inputs: int = 1  # MoE layers whose input a head reads: its source and those before it
+    depth: int = 1  # hidden layers of a head
 
     @classmethod
     def for_model(cls, model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
                   head_hidden: int = 256, same_token: bool = False,
                   native_layers: Sequence[int] = (), first_layer: bool = False,
-                  history: int = 1) -> "PrerouterConfig":
+                  history: int = 1, inputs: int = 1, depth: int = 1) -> "PrerouterConfig":
         """A head for every MoE layer but the first (it has no previous MoE layer), and
         with `first_layer` one for the first, run at the last (the next token's): it only
         reads ahead, the first layer keeping its router."""
@@ -71,8 +75,19 @@ class PrerouterConfig:
         if history < 1:
             raise ValueError(f"prerouter history {history}: a head reads at least 1 "
                              f"earlier token's routing")
+        for name, value in (("inputs", inputs), ("depth", depth)):
+            if value < 1:
+                raise ValueError(f"prerouter {name} {value}: at least 1")
         return cls(model_type, hidden_size, num_experts(first), top_k(first), sources,
-                   head_hidden, same_token, sorted(native), first_layer, history)
+                   head_hidden, same_token, sorted(native), first_layer, history, inputs,
+                   depth)
+
+    def input_layers(self, target: int) -> List[Optional[int]]:
+        """The MoE layers whose inputs (at the head's token) `target`'s head reads: its
+        source, then the `inputs - 1` MoE layers before it (None: before the first)."""
+        layers = sorted(set(self.sources) | set(self.sources.values()))
+        at = layers.index(self.sources[target])
+        return [layers[at - j] if at - j >= 0 else None for j in range(self.inputs)]
 
     def wraps(self, target: int) -> bool:
         """Whether `target`'s head runs at a later layer: it predicts the next token."""
@@ -105,19 +120,26 @@ class PrerouterConfig:
 
 class PrerouterHead(nn.Module):
     """A small MLP: [norm(x), routing at t, routing at t-1, ..., t-history] -> router
-    logits of the target (`prev`: the earlier tokens' multi-hots, most recent first)."""
+    logits of the target (`prev`: the earlier tokens' multi-hots, most recent first).
+    With `inputs` > 1, x is the inputs of that many MoE layers, concatenated; with
+    `depth` > 1, the MLP has that many hidden layers."""
 
     def __init__(self, hidden_size: int, num_experts: int, head_hidden: int,
-                 history: int = 1):
+                 history: int = 1, inputs: int = 1, depth: int = 1):
         super().__init__()
-        self.norm = nn.RMSNorm(hidden_size)
-        self.up = nn.Linear(hidden_size + (1 + history) * num_experts, head_hidden)
+        self.norm = nn.RMSNorm(inputs * hidden_size)
+        self.up = nn.Linear(inputs * hidden_size + (1 + history) * num_experts, head_hidden)
+        if depth > 1:  # (absent at depth 1: the weights of such heads stay as they were)
+            self.deep = [nn.Linear(head_hidden, head_hidden) for _ in range(depth - 1)]
         self.down = nn.Linear(head_hidden, num_experts)
 
     def __call__(self, x: mx.array, *routed: mx.array) -> mx.array:
         """`routed`: the multi-hots [now, prev], or both as one (decode: one op fewer)."""
-        h = mx.concatenate([self.norm(x.astype(mx.float32)), *routed], axis=-1)
-        return self.down(nn.silu(self.up(h)))
+        h = nn.silu(self.up(mx.concatenate([self.norm(x.astype(mx.float32)), *routed],
+                                           axis=-1)))
+        for layer in getattr(self, "deep", ()):
+            h = nn.silu(layer(h))
+        return self.down(h)
 
 
 class Prerouter(nn.Module):
@@ -127,7 +149,8 @@ class Prerouter(nn.Module):
         super().__init__()
         self.config = config
         self.heads = {f"layer_{t}": PrerouterHead(config.hidden_size, config.num_experts,
-                                                   config.head_hidden, config.history)
+                                                   config.head_hidden, config.history,
+                                                   config.inputs, config.depth)
                       for t in config.targets}
 
     def head(self, target: int) -> PrerouterHead:
@@ -135,7 +158,8 @@ class Prerouter(nn.Module):
 
     def logits(self, target: int, x: mx.array, routed_now: mx.array,
                routed_prev: Optional[mx.array] = None) -> mx.array:
-        """Predicted router logits of `target` from its source layer's input `x` (..., D)
+        """Predicted router logits of `target` from its source layer's input `x` (..., D;
+        with `inputs` > 1 those of `config.input_layers(target)`, concatenated)
         and that layer's expert ids (..., k) at this token and the earlier ones: (..., k)
         for the previous token, or (..., h, k) for h of them, most recent first (None, or
         ids -1: none). Token t+1's logits, or token t's when `same_token`."""
