@@ -148,7 +148,7 @@ def load_heads(path, device) -> Heads:
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     raw = json.loads((path / CONFIG).read_text())
-    mlx_only = {  # heads the CUDA backend does not run: (what it takes, they, trained with)
+    mlx_only = {  # option: (the value CUDA runs, such heads, how to train ones it runs)
         "history": (1, f"heads that read {raw.get('history')} earlier tokens' routing",
                     "--history 1"),
         "first_layer": (False, "heads with a first-layer head", "no --first-layer"),
