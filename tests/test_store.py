@@ -177,6 +177,20 @@ def test_counters_by_value_at_the_minimum_budget(packs):
     store.close()
 
 
+def test_a_batchs_prediction_reads_each_expert_once(packs):
+    """A prediction for several rows names some experts twice: each is read once."""
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    layer = pack.layers[1]
+    store.prefetch(layer.index, np.array([[3, 1], [1, 3], [2, 3]], dtype=np.uint32), 1,
+                   advisory=False)
+    pool = store.pool(layer.index)
+    for fill in list(pool.fills.values()):
+        assert fill.done.wait(5)
+    assert store.snapshot().prefetches == 3 and sorted(pool.prefetched) == [1, 2, 3]
+    assert pool.next_prediction == {1, 2, 3}
+
+
 def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
     """A call with more experts than slots runs in passes of half the pool; the next pass
     is read into the other half while one computes, and counted as loaded on demand."""
