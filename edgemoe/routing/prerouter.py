@@ -72,10 +72,7 @@ class PrerouterConfig:
         native = {layers[0], *native_layers}
         if first_layer:
             sources[layers[0]] = layers[-1]
-        if history < 1:
-            raise ValueError(f"prerouter history {history}: a head reads at least 1 "
-                             f"earlier token's routing")
-        for name, value in (("inputs", inputs), ("depth", depth)):
+        for name, value in (("history", history), ("inputs", inputs), ("depth", depth)):
             if value < 1:
                 raise ValueError(f"prerouter {name} {value}: at least 1")
         return cls(model_type, hidden_size, num_experts(first), top_k(first), sources,
