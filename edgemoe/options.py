@@ -116,7 +116,8 @@ class StreamOptions:
             "adapter": (("--adapter-path",), dict(
                 dest="adapter", default=None,
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
-                     "model folder carries (PACK/adapter)")),
+                     "model folder carries (PACK/adapter); deltas of the routed experts "
+                     "stream with them")),
             "readers": (("--readers",), dict(
                 type=number(int, 1), default=2, help="Reader threads filling expert slots "
                                                      "(default: %(default)s)")),

@@ -140,6 +140,8 @@ def test_a_missing_adapter_folder_is_named(tmp_path):
     ("model.layers.9.self_attn.q_proj", "names no module of the qwen3_moe model"),
     ("model.layers.2.mlp.gate", "is a router"),
     ("model.layers.2.input_layernorm", "is a Qwen3MoeRMSNorm, not a linear layer"),
+    ("model.layers.2.mlp.switch_mlp.gate_proj", "adapts the routed experts; the CUDA backend "
+                                                "serves LoRAs of resident linear layers only"),
 ])
 def test_a_key_naming_no_linear_layer_is_refused(tmp_path, renamed, found):
     bad = wrong_adapter(tmp_path, lambda n, t: t)

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe import train_lora
+from edgemoe.format.pack import PackError
+from edgemoe.format.source import open_source
 from edgemoe.model.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
 from edgemoe.routing.gates import moe_blocks
 from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
@@ -25,6 +28,13 @@ def randomize_deltas(model, seed=0):
     model.update(tree_unflatten([
         (k, mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32)))
         for k, v in tree_flatten(model.trainable_parameters())]))
+
+
+def random_heads(model, folder):
+    """Untrained prerouter heads for `model` (seeded), saved to `folder`."""
+    mx.random.seed(0)
+    save_prerouter(Prerouter(PrerouterConfig.for_model(
+        "qwen3_moe", model.args.hidden_size, moe_blocks(model), head_hidden=32)), folder)
 
 
 def test_unmerged_layer_is_the_explicit_formula(packs):
@@ -54,10 +64,7 @@ def test_targets_leave_a_prerouted_router_alone(packs, tmp_path):
     """In prerouted modes the router sits inside a RouterTap (`gate.native`)."""
     path = packs["qwen3_moe"]["hf"]
     model, _ = edgemoe.load(path)
-    mx.random.seed(0)
-    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size,
-                                                moe_blocks(model), head_hidden=32))
-    save_prerouter(heads, tmp_path / "heads")
+    random_heads(model, tmp_path / "heads")
     model, _ = edgemoe.load(path, routing="prerouted", prerouter_path=tmp_path / "heads")
     keys = default_targets(model)
     assert keys and not any("gate" in k.split(".") for k in keys)
@@ -164,11 +171,7 @@ def test_an_interrupted_run_resumes_to_the_same_adapter(checkpoints, packs, tmp_
 
 def test_prerouted_student_keeps_its_heads_frozen(checkpoints, packs, tmp_path):
     model, _ = edgemoe.load(packs["qwen3_moe"]["hf"])
-    mx.random.seed(0)
-    blocks = moe_blocks(model)
-    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size, blocks,
-                                                head_hidden=32))
-    save_prerouter(heads, tmp_path / "heads")
+    random_heads(model, tmp_path / "heads")
     before = dict(tree_flatten(load_prerouter(tmp_path / "heads").parameters()))
     report = distil(tmp_path, checkpoints, packs, tmp_path / "lora",
                     "--prerouter", str(tmp_path / "heads"), "--steps", "4")
@@ -203,10 +206,93 @@ def test_a_pack_teaches_as_its_int4_native_routing(checkpoints, packs, tmp_path)
     assert report["before"]["kl_to_teacher"] == 0.0
     assert report["before"]["perplexity"] == report["before"]["teacher_perplexity"]
     model, _ = edgemoe.load(pack)
-    mx.random.seed(0)
-    heads = Prerouter(PrerouterConfig.for_model("qwen3_moe", model.args.hidden_size,
-                                                moe_blocks(model), head_hidden=32))
-    save_prerouter(heads, tmp_path / "heads")
+    random_heads(model, tmp_path / "heads")
     report = distil(tmp_path, checkpoints, packs, tmp_path / "prerouted", "--steps", "1",
                     "--prerouter", str(tmp_path / "heads"), teacher=pack)
     assert report["before"]["kl_to_teacher"] > 0.0
+
+
+# ---------------------------------------------------------------- the routed experts' deltas
+EXPERTS = ["mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj"]
+
+
+def mlx_lm_expert_adapter(checkpoints, out, seed=5):
+    """mlx-lm's own int4 model with a LoRA of an attention projection and of the routed
+    experts (its LoRASwitchLinear), trained-like deltas, saved as mlx_lm.lora saves it."""
+    model, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
+    model.freeze()
+    params = {"rank": 4, "dropout": 0.0, "scale": 10.0, "keys": ["self_attn.q_proj", *EXPERTS]}
+    linear_to_lora_layers(model, len(model.layers), params)
+    randomize_deltas(model, seed)
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"),
+                        dict(tree_flatten(model.trainable_parameters())))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": params}))
+    return model
+
+
+def test_the_experts_deltas_stream_with_them_as_mlx_lm_computes_them(checkpoints, packs,
+                                                                     tmp_path):
+    expected = mlx_lm_expert_adapter(checkpoints, tmp_path / "adapter")(TOKENS)
+    path = packs["qwen3_moe"]["mlx"]
+    plain, _ = edgemoe.load(path, expert_budget=1.0)
+    plain(TOKENS)
+    for budget in (1.0, 0.3):
+        model, _ = edgemoe.load(path, expert_budget=budget, adapter_path=tmp_path / "adapter")
+        assert mx.array_equal(model(TOKENS), expected)
+        # no expert's delta is a parameter: each is read into its expert's slot
+        names = [k for k, _ in tree_flatten(model.parameters())]
+        assert any(k.endswith("self_attn.q_proj.lora_a") for k in names)
+        assert not any("switch_mlp" in k for k in names)
+        layer = next(iter(model.expert_store.layers.values())).layer
+        d, f = model.args.hidden_size, model.args.moe_intermediate_size
+        assert layer.delta_bytes == 3 * 4 * (d + f) * 4  # 3 projections, rank 4, float32
+        stats, base = model.expert_store.stats, plain.expert_store.stats
+        assert stats.bytes_read == stats.loads * layer.expert_bytes  # each with its delta
+        assert base.bytes_read == base.loads * (layer.expert_bytes - layer.delta_bytes)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == \
+        ["adapter_config.json", "adapters.safetensors", "expert_deltas.bin",
+         "expert_deltas.json"]
+
+
+def test_a_corrupt_delta_record_is_named_and_a_changed_adapter_rewritten(checkpoints, packs,
+                                                                         tmp_path):
+    adapter = tmp_path / "adapter"
+    mlx_lm_expert_adapter(checkpoints, adapter)
+    path = packs["qwen3_moe"]["mlx"]
+    edgemoe.load(path, adapter_path=adapter)
+    layers = json.loads((adapter / "expert_deltas.json").read_text())["layers"]
+    data = bytearray((adapter / "expert_deltas.bin").read_bytes())
+    for offset, _, _ in layers[0]["records"]:  # every delta of the first layer
+        data[offset + 5] ^= 0xFF
+    (adapter / "expert_deltas.bin").write_bytes(bytes(data))
+    model, _ = edgemoe.load(path, expert_budget=1.0, adapter_path=adapter)
+    with pytest.raises(PackError, match=r"layer 0 expert \d+: checksum mismatch"):
+        model(TOKENS)
+    # a new adapter in the folder: its records are written again, from it
+    (adapter / "adapters.safetensors").unlink()
+    (adapter / "adapter_config.json").unlink()
+    expected = mlx_lm_expert_adapter(checkpoints, tmp_path / "other", seed=6)(TOKENS)
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        (tmp_path / "other" / name).rename(adapter / name)
+    model, _ = edgemoe.load(path, expert_budget=1.0, adapter_path=adapter)
+    assert mx.array_equal(model(TOKENS), expected)
+
+
+def test_distilling_the_experts_deltas_serves_them_streamed(checkpoints, packs, tmp_path):
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "lora", "--routing", "native",
+                    "--experts", "--steps", "60", "--lr", "5e-5")
+    assert report["after"]["kl_to_teacher"] < 0.9 * report["before"]["kl_to_teacher"]
+    saved = mx.load(str(tmp_path / "lora" / "adapters.safetensors"))
+    b = saved["model.layers.1.mlp.switch_mlp.down_proj.lora_b"]
+    assert b.shape[0] > 1 and 0 < int((mx.abs(b).sum(axis=(1, 2)) > 0).sum()) <= b.shape[0]
+    assert (tmp_path / "lora" / "expert_deltas.bin").exists()  # written by the run
+    # served (deltas streamed) as trained (every expert's delta resident)
+    path = packs["qwen3_moe"]["hf"]
+    trained, _ = edgemoe.load(path, expert_budget=1.0)
+    apply_lora(trained, rank=8, targets=report["lora"]["keys"])
+    trained.load_weights(str(tmp_path / "lora" / "adapters.safetensors"), strict=False)
+    served, _ = edgemoe.load(path, expert_budget=0.5, adapter_path=tmp_path / "lora")
+    assert mx.array_equal(served(TOKENS), trained(TOKENS))
+

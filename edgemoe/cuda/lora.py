@@ -93,12 +93,19 @@ def read_adapter(path) -> Adapter:
 
 
 def apply_adapter(model: torch.nn.Module, adapter: Adapter,
-                  renames: Sequence[Tuple[str, str]] = ()) -> Dict[str, LoRALinear]:
+                  renames: Sequence[Tuple[str, str]] = (),
+                  experts: Sequence[str] = ()) -> Dict[str, LoRALinear]:
     """Wrap each linear layer the adapter names (an mlx-lm path, renamed by `renames` to
-    transformers' module names) in a LoRALinear; return them by transformers' names."""
+    transformers' module names) in a LoRALinear; return them by transformers' names.
+    `experts`: the routed-expert modules (mlx-lm paths), whose deltas only the MLX path
+    serves (streamed with their experts: edgemoe.format.deltas)."""
     weights_file = adapter.path / ADAPTER_WEIGHTS
     wrapped = {}
     for module, (a, b) in adapter.weights.items():
+        if any(module.startswith(e + ".") for e in experts):
+            raise PackError(f"{weights_file}: {module} adapts the routed experts; the CUDA "
+                            f"backend serves LoRAs of resident linear layers only (the MLX "
+                            f"path streams the experts' deltas)")
         name = module
         for old, new in renames:
             name = f".{name}.".replace(old, new)[1:-1]

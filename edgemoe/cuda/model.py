@@ -99,7 +99,8 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
         _load_resident(model, path, config, dtype, device,
                        skip=tuple(f"{m}." for m in store.layers))
         if adapter is not None:
-            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
+            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()),
+                          experts=tuple(store.layers))
         if routing == "advisory":
             _advise(model, store)
         if heads is not None:

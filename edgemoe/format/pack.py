@@ -78,6 +78,9 @@ class PackLayer:
     tensors: List[TensorLayout]
     quantization: Dict[str, Optional[dict]]  # projection -> {group_size, bits, mode}
     records: List[Optional[Record]]  # by expert id; None: another host's (a shard)
+    # with an adapter's deltas of the routed experts in its records (edgemoe.format.deltas):
+    # their LoRA scale; the deltas' tensors follow the expert's
+    lora_scale: Optional[float] = None
 
     @property
     def num_experts(self) -> int:
@@ -95,6 +98,11 @@ class PackLayer:
     @property
     def expert_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def delta_bytes(self) -> int:
+        """Of `expert_bytes`, an adapter's delta (edgemoe.format.deltas)."""
+        return sum(t.nbytes for t in self.tensors if t.kind in ("lora_a", "lora_b"))
 
     def to_json(self) -> dict:
         return {
@@ -156,7 +164,8 @@ class Pack:
     @property
     def resident_bytes(self) -> int:
         size = sum(f.stat().st_size for f in self.resident_files)
-        every_expert = sum(l.expert_bytes * l.num_experts for l in self.layers)
+        every_expert = sum((l.expert_bytes - l.delta_bytes) * l.num_experts
+                           for l in self.layers)
         return size - (every_expert if self.in_place else 0)
 
     @classmethod

@@ -6,12 +6,14 @@ router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
 remapped indices gives bit-identical results (shared/GUIDE.md).
 """
 
+import math
 from typing import Dict
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..format.pack import PackError, PackLayer
 from ..streaming.calls import run_call
@@ -27,6 +29,11 @@ class StreamingExperts(nn.Module):
     prerouted modes: edgemoe.routing.modes). `share`, when set, makes it one host of
     several: it computes the rows routed to this host's experts, and the hosts' outputs
     are summed (edgemoe.distributed).
+
+    Its children are named as the expert module's projections (`gate_proj`, ...), so that
+    a LoRA of the routed experts in mlx-lm's format (keys `...switch_mlp.gate_proj.lora_a`)
+    finds them: an `ExpertProjection` holds nothing; mlx-lm's `linear_to_lora_layers`
+    turns it into `ExpertDeltas`, every expert's delta, which the pool then adds.
     """
 
     routed_experts = True  # what edgemoe.routing.gates looks for beside mlx-lm's switch layers
@@ -39,6 +46,12 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "routing", None)
         object.__setattr__(self, "block_input", None)  # set by its block (hand_input)
         object.__setattr__(self, "share", None)  # a host's share of several (distributed)
+        for name, proj in pool.children().items():
+            proj = getattr(proj, "linear", proj)  # (a LoRASwitchLinear of streamed deltas)
+            if isinstance(proj, (SwitchLinear, QuantizedSwitchLinear)):
+                setattr(self, name, ExpertProjection(slots.layer.num_experts,
+                                                     proj.input_dims, proj.output_dims))
+        object.__setattr__(self, "projections", [n for n in self if n in pool])
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
@@ -59,6 +72,7 @@ class StreamingExperts(nn.Module):
             later = predicted
 
         def compute(rows, slot_ids):
+            self._bind_deltas()
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
                 out = self.pool(x, mx.array(slot_ids.astype(np.uint32)))
             else:  # (token, k) rows of this pass
@@ -81,10 +95,56 @@ class StreamingExperts(nn.Module):
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
 
+    def _bind_deltas(self):
+        """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
+        gathered, so a trained delta gets its gradient)."""
+        deltas = [(n, self[n]) for n in self.projections if isinstance(self[n], ExpertDeltas)]
+        if not deltas:
+            return
+        experts = mx.array(np.maximum(self.slots.expert_in, 0))  # a free slot is never read
+        for name, delta in deltas:
+            proj = self.pool[name]
+            if not isinstance(proj, LoRASwitchLinear):
+                proj = LoRASwitchLinear.from_base(proj, r=delta.rank, scale=delta.scale)
+                setattr(self.pool, name, proj)
+            proj.lora_a, proj.lora_b = delta.lora_a[experts], delta.lora_b[experts]
+
     def _prefetch(self, predicted: dict):
         """Hand evaluated predictions to the store (none: nothing)."""
         if predicted:
             self.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()})
+
+
+class ExpertProjection(nn.Module):
+    """Where a LoRA of one routed-expert projection attaches; holds nothing."""
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
+        super().__init__()
+        object.__setattr__(self, "shape", (num_experts, input_dims, output_dims))
+
+    def to_lora(self, r: int, scale: float, dropout: float = 0.0) -> "ExpertDeltas":
+        """mlx-lm's hook (linear_to_lora_layers): every expert's zero delta."""
+        if dropout:
+            raise ValueError(f"a LoRA of the routed experts takes no dropout ({dropout})")
+        return ExpertDeltas(*self.shape, r, scale)
+
+
+class ExpertDeltas(nn.Module):
+    """A LoRA of one routed-expert projection, every expert's: as mlx-lm's
+    LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
+    and computes it, over the slots."""
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
+                 scale: float):
+        super().__init__()
+        bound = 1 / math.sqrt(input_dims)
+        self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
+        self.lora_b = mx.zeros((num_experts, output_dims, rank))
+        object.__setattr__(self, "scale", scale)
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[1]
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -97,7 +157,9 @@ def build_pool(module: nn.Module, layer: PackLayer, arrays: Dict[str, mx.array])
     """Turn a freshly built mlx-lm expert module into one over the slot arrays.
 
     Its projections are quantized exactly as the pack's manifest records, then their
-    (still lazy, never evaluated) random weights are replaced by the slot arrays.
+    (still lazy, never evaluated) random weights are replaced by the slot arrays. A
+    projection whose records carry an adapter's deltas becomes mlx-lm's LoRASwitchLinear
+    over its slot arrays too.
     """
     for name, child in list(module.children().items()):
         if name not in layer.quantization:
@@ -107,9 +169,15 @@ def build_pool(module: nn.Module, layer: PackLayer, arrays: Dict[str, mx.array])
             child = child.to_quantized(q["group_size"], q["bits"], mode=q["mode"],
                                        global_scale=q.get("global_scale", False))
             assert isinstance(child, QuantizedSwitchLinear)
-        for t in layer.tensors:
-            if t.projection == name:
-                setattr(child, t.kind, arrays[t.name])
+        tensors = {t.kind: arrays[t.name] for t in layer.tensors if t.projection == name}
+        if "lora_a" in tensors:  # an adapter's delta, streamed with the expert
+            child = LoRASwitchLinear.from_base(child, r=tensors["lora_a"].shape[1],
+                                               scale=layer.lora_scale)
+            base = child.linear
+        else:
+            base = child
+        for kind, array in tensors.items():
+            setattr(child if kind in ("lora_a", "lora_b") else base, kind, array)
         setattr(module, name, child)
     module.freeze()
     return module

@@ -7,9 +7,10 @@ from typing import Any, Dict, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, load_adapters, load_model, load_tokenizer
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from ..distributed import DEFAULT_TIMEOUT_S, share_for
+from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import routed_experts
 from ..format.pack import PackError
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
@@ -22,6 +23,7 @@ from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from ..streaming.telemetry import drop_cached_pages
 from .experts import hand_input, install, streaming_class
+from .lora import load_adapter
 
 
 def load(
@@ -56,7 +58,8 @@ def load(
     the pack carries (PACK/prerouter), and "pack" names them. Heads carrying a
     correction (same-token heads in their `correction/` folder) route by it, and their
     next-token prediction only reads ahead (edgemoe.routing.prerouter). `adapter_path` is an
-    adapter folder, or "pack" for the one the pack carries (PACK/adapter). A pack's own
+    adapter folder, or "pack" for the one the pack carries (PACK/adapter); an adapter of
+    the routed experts has their deltas streamed with them (edgemoe.format.deltas). A pack's own
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
     over `read_timeout` seconds fails the call with a PackError. With `verify` (the
     default) a pack's resident tensors are checked against their CRC32s before loading, and
@@ -89,6 +92,8 @@ def load(
         source.verify_resident(uncached=io == "direct")
     heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    # an adapter of the routed experts: their deltas stream with them
+    deltas = None if adapter is None else expert_deltas(adapter, source)
     share = None
     if group is not None and group.size() > 1:
         source, share = share_for(source, group, partition, group_timeout)
@@ -96,6 +101,8 @@ def load(
         raise PackError(f"{path}: holds host {source.shard['index']}'s share of "
                         f"{source.shard['hosts']}; run it with its group (--distributed, "
                         f"launched by mlx.launch)")
+    if deltas is not None:
+        source = with_deltas(source, deltas)
     if is_auto(expert_budget):  # what fits in the memory available, before loading
         expert_budget = _auto_budget(source, path)
     store = ExpertStore(source, expert_budget, cache_policy, io, readers,
@@ -138,7 +145,7 @@ def load(
             object.__setattr__(experts[layer], "routing", model.routing)
             hand_input(block, experts[layer])
     if adapter is not None:
-        model = load_adapters(model, str(adapter))
+        model = load_adapter(model, adapter, streamed_experts=deltas is not None)
         model.eval()
     tokenizer = load_tokenizer(path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))

@@ -22,7 +22,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
-from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
+from safetensors import safe_open
 
 from ..routing.gates import ROUTER_NAMES
 
@@ -39,6 +40,69 @@ def default_targets(model: nn.Module) -> List[str]:
             is_router = bool(set(ROUTER_NAMES) & set(path.split(".")))
             if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not is_router:
                 keys.add(path)
+    return sorted(keys)
+
+
+def expert_targets(model: nn.Module) -> List[str]:
+    """Paths, relative to a decoder layer, of the routed experts' projections
+    (`mlp.switch_mlp.gate_proj`, ...): a LoRA there gives every expert its own delta."""
+    from .experts import ExpertProjection  # (experts imports the store; lora stays light)
+
+    return sorted({path for layer in model.layers for path, module in layer.named_modules()
+                   if isinstance(module, ExpertProjection)})
+
+
+def load_adapter(model: nn.Module, path: Path, streamed_experts: bool = False) -> nn.Module:
+    """mlx-lm's `load_adapters`; with the routed experts' deltas streamed from their
+    records (edgemoe.format.deltas), the rest of the adapter only: the deltas of every
+    expert are never loaded."""
+    if not streamed_experts:
+        return load_adapters(model, str(path))
+    path = Path(path)
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise ValueError(f"{path / ADAPTER_CONFIG}: fine_tune_type {kind!r} adapts the "
+                         f"routed experts; edgemoe streams only a 'lora' there")
+    experts = set(expert_targets(model))
+    params = dict(config["lora_parameters"])
+    keys = params.get("keys") or _mlx_lm_default_keys(model)
+    linear_to_lora_layers(model, config["num_layers"],
+                          {**params, "keys": [k for k in keys if k not in experts]})
+    allowed = {k: v.shape for k, v in tree_flatten(model.parameters())
+               if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    weights = []
+    with safe_open(str(path / ADAPTER_WEIGHTS), framework="mlx") as f:
+        for name in f.keys():
+            if _is_expert_key(name, experts):
+                continue
+            if name not in allowed:
+                raise ValueError(f"{path / ADAPTER_WEIGHTS}: {name}: not an adapter "
+                                 f"parameter of the model")
+            w = f.get_tensor(name)
+            if w.shape != allowed[name]:
+                raise ValueError(f"{path / ADAPTER_WEIGHTS}: {name}: shape {w.shape}, the "
+                                 f"model's {allowed[name]}")
+            weights.append((name, w))
+    model.load_weights(weights, strict=False)
+    return model
+
+
+def _is_expert_key(name: str, experts) -> bool:
+    """Whether an adapter tensor (`model.layers.3.mlp.switch_mlp.gate_proj.lora_a`) is a
+    routed expert's delta (`experts`: paths within a decoder layer)."""
+    parts = name.split(".")
+    return len(parts) > 4 and ".".join(parts[3:-1]) in experts
+
+
+def _mlx_lm_default_keys(model: nn.Module) -> List[str]:
+    """The modules mlx-lm adapts when an adapter names none (its linear_to_lora_layers)."""
+    keys = set()
+    for layer in model.layers:
+        for p, m in layer.named_modules():
+            if hasattr(m, "to_lora") or isinstance(m, (nn.Linear, nn.QuantizedLinear,
+                                                       nn.Embedding, nn.QuantizedEmbedding)):
+                keys.add(p)
     return sorted(keys)
 
 

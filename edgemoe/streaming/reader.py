@@ -52,7 +52,8 @@ class Fill:
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[Exception] = None
     before_read: Optional[Callable[[int], None]] = None
-    # in place: slices still to land, the first failure, set once before_read has run
+    # a record of several segments (in place; or with deltas): the slices still to land,
+    # the first failure, set once before_read has run
     pending: int = 0
     failed: Optional[Exception] = None
     ready: Optional[threading.Event] = None
@@ -256,11 +257,12 @@ class Reader:
         return staging
 
     def _read_slice(self, s: Slice, staging):
-        """One tensor slice of a record in place (with O_DIRECT, its aligned span)."""
+        """One segment of a record: a tensor slice in place, or an expert's delta (with
+        O_DIRECT, its aligned span)."""
         f = s.fill
         file_index, offset, length = f.record.segments[s.index]
-        buf = f.buffers[s.index]
         try:
+            bufs = _segment_buffers(f, s.index)
             if s.index == 0:
                 if f.before_read is not None:
                     f.before_read(f.slot)
@@ -271,9 +273,9 @@ class Reader:
                 if self.direct_fds:
                     staging, at = self._read_span(file_index, offset, offset + length,
                                                   staging)
-                    self._copy_out(staging, at, [buf])
+                    self._copy_out(staging, at, bufs)
                 else:
-                    n = self._pread(self.fds[file_index], [buf], offset)
+                    n = self._pread(self.fds[file_index], bufs, offset)
                     if n != length:
                         raise PackError(f"short read (expected {length} bytes, got {n}); "
                                         f"the file is truncated")
@@ -371,6 +373,21 @@ class Reader:
     def _verified(self, since: float):
         with self.lock:
             self._verify_s += self.clock() - since
+
+
+def _segment_buffers(f: Fill, index: int) -> List[np.ndarray]:
+    """The buffers segment `index` of a fill's record fills: segments cover the buffers
+    in order, back to back (in place one tensor each; an expert and its delta, several)."""
+    start = sum(length for _, _, length in f.record.segments[:index])
+    length = f.record.segments[index][2]
+    part, at = [], 0
+    for buf in f.buffers:
+        if start <= at < start + length:
+            part.append(buf)
+        at += buf.nbytes
+    if sum(b.nbytes for b in part) != length:
+        raise PackError(f"a record segment of {length} bytes does not end at a tensor's end")
+    return part
 
 
 def _adjacent(a, b) -> bool:

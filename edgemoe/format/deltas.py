@@ -1,0 +1,189 @@
+"""The routed experts' LoRA deltas as records, streamed with their experts.
+
+A LoRA in mlx-lm's format may adapt the routed experts: its keys
+`model.layers.N.mlp.switch_mlp.gate_proj.lora_a` (experts x rank x in) and `.lora_b`
+(experts x out x rank) hold every expert's delta. Held resident, that is every expert's
+delta in memory, which is what edgemoe exists to avoid. So the deltas are laid out as the
+experts are, one aligned record per (layer, expert), and a fill reads an expert's record
+and its delta's in the same request into the same slot (a record of two segments:
+edgemoe.streaming.reader); the pool adds the delta as mlx-lm's LoRASwitchLinear does.
+
+    ADAPTER/expert_deltas.bin    one record per (layer, expert): each adapted projection's
+                                 lora_a then lora_b, in projection order
+    ADAPTER/expert_deltas.json   per layer the record layout and offsets; the adapter
+                                 file and the pack they were written for
+
+`expert_deltas(adapter, source)` writes them on first use, and again when the adapter's
+content or the pack changed (a load reads the adapter file once to check). Each record's CRC32 is chained onto its expert's (the pack's CRC32 of
+the expert record), so a fill's bytes check as one.
+"""
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .inplace import _DTYPES, safetensors_header
+from .pack import ExpertsWriter, Pack, PackError, PackLayer, Record, TensorLayout
+
+FORMAT = "edgemoe.expert_deltas"
+VERSION = 1
+RECORDS = "expert_deltas.bin"
+MANIFEST = "expert_deltas.json"
+WEIGHTS = "adapters.safetensors"  # mlx-lm's adapter file
+KINDS = ("lora_a", "lora_b")
+
+
+@dataclass
+class ExpertDeltas:
+    """An adapter's delta records: per pack layer module, the layout of one record, its
+    records by expert, and the LoRA scale."""
+
+    path: Path  # the records file
+    scale: float
+    layers: Dict[str, PackLayer]
+
+
+def delta_tensors(adapter: Path, source: Pack) -> Dict[str, Dict[str, dict]]:
+    """The adapter's routed-expert tensors: layer module -> name within it
+    (`gate_proj.lora_a`) -> safetensors header entry (with `start`: the data's offset)."""
+    header, data_start = safetensors_header(adapter / WEIGHTS)
+    found: Dict[str, Dict[str, dict]] = {}
+    for layer in source.layers:
+        for name, entry in header.items():
+            if name.startswith(layer.module + ".") and name.rsplit(".", 1)[1] in KINDS:
+                found.setdefault(layer.module, {})[name[len(layer.module) + 1:]] = \
+                    {**entry, "start": data_start + entry["data_offsets"][0]}
+    return found
+
+
+def expert_deltas(adapter, source: Pack) -> Optional[ExpertDeltas]:
+    """The delta records of `adapter` (a folder in mlx-lm's format) for `source`'s routed
+    experts, written first if missing or stale; None when it adapts no routed expert."""
+    adapter = Path(adapter)
+    tensors = delta_tensors(adapter, source)
+    if not tensors:
+        return None
+    stamp = _stamp(adapter, source)
+    manifest = adapter / MANIFEST
+    if not manifest.exists() or json.loads(manifest.read_text()).get("source") != stamp:
+        _write(adapter, source, tensors, stamp)
+    return _read(adapter, json.loads(manifest.read_text()))
+
+
+def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
+    """What the records were written from: the adapter file's CRC32 (its content: a copy
+    or a checkout keeps it, a retrained adapter changes it), and the pack."""
+    crc = 0
+    with open(adapter / WEIGHTS, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return {"adapter_crc32": crc, "pack": source.fingerprint}
+
+
+def _write(adapter: Path, source: Pack, tensors, stamp: dict):
+    """Both files, written beside each other and renamed into place: never half-written."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    weights = np.memmap(adapter / WEIGHTS, dtype=np.uint8, mode="r")
+    tmp = adapter / (RECORDS + ".partial")
+    try:
+        writer = ExpertsWriter(tmp)
+        layers = []
+        for layer in source.layers:
+            if layer.module not in tensors:
+                continue
+            layout = _layout(layer, tensors[layer.module], adapter)
+            records = []
+            for e, expert in enumerate(layer.records):
+                parts = [_expert_slice(weights, tensors[layer.module][t.name], e)
+                         for t in layout]
+                record = writer.write(parts)
+                crc = None if expert is None or expert.crc32 is None else \
+                    _chained(parts, expert.crc32)
+                records.append([record.offset, record.length, crc])
+            layers.append({"module": layer.module, "records": records,
+                           "tensors": [asdict(t) for t in layout]})
+        writer.close()
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PackError(f"{adapter}: cannot write the routed experts' delta records "
+                        f"({os.strerror(e.errno)}); copy the adapter to a writable folder")
+    manifest = {"format": FORMAT, "version": VERSION, "source": stamp,
+                "scale": config["lora_parameters"]["scale"], "layers": layers}
+    (adapter / (MANIFEST + ".partial")).write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, adapter / RECORDS)
+    os.replace(adapter / (MANIFEST + ".partial"), adapter / MANIFEST)
+
+
+def _layout(layer: PackLayer, entries: Dict[str, dict], adapter: Path) -> List[TensorLayout]:
+    """One record's tensors: every adapted projection's lora_a and lora_b, one expert's."""
+    layout, offset = [], 0
+    for name in sorted(entries, key=lambda n: (n.rsplit(".", 1)[0], n)):
+        entry = entries[name]
+        shape = tuple(entry["shape"])
+        if shape[0] != layer.num_experts or entry["dtype"] not in _DTYPES:
+            raise PackError(f"{adapter / WEIGHTS}: {layer.module}.{name}: expected "
+                            f"{layer.num_experts} experts' deltas, found {entry['dtype']} "
+                            f"{list(shape)}")
+        nbytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // shape[0]
+        layout.append(TensorLayout(name, _DTYPES[entry["dtype"]], shape[1:], offset, nbytes))
+        offset += nbytes
+    projections = {t.projection for t in layout}
+    for p in projections:
+        if {t.kind for t in layout if t.projection == p} != set(KINDS):
+            raise PackError(f"{adapter / WEIGHTS}: {layer.module}.{p}: lora_a and lora_b "
+                            f"expected, found only one")
+    return layout
+
+
+def _expert_slice(weights: np.ndarray, entry: dict, expert: int) -> np.ndarray:
+    """One expert's bytes of a stacked tensor (experts first, so contiguous)."""
+    size = (entry["data_offsets"][1] - entry["data_offsets"][0]) // entry["shape"][0]
+    start = entry["start"] + expert * size
+    return weights[start:start + size]
+
+
+def _chained(parts, expert_crc: int) -> int:
+    crc = expert_crc
+    for part in parts:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)
+    return crc
+
+
+def _read(adapter: Path, manifest: dict) -> ExpertDeltas:
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise PackError(f"{adapter / MANIFEST}: format {manifest.get('format')!r} version "
+                        f"{manifest.get('version')}, expected {FORMAT!r} version {VERSION}; "
+                        f"delete it to have it written again")
+    layers = {}
+    for d in manifest["layers"]:
+        tensors = [TensorLayout(t["name"], t["dtype"], tuple(t["shape"]), t["offset"],
+                                t["nbytes"]) for t in d["tensors"]]
+        records = [Record(((0, off, length),), crc) for off, length, crc in d["records"]]
+        layers[d["module"]] = PackLayer(d["module"], -1, tensors, {}, records)
+    return ExpertDeltas(adapter / RECORDS, manifest["scale"], layers)
+
+
+def with_deltas(source: Pack, deltas: ExpertDeltas) -> Pack:
+    """`source` whose records carry the deltas: each layer's tensors are its expert's and
+    then its delta's, each record two segments (the expert's, the delta's), its CRC32
+    chained over both."""
+    file_index = len(source.files)
+    layers = []
+    for layer in source.layers:
+        delta = deltas.layers.get(layer.module)
+        if delta is None:
+            layers.append(layer)
+            continue
+        shift = layer.expert_bytes
+        tensors = layer.tensors + [replace(t, offset=shift + t.offset) for t in delta.tensors]
+        records = [None if r is None else
+                   Record(r.segments + ((file_index, d.offset, d.length),), d.crc32)
+                   for r, d in zip(layer.records, delta.records)]
+        layers.append(replace(layer, tensors=tensors, records=records,
+                              lora_scale=deltas.scale))
+    return replace(source, layers=layers, files=[*source.files, deltas.path])
