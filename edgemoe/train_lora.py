@@ -2,7 +2,8 @@
 
     python -m edgemoe.train_lora --model PACK --teacher HF_DIR --data FILE --out DIR
            [--eval-data FILE] [--routing prerouted] [--prerouter DIR] [--rank 8]
-           [--scale 20] [--steps 200] [--batch-size 4] [--context 256] [--lr 5e-5] [--seed 0]
+           [--scale 20] [--experts] [--steps 200] [--batch-size 4] [--context 256]
+           [--lr 5e-5] [--seed 0]
 
 Teacher: the unquantized checkpoint, fully resident (`mlx_lm.load`), native routing; or
 an edgemoe pack (the student's own, say), all experts resident, native routing.
@@ -11,6 +12,9 @@ its prerouter heads stay frozen (they belong to the expert store, not to the mod
 parameters). The student gets zero-initialised LoRA deltas on its resident linear
 layers (edgemoe.lora) and learns them by minimising KL(teacher || student) between the
 next-token distributions, with AdamW on windows drawn by a seeded generator.
+
+With --experts the routed experts get a delta each too (mlx-lm's LoRASwitchLinear keys);
+served, those stream with their experts (edgemoe.format.deltas writes their records).
 
 DIR holds the adapter in mlx-lm's format (adapters.safetensors, adapter_config.json), so
 it serves unmerged with `edgemoe.load(PACK, adapter_path=DIR)` or `--adapter-path DIR`,
@@ -34,11 +38,15 @@ from tqdm import tqdm
 
 from .cli import add_debug_flag, tool
 from .eval import compare
+from .format.deltas import expert_deltas
+from .format.source import open_source
 from .model.loader import load
 from .options import StreamOptions
-from .model.lora import ADAPTER_CONFIG, apply_lora, merge_adapter, merge_survival, save_adapter
+from .model.lora import (ADAPTER_CONFIG, apply_lora, default_targets, expert_targets,
+                         merge_adapter, merge_survival, save_adapter)
 
 STATE = "train_state"
+TORCH_STATE = "train_state_torch"  # edgemoe.train_torch's
 REPORT = "report.json"
 MERGE_WINDOWS = 4  # held-out windows the merged effect is measured on
 
@@ -123,19 +131,48 @@ def train(args) -> dict:
     mx.random.seed(args.seed)  # LoRA's A matrices
     teacher, _ = _load_teacher(args.teacher)
     student, tokenizer = load_student(args)
-    config = apply_lora(student, **lora_arguments(args))
+    config = apply_lora(student, **lora_arguments(args, student))
     train_text, eval_text = split_text(args)
     train_tokens = np.array(tokenizer.encode(train_text))
     eval_tokens = tokenizer.encode(eval_text)[:args.eval_tokens + 1]
     if len(train_tokens) <= args.context + 1:
         raise ValueError(f"{args.data}: {len(train_tokens)} tokens, fewer than one window")
+    def measure_before():
+        return quality(teacher, student, eval_tokens, args, "before")
+
+    if args.backend == "torch":
+        from .train_torch import distil  # (torch: the cuda or test extra)
+        run = distil(args, out, config, train_tokens, batches, measure_before)
+        losses, before = run["losses"], run["before"]
+        student, _ = load_student(args, adapter_path=out)  # as it is served
+    else:
+        losses, before = distil_mlx(args, out, teacher, student, config, train_tokens,
+                                    measure_before)
+    if args.experts:  # the experts' deltas as records, to stream with them when served
+        expert_deltas(out, open_source(args.model))
+    after = quality(teacher, student, eval_tokens, args, "after")
+    report = {"model": args.model, "teacher": args.teacher, "routing": args.routing,
+              "prerouter": args.prerouter, "lora": config["lora_parameters"],
+              "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
+              "lr": args.lr, "seed": args.seed, "train_tokens_seen": args.steps * args.batch_size * args.context,
+              "backend": args.backend,
+              "loss_first_10": float(np.mean(losses[:10])),
+              "loss_last_10": float(np.mean(losses[-10:])),
+              "before": before, "after": after}
+    report["merged"] = merge_experiment(args, teacher, student, eval_tokens)
+    (out / REPORT).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def distil_mlx(args, out, teacher, student, config, train_tokens, before):
+    """The MLX loop: (losses, the student's quality before)."""
     schedule = optim.cosine_decay(args.lr, args.steps, args.lr * 0.1)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
     state = TrainState(out, args.seed)
     if state.restore(student, optimizer):
         print(f"resumed from {state.dir}: step {state.step}")
     if state.before is None:
-        state.before = quality(teacher, student, eval_tokens, args, "before")
+        state.before = before()
         state.save(student, optimizer, config)
     loss_and_grad = nn.value_and_grad(student, kd_loss)
     bar = tqdm(total=args.steps, initial=state.step, desc="distil", unit="step")
@@ -152,22 +189,13 @@ def train(args) -> dict:
         if state.step % args.save_every == 0 or state.step == args.steps:
             state.save(student, optimizer, config)
     bar.close()
-    after = quality(teacher, student, eval_tokens, args, "after")
-    report = {"model": args.model, "teacher": args.teacher, "routing": args.routing,
-              "prerouter": args.prerouter, "lora": config["lora_parameters"],
-              "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
-              "lr": args.lr, "seed": args.seed, "train_tokens_seen": args.steps * args.batch_size * args.context,
-              "loss_first_10": float(np.mean(state.losses[:10])),
-              "loss_last_10": float(np.mean(state.losses[-10:])),
-              "before": state.before, "after": after}
-    report["merged"] = merge_experiment(args, teacher, student, eval_tokens)
-    (out / REPORT).write_text(json.dumps(report, indent=1))
-    return report
+    return state.losses, state.before
 
 
 def merge_experiment(args, teacher, student, eval_tokens) -> dict:
     """Merge the trained adapter into the int4 weights, re-quantize, and measure what
-    survives: at every adapted projection's output, and at the output log-probs."""
+    survives: at every adapted projection's output, and at the output log-probs. The
+    routed experts' deltas stay unmerged (merging them would rewrite every record)."""
     base, _ = load_student(args)
     merged, _ = load_student(args, adapter_path=args.out)
     merge_adapter(merged)
@@ -177,16 +205,18 @@ def merge_experiment(args, teacher, student, eval_tokens) -> dict:
     result["quality"] = quality(teacher, merged, eval_tokens, args, "merged")
     # re-quantizing is not lossless by itself: the same round trip with a zero delta
     requantized, _ = load_student(args)
-    apply_lora(requantized, **lora_arguments(args))
+    apply_lora(requantized, **lora_arguments(args, requantized))
     merge_adapter(requantized)
     result["requantized_without_adapter"] = quality(teacher, requantized, eval_tokens, args,
                                                     "requantized")
     return result
 
 
-def lora_arguments(args) -> dict:
-    return {"rank": args.rank, "scale": args.scale,
-            "targets": args.targets.split(",") if args.targets else None}
+def lora_arguments(args, model) -> dict:
+    targets = args.targets.split(",") if args.targets else default_targets(model)
+    if args.experts:
+        targets = targets + expert_targets(model)
+    return {"rank": args.rank, "scale": args.scale, "targets": targets}
 
 
 def _load_teacher(path):
@@ -201,18 +231,17 @@ def _load_teacher(path):
 
 def report_lines(report: dict) -> list:
     lines = []
+    m = report["merged"]
     rows = [("int4 " + report["routing"], report["before"]),
             ("int4 " + report["routing"] + " + LoRA (unmerged)", report["after"]),
-            ("int4 " + report["routing"] + " + LoRA merged, re-quantized",
-             report["merged"]["quality"]),
+            ("int4 " + report["routing"] + " + LoRA merged, re-quantized", m["quality"]),
             ("int4 " + report["routing"] + ", re-quantized without an adapter",
-             report["merged"]["requantized_without_adapter"])]
+             m["requantized_without_adapter"])]
     lines.append(f"teacher perplexity {report['before']['teacher_perplexity']:.3f} "
                  f"over {report['before']['tokens']} held-out tokens")
     for name, q in rows:
         lines.append(f"{name}: perplexity {q['perplexity']:.3f}, top-1 agreement "
                      f"{q['top1_agreement']:.2%}, KL {q['kl_to_teacher']:.4f} nats/token")
-    m = report["merged"]
     lines.append(f"merged and re-quantized: {m['projection_survival']:.0%} of the adapter's "
                  f"effect survives at {m['projection']}'s output (median over projections "
                  f"{m['projection_survival_median']:.0%}), {m['logit_survival']:.0%} at the "
@@ -235,6 +264,8 @@ def main(argv=None):
     p.add_argument("--targets", default=None,
                    help="comma-separated module paths within a decoder layer "
                         "(default: every resident linear layer but the router)")
+    p.add_argument("--experts", action="store_true",
+                   help="adapt the routed experts too: a delta per expert, streamed with it")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--context", type=int, default=256)
@@ -242,13 +273,17 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--backend", choices=("mlx", "torch"), default="mlx",
+                   help="what trains: MLX, or PyTorch on the CPU (about 9x faster here; "
+                        "needs torch and transformers: the cuda extra)")
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "routing",
                                          "prerouter", "readers"])
     p.set_defaults(routing="prerouted")  # the student as it will be served
     add_debug_flag(p)
     args = p.parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG
-    if existing.exists() and not (Path(args.out) / STATE).exists():
+    resumable = (Path(args.out) / STATE).exists() or (Path(args.out) / TORCH_STATE).exists()
+    if existing.exists() and not resumable:
         sys.exit(f"edgemoe.train_lora: error: {args.out} holds an adapter that is not a "
                  f"resumable run; choose another --out")
     report = train(args)

@@ -296,3 +296,54 @@ def test_distilling_the_experts_deltas_serves_them_streamed(checkpoints, packs, 
     served, _ = edgemoe.load(path, expert_budget=0.5, adapter_path=tmp_path / "lora")
     assert mx.array_equal(served(TOKENS), trained(TOKENS))
 
+
+# ---------------------------------------------------------------- distilled in PyTorch
+def test_the_torch_student_is_the_mlx_student(packs, tmp_path):
+    """edgemoe.train_torch's student (the pack dequantized, every expert resident,
+    transformers' class, the CUDA backend's routing on the CPU) computes the MLX path's
+    logits, native and prerouted, to float32 rounding."""
+    torch = pytest.importorskip("torch")
+    from edgemoe.cuda import prerouted
+    from edgemoe.train_torch import build, expert_weights
+
+    path = packs["qwen3_moe"]["hf"]
+    mlx_model, _ = edgemoe.load(path)
+    random_heads(mlx_model, tmp_path / "heads")
+    config = json.loads((path / "config.json").read_text())
+    source = open_source(path)
+    experts = {l.module: expert_weights(source, l) for l in source.layers}
+    tokens = np.random.default_rng(3).integers(3, 500, (2, 40))
+    for routing in ("native", "prerouted"):
+        model = build(path, config, experts)
+        if routing == "prerouted":
+            prerouted.install(model, None, prerouted.load_heads(tmp_path / "heads", "cpu"),
+                              moe_layers=[l.index for l in source.layers])
+        with torch.no_grad():
+            found = model(torch.from_numpy(tokens), use_cache=False).logits.numpy()
+        reference, _ = edgemoe.load(path, routing=routing, prerouter_path=tmp_path / "heads")
+        expected = np.array(reference(mx.array(tokens)))
+        assert np.abs(found - expected).max() < 1e-4, routing
+        if routing == "prerouted":  # (and prerouted is not native here)
+            native = np.array(mlx_model(mx.array(tokens)))
+            assert np.abs(native - expected).max() > 1e-2
+
+
+def test_distilled_in_torch_it_serves_on_the_mlx_path(checkpoints, packs, tmp_path):
+    """`--backend torch`: the adapter, the experts' deltas too, written in mlx-lm's format
+    and measured as the MLX path serves it (deltas streamed); a rerun resumes."""
+    pytest.importorskip("torch")
+    report = distil(tmp_path, checkpoints, packs, tmp_path / "lora", "--routing", "native",
+                    "--experts", "--backend", "torch", "--steps", "60", "--lr", "5e-5")
+    assert report["backend"] == "torch"
+    assert report["after"]["kl_to_teacher"] < 0.9 * report["before"]["kl_to_teacher"]
+    saved = mx.load(str(tmp_path / "lora" / "adapters.safetensors"))
+    model, _ = edgemoe.load(packs["qwen3_moe"]["hf"], adapter_path=tmp_path / "lora")
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters()) if "lora" in k}
+    dense = {k: v for k, v in saved.items() if ".switch_mlp." not in k}
+    assert dense and all(shapes[k] == v.shape for k, v in dense.items())
+    layer = next(iter(model.expert_store.layers.values())).layer
+    assert {t.name for t in layer.tensors if t.kind.startswith("lora")} == \
+        {f"{p}.lora_{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in "ab"}
+    again = distil(tmp_path, checkpoints, packs, tmp_path / "lora", "--routing", "native",
+                   "--experts", "--backend", "torch", "--steps", "60", "--lr", "5e-5")
+    assert again["after"] == report["after"]  # resumed at its end: nothing more to train

@@ -41,7 +41,7 @@ import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -203,8 +203,8 @@ class PreroutedRouting:
     """Runs the heads at each MoE layer of the model's forward calls and routes the
     predicted layers by them (through each layer's RouterTap)."""
 
-    def __init__(self, heads: Heads, taps: Dict[int, "RouterTap"], store: ExpertStore,
-                 confine: bool = False):
+    def __init__(self, heads: Heads, taps: Dict[int, "RouterTap"],
+                 store: Optional[ExpertStore], confine: bool = False):
         self.heads, self.taps, self.store, self.confine = heads, taps, store, confine
         config = heads.config
         missing = sorted((set(config.sources) | set(config.sources.values())) - set(taps))
@@ -268,7 +268,7 @@ class PreroutedRouting:
 
     def prefetch(self, layer: int):
         """Layer `layer`'s experts are in slots: read the experts its heads predicted."""
-        if not self.calls:
+        if not self.calls or self.store is None:
             return
         for (target, lead), experts in self.calls[-1].ahead.pop(layer, {}).items():
             # with a correction the next-token prediction is advisory: it reads while it
@@ -440,11 +440,15 @@ def chosen(native: torch.Tensor, kind: str, value: torch.Tensor) -> torch.Tensor
     return logits.reshape(native.shape)
 
 
-def install(model: nn.Module, store: ExpertStore, heads: Heads, confine: bool = False):
+def install(model: nn.Module, store: Optional[ExpertStore], heads: Heads,
+            confine: bool = False, moe_layers: Sequence[int] = ()):
     """Route `model`'s MoE layers by the heads (the model's MoE blocks are those `store`
-    streams; their `experts` are edgemoe.cuda.experts.StreamingExperts)."""
+    streams; their `experts` are edgemoe.cuda.experts.StreamingExperts). Without a store
+    (edgemoe.train_torch: every expert resident), `moe_layers` are the MoE layers and
+    nothing is read ahead."""
     layers = model.model.layers
-    blocks = {index: families.moe_block(layers[index]) for index in store.layer_indices}
+    indices = store.layer_indices if store is not None else moe_layers
+    blocks = {index: families.moe_block(layers[index]) for index in indices}
     taps = {index: RouterTap(model.config.model_type, block) for index, block in blocks.items()}
     config = heads.config
     found = sorted({(tap.num_experts, tap.input_width) for tap in taps.values()})
@@ -463,5 +467,6 @@ def install(model: nn.Module, store: ExpertStore, heads: Heads, confine: bool = 
         block.experts.advise = lambda x, index=index: routing.prefetch(index)
     model.register_forward_pre_hook(routing.enter, with_kwargs=True)
     model.register_forward_hook(routing.exit, with_kwargs=True, always_call=True)
-    store.gate_prefetches(False)  # the prediction is the routing: always read it ahead
+    if store is not None:
+        store.gate_prefetches(False)  # the prediction is the routing: always read it ahead
     return routing
