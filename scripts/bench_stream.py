@@ -14,8 +14,8 @@ Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_larg
 --prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
 modes; --modes picks the routing modes run beside native. Every row shows the exact-mode
 limit at its budget: max(compute, the bytes Belady's policy reads on native's own routing
-over the read rate), the best step native routing allows. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and prerouted
-25% with --prerouter) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
+over the read rate), the best step native routing allows. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and every
+prerouted row) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate. --read-bps caps every run's disk reads
 (../shared/tools/constrained) as on a Mac, where reads dominate decode.
@@ -188,9 +188,10 @@ def parse_bps(text: str) -> float:
         else float(text)
 
 
-def lora_pairs(args) -> list:
-    """The configurations also run with the adapter."""
-    return ["1.0:native"] + (["0.25:prerouted"] if args.prerouter else [])
+def lora_pairs(kinds) -> list:
+    """The configurations also run with the adapter: native at 100%, and every prerouted
+    one."""
+    return ["1.0:native"] + [k for k in kinds if k.endswith(":prerouted")]
 
 
 def default_model(out: Path):
@@ -351,8 +352,8 @@ def main():
                 f"{len(HEAD_MODES)} need --prerouter); got {args.modes}")
     configs = ([("mlx-lm", mlx)] if mlx else []) + [(f"{b}:native", pack) for b in budgets]
     configs += [(f"{b}:{mode}", pack) for mode in modes for b in advisory_budgets]
-    if args.adapter:
-        configs += [(f"{kind}:lora", pack) for kind in lora_pairs(args)]
+    lora = lora_pairs([kind for kind, _ in configs]) if args.adapter else []
+    configs += [(f"{kind}:lora", pack) for kind in lora]
     runs = {kind: [] for kind, _ in configs}
     for r in range(args.rounds):
         for kind, path in configs:  # alternate: every round runs every configuration
@@ -371,7 +372,7 @@ def main():
         result["lora_decode_cost"] = {
             kind: statistics.median(a["decode_tps"] / b["decode_tps"] for a, b in
                                     zip(runs[f"{kind}:lora"], runs[kind]))
-            for kind in lora_pairs(args)}
+            for kind in lora}
         for kind, ratio in result["lora_decode_cost"].items():
             print(f"unmerged LoRA at {kind}: decode tok/s ratio with/without {ratio:.3f} "
                   f"(median over rounds)")

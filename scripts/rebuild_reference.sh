@@ -2,7 +2,7 @@
 # Rebuild everything shipped for the bundled reference MoE from one training run:
 # the int4 pack and its card, the prerouter heads, the recovery LoRA, the learned cache
 # policy's weights, the speculative draft. RUN is the folder of `scripts/train_reference_moe.py --out RUN --steps N`
-# (hf/ is the unquantized model: the LoRA's teacher). Each step keeps its output under RUN/
+# (hf/ is the unquantized model the pack converts). Each step keeps its output under RUN/
 # and copies what ships into the repository.
 #
 #   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces|draft]...   (default: all)
@@ -29,12 +29,17 @@ for step in $STEPS; do
           --max-train-tokens 64000 --max-eval-tokens 16384
       rm -rf "$HEADS" && mkdir -p "$HEADS"
       cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/" ;;
-    lora)  # distilled from the unquantized model into the prerouted int4 pack
-      $PY -m edgemoe.train_lora --model "$PACK" --teacher "$RUN/hf" --data "$RUN/train.txt" \
-          --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" --steps 120
+    lora)  # distilled from the pack's int4 native routing into its prerouted routing, the
+      # routed experts too (their deltas stream with them), in PyTorch (the cuda extra).
+      # Not bundled yet: the CUDA backend (its tests serve the bundled adapter) refuses
+      # experts' deltas; the bundled adapter is the earlier attention-only one
+      $PY -m edgemoe.train_lora --model "$PACK" --teacher "$PACK" --data "$RUN/train.txt" \
+          --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" \
+          --backend torch --experts --rank 16 --lr 2e-4 --steps 1200
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
-         "$RUN"/lora/report.json "$LORA/" ;;
+         "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
+         "$LORA/" ;;
     traces)  # 8 decode traces of held-out passages at 25%; the learned policy fits them
       mkdir -p "$RUN/traces"
       for i in 0 1 2 3 4 5 6 7; do
