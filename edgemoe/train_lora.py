@@ -46,7 +46,7 @@ from .model.lora import (ADAPTER_CONFIG, apply_lora, default_targets, expert_tar
                          merge_adapter, merge_survival, save_adapter)
 
 STATE = "train_state"
-TORCH_STATE = "train_state_torch"  # edgemoe.train_torch's
+TORCH_STATE = "train_state_torch"  # edgemoe.cuda.train's
 REPORT = "report.json"
 MERGE_WINDOWS = 4  # held-out windows the merged effect is measured on
 
@@ -141,7 +141,7 @@ def train(args) -> dict:
         return quality(teacher, student, eval_tokens, args, "before")
 
     if args.backend == "torch":
-        from .train_torch import distil  # (torch: the cuda or test extra)
+        from .cuda.train import distil  # (torch: the cuda or test extra)
         run = distil(args, out, config, train_tokens, batches, measure_before)
         losses, before = run["losses"], run["before"]
         student, _ = load_student(args, adapter_path=out)  # as it is served

@@ -715,7 +715,9 @@ def test_the_core_never_imports_the_backend():
                    or n.split(".")[-1] == "kernels" or n.startswith(("torch", "triton"))
                    for n in names):
                 offenders.append(f"{path.name}: {names}")
-    assert offenders == []
+    # the one exception: `train_lora --backend torch` imports the PyTorch trainer when chosen
+    allowed = ["train_lora.py: ['.cuda.train', '.cuda.train.distil']"]
+    assert offenders == allowed
 
 
 @pytest.mark.parametrize("option, message", [

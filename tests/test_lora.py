@@ -299,12 +299,12 @@ def test_distilling_the_experts_deltas_serves_them_streamed(checkpoints, packs, 
 
 # ---------------------------------------------------------------- distilled in PyTorch
 def test_the_torch_student_is_the_mlx_student(packs, tmp_path):
-    """edgemoe.train_torch's student (the pack dequantized, every expert resident,
+    """edgemoe.cuda.train's student (the pack dequantized, every expert resident,
     transformers' class, the CUDA backend's routing on the CPU) computes the MLX path's
     logits, native and prerouted, to float32 rounding."""
     torch = pytest.importorskip("torch")
     from edgemoe.cuda import prerouted
-    from edgemoe.train_torch import build, expert_weights
+    from edgemoe.cuda.train import build, expert_weights
 
     path = packs["qwen3_moe"]["hf"]
     mlx_model, _ = edgemoe.load(path)

@@ -444,7 +444,7 @@ def install(model: nn.Module, store: Optional[ExpertStore], heads: Heads,
             confine: bool = False, moe_layers: Sequence[int] = ()):
     """Route `model`'s MoE layers by the heads (the model's MoE blocks are those `store`
     streams; their `experts` are edgemoe.cuda.experts.StreamingExperts). Without a store
-    (edgemoe.train_torch: every expert resident), `moe_layers` are the MoE layers and
+    (edgemoe.cuda.train: every expert resident), `moe_layers` are the MoE layers and
     nothing is read ahead."""
     layers = model.model.layers
     indices = store.layer_indices if store is not None else moe_layers

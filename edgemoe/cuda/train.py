@@ -31,12 +31,12 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
-from .cuda import families, prerouted
-from .cuda.int4 import dequantize
-from .cuda.model import _build, _load_resident
-from .format.pack import Pack, PackError, PackLayer
-from .format.source import model_path, open_source
-from .model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from . import families, prerouted
+from .int4 import dequantize
+from .model import _build, _load_resident
+from ..format.pack import Pack, PackError, PackLayer
+from ..format.source import model_path, open_source
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 STATE = "train_state_torch"  # (train_lora.TORCH_STATE)
 GATED = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU
