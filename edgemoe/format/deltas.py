@@ -14,8 +14,9 @@ edgemoe.streaming.reader); the pool adds the delta as mlx-lm's LoRASwitchLinear 
                                  file and the pack they were written for
 
 `expert_deltas(adapter, source)` writes them on first use, and again when the adapter's
-content or the pack changed (a load reads the adapter file once to check). Each record's CRC32 is chained onto its expert's (the pack's CRC32 of
-the expert record), so a fill's bytes check as one.
+content or the pack changed (a load reads the adapter file once to check). Each record's
+CRC32 is chained onto its expert's (the pack's CRC32 of the expert record), so a fill's
+bytes check as one.
 """
 
 import json
@@ -70,9 +71,10 @@ def expert_deltas(adapter, source: Pack) -> Optional[ExpertDeltas]:
         return None
     stamp = _stamp(adapter, source)
     manifest = adapter / MANIFEST
-    if not manifest.exists() or json.loads(manifest.read_text()).get("source") != stamp:
-        _write(adapter, source, tensors, stamp)
-    return _read(adapter, json.loads(manifest.read_text()))
+    found = json.loads(manifest.read_text()) if manifest.exists() else {}
+    if found.get("source") != stamp:
+        found = _write(adapter, source, tensors, stamp)
+    return _read(adapter, found)
 
 
 def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
@@ -101,10 +103,10 @@ def _write(adapter: Path, source: Pack, tensors, stamp: dict):
             for e, expert in enumerate(layer.records):
                 parts = [_expert_slice(weights, tensors[layer.module][t.name], e)
                          for t in layout]
-                record = writer.write(parts)
-                crc = None if expert is None or expert.crc32 is None else \
-                    _chained(parts, expert.crc32)
-                records.append([record.offset, record.length, crc])
+                chained = expert is not None and expert.crc32 is not None
+                record = writer.write(parts, expert.crc32 if chained else 0)
+                records.append([record.offset, record.length,
+                                record.crc32 if chained else None])
             layers.append({"module": layer.module, "records": records,
                            "tensors": [asdict(t) for t in layout]})
         writer.close()
@@ -117,6 +119,7 @@ def _write(adapter: Path, source: Pack, tensors, stamp: dict):
     (adapter / (MANIFEST + ".partial")).write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, adapter / RECORDS)
     os.replace(adapter / (MANIFEST + ".partial"), adapter / MANIFEST)
+    return manifest
 
 
 def _layout(layer: PackLayer, entries: Dict[str, dict], adapter: Path) -> List[TensorLayout]:
@@ -145,13 +148,6 @@ def _expert_slice(weights: np.ndarray, entry: dict, expert: int) -> np.ndarray:
     size = (entry["data_offsets"][1] - entry["data_offsets"][0]) // entry["shape"][0]
     start = entry["start"] + expert * size
     return weights[start:start + size]
-
-
-def _chained(parts, expert_crc: int) -> int:
-    crc = expert_crc
-    for part in parts:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)
-    return crc
 
 
 def _read(adapter: Path, manifest: dict) -> ExpertDeltas:

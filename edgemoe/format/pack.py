@@ -315,8 +315,9 @@ class ExpertsWriter:
         self.file = open(path, "wb")
         self.offset = 0
 
-    def write(self, parts: List[np.ndarray]) -> Record:
-        length, crc = 0, 0
+    def write(self, parts: List[np.ndarray], crc: int = 0) -> Record:
+        """`crc`: a CRC32 to go on from (an expert's, for its delta: edgemoe.format.deltas)."""
+        length = 0
         for part in parts:
             buf = memoryview(np.ascontiguousarray(part)).cast("B")
             self.file.write(buf)
