@@ -7,6 +7,10 @@
 perplexity, fp32 and int4, and its top-1 agreement with the bundled MoE (the share of
 greedy drafts the target keeps, token by token).
 
+--assets: rewrite only the card's section on what was trained for the pack (its prerouter
+heads, recovery LoRA and cache policy, from their reports), as rebuild_reference.sh does
+after it retrains one; no --run needed.
+
 --run is the folder train_reference_moe.py wrote (hf/, heldout.txt, train_log.jsonl).
 Measures on the held-out text, with edgemoe.eval: perplexity of the unquantized model
 and of the int4 pack, their top-1 agreement and KL, and the pack's per-layer expert
@@ -63,14 +67,14 @@ int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
 {sample}
 ```
 
-## Reproduce
+{assets}## Reproduce
 ```
 python scripts/train_reference_moe.py --out RUN --steps {steps}
 python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference --overwrite
 python scripts/model_card.py --run RUN --pack edgemoe/models/reference
 ```
-The unquantized model (RUN/hf, {fp32_mb:.0f} MB, the teacher of the recovery LoRA) is not shipped:
-the first command rebuilds it. Its schedule runs on the step count and its data order on a
+The unquantized model (RUN/hf, {fp32_mb:.0f} MB) is not shipped: the first command rebuilds it
+(`scripts/rebuild_reference.sh RUN` then rebuilds the pack and everything trained for it). Its schedule runs on the step count and its data order on a
 seeded generator, so a rerun on the same software gives the same weights (two 5-step runs
 on this machine wrote byte-identical safetensors).
 """
@@ -111,6 +115,60 @@ python -m mlx_lm convert --hf-path RUN/hf --mlx-path edgemoe/models/reference-dr
 python scripts/model_card.py --draft --run RUN --pack edgemoe/models/reference-draft
 ```
 """
+
+
+ASSETS = "## Trained for it"
+
+
+def assets_section(pack: Path) -> str:
+    """The card's section on the pack's prerouter heads, recovery LoRA and cache policy,
+    from the reports their training wrote."""
+    lines = [ASSETS, "Distilled from this pack on the training split "
+             "(`scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
+    heads = pack / "prerouter" / "report.json"
+    if heads.exists():
+        r = json.loads(heads.read_text())
+        lines += [f"`prerouter/`: {r['variant'].replace('_', '-')} prerouter heads (hidden "
+                  f"{r['head_hidden']}, {r['train_tokens']:,} training tokens, {r['epochs']} "
+                  f"epochs). Held-out recall of the top-{r['top_k']} experts ({r['eval_tokens']:,} "
+                  f"tokens), beside two guesses that need no training: the layer's own router "
+                  f"applied to the source layer's input of the same token, and the previous "
+                  f"token's routing repeated:", "",
+                  "| layer | from layer | head | exact set | router, same token | previous token's |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {l['target']} | {l['source']} | {l['head']['recall']:.1%} | "
+                  f"{l['head']['exact']:.1%} | {l['baseline_same_token']['recall']:.1%} | "
+                  f"{l['repeat_previous_token']['recall']:.1%} |" for l in r["layers"]]
+        lines.append("")
+    lora = pack / "adapter" / "report.json"
+    if lora.exists():
+        r = json.loads(lora.read_text())
+        b, a, params = r["before"], r["after"], r["lora"]
+        experts = any(".switch_mlp." in k for k in params["keys"])
+        teacher = ("this pack, native routing" if r["teacher"] == r["model"]
+                   else "the unquantized model")
+        lines += [f"`adapter/`: the recovery LoRA of the {r['routing']} mode (rank "
+                  f"{params['rank']}, the attention{' and every routed expert' if experts else ''}"
+                  f"; {r['steps']:,} steps, {r['train_tokens_seen']:,} tokens), served unmerged. "
+                  f"On {a['tokens']:,} held-out tokens, against its teacher ({teacher}, "
+                  f"perplexity {a['teacher_perplexity']:.2f}):", "",
+                  "| | perplexity | KL to the teacher | top-1 agreement |", "|---|---|---|---|",
+                  f"| {r['routing']} | {b['perplexity']:.2f} | {b['kl_to_teacher']:.3f} | "
+                  f"{b['top1_agreement']:.1%} |",
+                  f"| {r['routing']} + adapter | {a['perplexity']:.2f} | "
+                  f"{a['kl_to_teacher']:.3f} | {a['top1_agreement']:.1%} |", ""]
+    if (pack / "cache_policy.npz").exists():
+        lines += ["`cache_policy.npz`: the learned cache policy's weights, fitted on 8 decode "
+                  "traces of held-out passages at a 25% expert budget.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def update_assets(pack: Path):
+    """Replace the card's assets section (up to the next section) by a fresh one."""
+    card = (pack / "README.md").read_text()
+    start = card.index(ASSETS)
+    end = card.index("\n## ", start + len(ASSETS)) + 1
+    (pack / "README.md").write_text(card[:start] + assets_section(pack) + card[end:])
 
 
 def draft_card(args):
@@ -192,12 +250,18 @@ def plot_usage(routing, png: Path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, type=Path)
+    p.add_argument("--run", type=Path)
     p.add_argument("--pack", required=True, type=Path)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
     p.add_argument("--draft", action="store_true", help="the speculative draft's card")
+    p.add_argument("--assets", action="store_true",
+                   help="rewrite only the section on the pack's heads, adapter, cache policy")
     args = p.parse_args()
+    if args.assets:
+        return update_assets(args.pack)
+    if args.run is None:
+        p.error("--run is required (or --assets)")
     if args.draft:
         return draft_card(args)
 
@@ -235,6 +299,7 @@ def main():
         int4_nll=int4["nll"], int4_ppl=int4["perplexity"],
         agree=result["top1_agreement"], kl=result["mean_kl"],
         max_bits=result["routing"][0]["max_entropy_bits"], routing_rows=rows, sample=sample,
+        assets=assets_section(args.pack),
     )
     (args.pack / "README.md").write_text(card)
     (args.pack / "measurements.json").write_text(json.dumps(result, indent=1))

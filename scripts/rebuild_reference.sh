@@ -28,18 +28,18 @@ for step in $STEPS; do
           --eval-data "$RUN/heldout.txt" --out "$RUN/prerouter" \
           --max-train-tokens 64000 --max-eval-tokens 16384
       rm -rf "$HEADS" && mkdir -p "$HEADS"
-      cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/" ;;
+      cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/"
+      $PY scripts/model_card.py --assets --pack "$PACK" ;;
     lora)  # distilled from the pack's int4 native routing into its prerouted routing, the
-      # routed experts too (their deltas stream with them), in PyTorch (the cuda extra).
-      # Not bundled yet: the CUDA backend (its tests serve the bundled adapter) refuses
-      # experts' deltas; the bundled adapter is the earlier attention-only one
+      # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$PACK" --data "$RUN/train.txt" \
           --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" \
           --backend torch --experts --rank 16 --lr 2e-4 --steps 1200
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
-         "$LORA/" ;;
+         "$LORA/"
+      $PY scripts/model_card.py --assets --pack "$PACK" ;;
     traces)  # 8 decode traces of held-out passages at 25%; the learned policy fits them
       mkdir -p "$RUN/traces"
       for i in 0 1 2 3 4 5 6 7; do

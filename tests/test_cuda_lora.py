@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import edgemoe  # noqa: E402
 from edgemoe.cuda.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRALinear  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402
+from edgemoe.format.deltas import expert_deltas, with_deltas  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from test_cuda_backend import DECODE, LOGIT_TOLERANCE, mlx_greedy, prompt  # noqa: E402
@@ -31,7 +32,13 @@ TARGET = "model.layers.2.self_attn.q_proj"  # the module a wrong adapter spoils
 
 
 def budget(name):
-    return 0.25 if name == "25%" else minimum_bytes(Pack.open(DEFAULT_MODEL))
+    """A fraction, or the least bytes that serve the pack with its adapter's expert deltas
+    (each slot holds its expert's delta too)."""
+    if name == "25%":
+        return 0.25
+    source = Pack.open(DEFAULT_MODEL)
+    deltas = expert_deltas(PACK_ADAPTER, source)
+    return minimum_bytes(source if deltas is None else with_deltas(source, deltas))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +112,7 @@ def test_the_delta_is_served_unmerged_on_frozen_weights():
     config = json.loads((PACK_ADAPTER / ADAPTER_CONFIG).read_text())
     wrapped = {n: m for n, m in adapted.named_modules() if isinstance(m, LoRALinear)}
     expected = {f"model.layers.{i}.{key}" for i in range(adapted.config.num_hidden_layers)
-                for key in config["lora_parameters"]["keys"]}
+                for key in config["lora_parameters"]["keys"] if ".switch_mlp." not in key}
     assert set(wrapped) == expected
     for name, module in wrapped.items():
         base = plain.get_submodule(name)
@@ -117,6 +124,34 @@ def test_the_delta_is_served_unmerged_on_frozen_weights():
         assert torch.allclose(module(x), base(x) + delta, atol=1e-6)
         assert delta.abs().max() > 1e-3
     assert not any("gate" in n.split(".") for n in wrapped), "a router must not be adapted"
+
+
+def test_the_experts_deltas_stream_into_the_device_slots(checkpoints, packs, tmp_path):
+    """mlx-lm's own model with a LoRA of the routed experts (its LoRASwitchLinear) and of an
+    attention projection: the backend streams each expert's delta into its slot with its
+    record, and gives mlx-lm's tokens and logits at every budget."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from test_lora import mlx_lm_expert_adapter
+
+    adapter = tmp_path / "adapter"
+    ref_tokens, ref_logits = mlx_greedy(mlx_lm_expert_adapter(checkpoints, adapter), prompt(500))
+    plain_tokens, plain_logits = mlx_greedy(mlx_lm_load(str(checkpoints["qwen3_moe"][1]))[0],
+                                            prompt(500))
+    assert np.abs(ref_logits - plain_logits).max() > ADAPTER_EFFECT
+    path = packs["qwen3_moe"]["mlx"]
+    for amount in (1.0, 0.3):
+        model, _ = load(path, amount, device="cpu", tokenizer=False, adapter_path=adapter)
+        run = greedy(model, prompt(500), DECODE)
+        slots = next(iter(model.expert_store.layers.values()))
+        stats = model.expert_store.stats
+        model.expert_store.close()
+        assert run.tokens == ref_tokens
+        assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
+        # no expert's delta is resident: each is read into its expert's slot
+        assert {"gate_proj.lora_a", "down_proj.lora_b"} <= set(slots.arrays)
+        assert not any(n.endswith("lora_a") and ".mlp." in n for n, _ in model.named_parameters())
+        assert stats.bytes_read == stats.loads * slots.layer.expert_bytes > 0
+        assert slots.layer.delta_bytes > 0 and (stats.evictions > 0) == (amount < 1)
 
 
 def one_line(error) -> str:
@@ -140,8 +175,7 @@ def test_a_missing_adapter_folder_is_named(tmp_path):
     ("model.layers.9.self_attn.q_proj", "names no module of the qwen3_moe model"),
     ("model.layers.2.mlp.gate", "is a router"),
     ("model.layers.2.input_layernorm", "is a Qwen3MoeRMSNorm, not a linear layer"),
-    ("model.layers.2.mlp.switch_mlp.gate_proj", "adapts the routed experts; the CUDA backend "
-                                                "serves LoRAs of resident linear layers only"),
+    ("model.layers.2.mlp.switch_mlp.gate_proj", "expected 32 experts' deltas, found F32 [256, "),
 ])
 def test_a_key_naming_no_linear_layer_is_refused(tmp_path, renamed, found):
     bad = wrong_adapter(tmp_path, lambda n, t: t)
@@ -161,5 +195,6 @@ def test_a_wrong_shape_is_refused(tmp_path):
     bad = wrong_adapter(tmp_path, lambda n, t: t[:, :64] if n == f"{TARGET}.lora_b" else t)
     with pytest.raises(PackError) as error:
         load(None, 0.25, device="cpu", tokenizer=False, adapter_path=bad)
-    assert f"{TARGET}: lora_a (256, 8), lora_b (8, 64); expected (256, 8) and (8, 256)" \
+    r = json.loads((PACK_ADAPTER / ADAPTER_CONFIG).read_text())["lora_parameters"]["rank"]
+    assert f"{TARGET}: lora_a (256, {r}), lora_b ({r}, 64); expected (256, {r}) and ({r}, 256)" \
         in one_line(error)

@@ -39,7 +39,7 @@ class StreamingExperts(nn.Module):
         self.slots, self.act, self.kernel = slots, act, kernel
         self.renormalize = renormalize
         self.advise = None  # advisory routing: called with this layer's input (below)
-        found = sorted({t.name.split(".")[0] for t in slots.layer.tensors})
+        found = sorted({t.projection for t in slots.layer.tensors})
         variants = [v for v in (GATED, UNGATED) if sorted(v) == found]
         if not variants:
             raise ValueError(f"layer {slots.layer.index}: experts of {found}; the PyTorch "
@@ -88,15 +88,38 @@ class StreamingExperts(nn.Module):
         return self._qmm(hidden, "down_proj", slots, rows)
 
     def _qmm(self, x, name, slots, x_rows):
+        """Projection `name` of rows `x[x_rows]` by the experts in `slots`; plus, when the
+        records carry an adapter's deltas, each expert's own (mlx-lm's LoRASwitchLinear)."""
         arrays = self.slots.arrays
         group_size, bits = self.quant[name]
         args = (x, arrays[f"{name}.weight"], arrays[f"{name}.scales"], arrays[f"{name}.biases"],
                 slots, x_rows, group_size, bits)
         if self.kernel is not None and len(slots) <= DECODE_ROWS and (group_size, bits) == (64, 4):
-            return self.kernel(*args)
-        return int4.gather_qmm(*args)
+            y = self.kernel(*args)
+        else:
+            y = int4.gather_qmm(*args)
+        if f"{name}.lora_a" not in arrays:
+            return y
+        z = gather_lora(x, arrays[f"{name}.lora_a"], arrays[f"{name}.lora_b"], slots, x_rows)
+        return y + (self.slots.layer.lora_scale * z).to(y.dtype)
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         device = self.slots.arrays[next(iter(self.slots.arrays))].device
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(
             device, non_blocking=True)
+
+
+def gather_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                slots: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+    """out[m] = (x[x_rows[m]] @ A[slots[m]].T) @ B[slots[m]].T, A (slots, rank, in) and
+    B (slots, out, rank) as mlx-lm's LoRASwitchLinear holds them, in the wider dtype of
+    the activations' and the deltas' (as MLX promotes). Rows go DECODE_ROWS at a time:
+    each gathers its expert's A and B, which a long prefill could not afford at once."""
+    dtype = torch.promote_types(x.dtype, lora_a.dtype)
+    out = x.new_empty(len(slots), lora_b.shape[-2], dtype=dtype)
+    for start in range(0, len(slots), DECODE_ROWS):
+        part = slice(start, start + DECODE_ROWS)
+        a, b = lora_a[slots[part]].to(dtype), lora_b[slots[part]].to(dtype)
+        z = torch.bmm(x[x_rows[part]].to(dtype).unsqueeze(1), a.transpose(1, 2))
+        out[part] = torch.bmm(z, b.transpose(1, 2)).squeeze(1)
+    return out

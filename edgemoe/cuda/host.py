@@ -127,4 +127,4 @@ class HostTier:
 
 
 def _numpy_dtype(dtype: str):
-    return {"bfloat16": np.uint16}.get(dtype, np.dtype(dtype))  # the reader writes bytes
+    return np.uint16 if dtype == "bfloat16" else np.dtype(dtype)  # the reader writes bytes

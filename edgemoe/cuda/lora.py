@@ -12,7 +12,9 @@ weights and re-quantizing would lose most of the delta (edgemoe.model.lora).
 
 The modules adapted are those the weights file names (a module mlx-lm wraps but the file
 omits has B = 0: no delta). Each must be a resident linear layer of the transformers
-model, never a router: a LoRA there would change the routing.
+model, never a router: a LoRA there would change the routing. The routed experts' deltas
+(mlx-lm's LoRASwitchLinear) are not read here: they stream with their experts, into the
+same slots (edgemoe.format.deltas; edgemoe.cuda.experts adds them).
 """
 
 import json
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ..format.families import ROUTER_NAMES
 from ..format.pack import PackError
@@ -55,8 +57,9 @@ class Adapter:
     weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # mlx-lm module path -> (A, B)
 
 
-def read_adapter(path) -> Adapter:
-    """An adapter folder in mlx-lm's LoRA format, checked for what serving needs."""
+def read_adapter(path, streamed: Sequence[str] = ()) -> Adapter:
+    """An adapter folder in mlx-lm's LoRA format, checked for what serving needs; the
+    deltas of the `streamed` expert modules (mlx-lm paths) are left on disk."""
     path = Path(path)
     weights_file, config_file = path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG
     if not path.is_dir():
@@ -76,12 +79,14 @@ def read_adapter(path) -> Adapter:
         raise PackError(f"{config_file}: no lora_parameters.scale (mlx-lm's LoRA config "
                         f"names it scale, not alpha)")
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(weights_file)).items():
-        module, _, leaf = name.rpartition(".")
-        if leaf not in LEAVES:
-            raise PackError(f"{weights_file}: {name} is not a LoRA tensor (expected "
-                            f"<module>.lora_a or .lora_b)")
-        pairs.setdefault(module, {})[leaf] = tensor
+    with safe_open(str(weights_file), framework="pt") as f:
+        for name in f.keys():
+            module, _, leaf = name.rpartition(".")
+            if leaf not in LEAVES:
+                raise PackError(f"{weights_file}: {name} is not a LoRA tensor (expected "
+                                f"<module>.lora_a or .lora_b)")
+            if not any(module.startswith(e + ".") for e in streamed):
+                pairs.setdefault(module, {})[leaf] = f.get_tensor(name)
     weights = {}
     for module, pair in sorted(pairs.items()):
         missing = [leaf for leaf in LEAVES if leaf not in pair]
@@ -93,19 +98,12 @@ def read_adapter(path) -> Adapter:
 
 
 def apply_adapter(model: torch.nn.Module, adapter: Adapter,
-                  renames: Sequence[Tuple[str, str]] = (),
-                  experts: Sequence[str] = ()) -> Dict[str, LoRALinear]:
+                  renames: Sequence[Tuple[str, str]] = ()) -> Dict[str, LoRALinear]:
     """Wrap each linear layer the adapter names (an mlx-lm path, renamed by `renames` to
-    transformers' module names) in a LoRALinear; return them by transformers' names.
-    `experts`: the routed-expert modules (mlx-lm paths), whose deltas only the MLX path
-    serves (streamed with their experts: edgemoe.format.deltas)."""
+    transformers' module names) in a LoRALinear; return them by transformers' names."""
     weights_file = adapter.path / ADAPTER_WEIGHTS
     wrapped = {}
     for module, (a, b) in adapter.weights.items():
-        if any(module.startswith(e + ".") for e in experts):
-            raise PackError(f"{weights_file}: {module} adapts the routed experts; the CUDA "
-                            f"backend serves LoRAs of resident linear layers only (the MLX "
-                            f"path streams the experts' deltas)")
         name = module
         for old, new in renames:
             name = f".{name}.".replace(old, new)[1:-1]

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.activations import ACT2FN
 
+from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
 from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
@@ -68,7 +69,8 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     rows the copies need (edgemoe.cuda.host). `copy_streams` is the number of copy
     streams on a GPU (a slot's copies all go on one).
     `adapter_path` is a LoRA adapter folder (mlx-lm's format), or "pack" for the one the
-    pack carries (PACK/adapter): served unmerged, as the MLX path does (edgemoe.cuda.lora).
+    pack carries (PACK/adapter): served unmerged, as the MLX path does (edgemoe.cuda.lora),
+    the routed experts' deltas streamed into their slots with them (edgemoe.format.deltas).
     Returns (model, tokenizer or None); the store is at `model.expert_store`.
     """
     if routing not in ROUTINGS:
@@ -79,14 +81,17 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     refusal = families.refusal(config)
     if refusal:
         raise PackError(f"{path / 'config.json'}: {refusal}")
+    source = open_source(path)
     adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
-    adapter = read_adapter(adapter) if adapter is not None else None  # fail before threads
+    if adapter is not None:  # fail before threads; the experts' deltas stream with them
+        adapter = read_adapter(adapter, streamed=[layer.module for layer in source.layers])
+        deltas = expert_deltas(adapter.path, source)
+        source = source if deltas is None else with_deltas(source, deltas)
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     streams = streams or make_streams(device, copy_streams)
     heads = prerouted.heads_folder(path, routing, prerouter)
     heads = prerouted.load_heads(heads, device) if heads else None  # fail before threads
-    source = open_source(path)
     rows = host_rows(SlotPlan.of(source), host_budget)
     store = ExpertStore(source, expert_budget, cache_policy, io,
                         memory=lambda layer, n: DeviceSlotMemory(
@@ -99,8 +104,7 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
         _load_resident(model, path, config, dtype, device,
                        skip=tuple(f"{m}." for m in store.layers))
         if adapter is not None:
-            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()),
-                          experts=tuple(store.layers))
+            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
         if routing == "advisory":
             _advise(model, store)
         if heads is not None:
