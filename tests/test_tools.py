@@ -276,3 +276,14 @@ def test_importing_the_generate_cli_keeps_the_package_generate_the_function():
             "assert edgemoe.stream_generate is stream_generate\n"
             "assert callable(main) and edgemoe.load.__name__ == 'load'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_benchmark_runs_the_adapter_only_beside_rows_it_runs_without_it():
+    # its decode cost is a ratio to the same row without the adapter: a budget list without
+    # 100% has no resident native row to pair
+    import bench_stream
+
+    assert bench_stream.lora_pairs(["0.25:native", "0.25:prerouted", "0.25:advisory"]) == \
+        ["0.25:prerouted"]
+    assert bench_stream.lora_pairs(["1.0:native", "0.1:native", "0.1:prerouted"]) == \
+        ["1.0:native", "0.1:prerouted"]
