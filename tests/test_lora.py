@@ -1,6 +1,7 @@
 """The recovery LoRA: an unmerged delta beside the int4 matmuls, in mlx-lm's format."""
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -277,6 +278,32 @@ def test_a_corrupt_delta_record_is_named_and_a_changed_adapter_rewritten(checkpo
     for name in ("adapters.safetensors", "adapter_config.json"):
         (tmp_path / "other" / name).rename(adapter / name)
     model, _ = edgemoe.load(path, expert_budget=1.0, adapter_path=adapter)
+    assert mx.array_equal(model(TOKENS), expected)
+
+
+def test_a_read_only_adapter_folder_has_its_delta_records_written_to_the_cache(
+        checkpoints, packs, tmp_path, monkeypatch):
+    """An adapter in a folder the user cannot write (a system-wide install; the tests run
+    as root, so its folder only reads as read-only): the records go to the user's cache,
+    named after the adapter and the pack, and the next load reads them from there."""
+    from edgemoe.format import deltas
+
+    adapter = tmp_path / "adapter"
+    expected = mlx_lm_expert_adapter(checkpoints, adapter)(TOKENS)
+    writable = os.access
+    monkeypatch.setattr(deltas.os, "access", lambda path, mode: writable(path, mode) and
+                        Path(path) != adapter)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = packs["qwen3_moe"]["mlx"]
+    model, _ = edgemoe.load(path, expert_budget=0.3, adapter_path=adapter)
+    assert mx.array_equal(model(TOKENS), expected)
+    assert sorted(p.name for p in adapter.iterdir()) == \
+        ["adapter_config.json", "adapters.safetensors"]  # nothing written beside it
+    (written,) = (tmp_path / "cache" / "edgemoe" / "expert_deltas").iterdir()
+    assert sorted(p.name for p in written.iterdir()) == \
+        ["expert_deltas.bin", "expert_deltas.json"]
+    monkeypatch.setattr(deltas, "_write", None)  # found, not written again
+    model, _ = edgemoe.load(path, expert_budget=0.3, adapter_path=adapter)
     assert mx.array_equal(model(TOKENS), expected)
 
 

@@ -14,9 +14,11 @@ edgemoe.streaming.reader); the pool adds the delta as mlx-lm's LoRASwitchLinear 
                                  file and the pack they were written for
 
 `expert_deltas(adapter, source)` writes them on first use, and again when the adapter's
-content or the pack changed (a load reads the adapter file once to check). Each record's
-CRC32 is chained onto its expert's (the pack's CRC32 of the expert record), so a fill's
-bytes check as one.
+content or the pack changed (a load reads the adapter file once to check). Where the
+adapter's folder is read-only (a system-wide install, a shared model folder), they go to
+the user's cache instead: $XDG_CACHE_HOME (or ~/.cache)/edgemoe/expert_deltas/, in a
+folder named after the adapter's content and the pack. Each record's CRC32 is chained onto
+its expert's (the pack's CRC32 of the expert record), so a fill's bytes check as one.
 """
 
 import json
@@ -70,11 +72,21 @@ def expert_deltas(adapter, source: Pack) -> Optional[ExpertDeltas]:
     if not tensors:
         return None
     stamp = _stamp(adapter, source)
-    manifest = adapter / MANIFEST
-    found = json.loads(manifest.read_text()) if manifest.exists() else {}
-    if found.get("source") != stamp:
-        found = _write(adapter, source, tensors, stamp)
-    return _read(adapter, found)
+    cache = _cache_folder(stamp)
+    for folder in (adapter, cache):
+        manifest = folder / MANIFEST
+        found = json.loads(manifest.read_text()) if manifest.exists() else {}
+        if found.get("source") == stamp:
+            return _read(folder, found)
+    folder = adapter if os.access(adapter, os.W_OK) else cache
+    return _read(folder, _write(folder, adapter, source, tensors, stamp))
+
+
+def _cache_folder(stamp: dict) -> Path:
+    """Where the records go when the adapter's folder is read-only: named after what they
+    are written from, so a changed adapter or pack never finds another's."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "edgemoe" / "expert_deltas" / f"{stamp['adapter_crc32']:08x}-{stamp['pack']}"
 
 
 def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
@@ -87,12 +99,14 @@ def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
     return {"adapter_crc32": crc, "pack": source.fingerprint}
 
 
-def _write(adapter: Path, source: Pack, tensors, stamp: dict):
-    """Both files, written beside each other and renamed into place: never half-written."""
+def _write(folder: Path, adapter: Path, source: Pack, tensors, stamp: dict):
+    """Both files, written into `folder` beside each other and renamed into place: never
+    half-written."""
     config = json.loads((adapter / "adapter_config.json").read_text())
     weights = np.memmap(adapter / WEIGHTS, dtype=np.uint8, mode="r")
-    tmp = adapter / (RECORDS + ".partial")
+    tmp = folder / (RECORDS + ".partial")
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         writer = ExpertsWriter(tmp)
         layers = []
         for layer in source.layers:
@@ -112,13 +126,13 @@ def _write(adapter: Path, source: Pack, tensors, stamp: dict):
         writer.close()
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise PackError(f"{adapter}: cannot write the routed experts' delta records "
+        raise PackError(f"{folder}: cannot write the routed experts' delta records "
                         f"({os.strerror(e.errno)}); copy the adapter to a writable folder")
     manifest = {"format": FORMAT, "version": VERSION, "source": stamp,
                 "scale": config["lora_parameters"]["scale"], "layers": layers}
-    (adapter / (MANIFEST + ".partial")).write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, adapter / RECORDS)
-    os.replace(adapter / (MANIFEST + ".partial"), adapter / MANIFEST)
+    (folder / (MANIFEST + ".partial")).write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder / RECORDS)
+    os.replace(folder / (MANIFEST + ".partial"), folder / MANIFEST)
     return manifest
 
 
@@ -150,9 +164,9 @@ def _expert_slice(weights: np.ndarray, entry: dict, expert: int) -> np.ndarray:
     return weights[start:start + size]
 
 
-def _read(adapter: Path, manifest: dict) -> ExpertDeltas:
+def _read(folder: Path, manifest: dict) -> ExpertDeltas:
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise PackError(f"{adapter / MANIFEST}: format {manifest.get('format')!r} version "
+        raise PackError(f"{folder / MANIFEST}: format {manifest.get('format')!r} version "
                         f"{manifest.get('version')}, expected {FORMAT!r} version {VERSION}; "
                         f"delete it to have it written again")
     layers = {}
@@ -161,7 +175,7 @@ def _read(adapter: Path, manifest: dict) -> ExpertDeltas:
                                 t["nbytes"]) for t in d["tensors"]]
         records = [Record(((0, off, length),), crc) for off, length, crc in d["records"]]
         layers[d["module"]] = PackLayer(d["module"], -1, tensors, {}, records)
-    return ExpertDeltas(adapter / RECORDS, manifest["scale"], layers)
+    return ExpertDeltas(folder / RECORDS, manifest["scale"], layers)
 
 
 def with_deltas(source: Pack, deltas: ExpertDeltas) -> Pack:
