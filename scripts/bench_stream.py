@@ -47,7 +47,7 @@ def drop_page_cache(folder: Path):
 
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
            prerouter=None, text=None, temp=0.0, adapter=None, cache_policy="lfu",
-           readers=2, trace=None) -> dict:
+           readers=2, trace=None, forced=False) -> dict:
     """Run one configuration in this process and return its measurements."""
     import mlx.core as mx
     import numpy as np
@@ -74,13 +74,17 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
                                         cache_policy=cache_policy, readers=readers)
     store = getattr(model, "expert_store", None)
     if text:  # real text: routing as in use, not as on random tokens
-        prompt = mx.array(tokenizer.encode(Path(text).read_text())[:prompt_len])
+        ids = tokenizer.encode(Path(text).read_text())
+        prompt = mx.array(ids[:prompt_len])
     else:
         prompt = mx.array(np.random.default_rng(0).integers(3, 500, prompt_len))
     mx.random.seed(0)
+    sampler = make_sampler(temp, 0.9)
+    if forced:  # the text's own next tokens: every configuration decodes the same ones
+        sampler = forced_sampler(ids[prompt_len:], decode, text)
     if trace and store:
         store.start_trace()
-    steps = generate_step(prompt, model, max_tokens=decode, sampler=make_sampler(temp, 0.9))
+    steps = generate_step(prompt, model, max_tokens=decode, sampler=sampler)
     tic = time.perf_counter()
     next(steps)
     prompt_s = time.perf_counter() - tic
@@ -119,6 +123,20 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     return result
 
 
+def forced_sampler(following, decode: int, text):
+    """A sampler that picks the text's next tokens, whatever the logits: decoding sees the
+    same tokens in every configuration, so their routing differs only by what the
+    configuration changes (sampled text diverges, and its routing with it)."""
+    import mlx.core as mx
+
+    following = list(following[:decode + 1])  # generate_step samples one step ahead
+    if len(following) < decode + 1:
+        raise SystemExit(f"{text}: --forced needs {decode + 1} tokens after the prompt, "
+                         f"found {len(following)}")
+    tokens = iter(following)
+    return lambda logprobs: mx.array([next(tokens)] * logprobs.shape[0])
+
+
 def run_config(kind, path, args) -> dict:
     if args.cold:
         drop_page_cache(Path(path))
@@ -132,7 +150,7 @@ def run_config(kind, path, args) -> dict:
     if args.adapter:
         cmd += ["--adapter-path", args.adapter]
     cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
-            "--readers", str(args.readers)]
+            "--readers", str(args.readers)] + (["--forced"] if args.forced else [])
     trace = None
     if kind.endswith(":native"):  # its routing, for the exact-mode limit
         trace = Path(args.out) / "traces" / f"{kind.split(':')[0]}.npz"
@@ -322,6 +340,9 @@ def main():
                         "advisory, and with --prerouter the modes that use its heads)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
+    p.add_argument("--forced", action="store_true",
+                   help="Decode the --text's own next tokens, not sampled ones: every "
+                        "configuration sees the same tokens (as for an adapter's cost)")
     # --prerouter adds advisory-heads and prerouted rows; --adapter-path adds rows serving
     # the adapter unmerged, and its decode cost
     StreamOptions.add_arguments(p, only=["prerouter", "adapter", "cache_policy", "readers"])
@@ -333,9 +354,11 @@ def main():
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
                                 args.prerouter, args.text, args.temp, args.adapter,
-                                args.cache_policy, args.readers, args.trace)))
+                                args.cache_policy, args.readers, args.trace, args.forced)))
         return
 
+    if args.forced and not args.text:
+        p.error("--forced decodes the text's own tokens: give --text")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.pack:  # without --mlx-model, no resident baseline: ratios are to native
@@ -365,7 +388,7 @@ def main():
     print_table(rows)
     result = {"mlx_model": str(mlx) if mlx else None, "pack": str(pack), "rounds": args.rounds,
               "prompt_len": args.prompt_len, "decode_tokens": args.decode,
-              "cold": args.cold, "text": args.text, "temp": args.temp,
+              "cold": args.cold, "text": args.text, "temp": args.temp, "forced": args.forced,
               "read_bps": args.read_bps,
               "summary": rows, "runs": runs}
     if args.adapter:

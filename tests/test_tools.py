@@ -287,3 +287,20 @@ def test_the_benchmark_runs_the_adapter_only_beside_rows_it_runs_without_it():
         ["0.25:prerouted"]
     assert bench_stream.lora_pairs(["1.0:native", "0.1:native", "0.1:prerouted"]) == \
         ["1.0:native", "0.1:prerouted"]
+
+
+def test_the_benchmarks_forced_decode_feeds_the_texts_own_tokens():
+    import bench_stream
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    import edgemoe
+
+    model, _ = edgemoe.load(expert_budget=0.25)  # the bundled model
+    following = [int(t) for t in np.random.default_rng(4).integers(3, 500, 12)]
+    steps = generate_step(mx.array([5, 6, 7]), model, max_tokens=10,
+                          sampler=bench_stream.forced_sampler(following, 10, "T"))
+    assert [int(token) for token, _ in steps] == following[:10]
+    with pytest.raises(SystemExit, match="T: --forced needs 11 tokens after the prompt, "
+                                         "found 10"):
+        bench_stream.forced_sampler(following[:10], 10, "T")
