@@ -61,19 +61,31 @@ SEED = 1337
 HELDOUT_EVERY = 20          # file i (sorted) is held out iff i % HELDOUT_EVERY == 0
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# model (Qwen3-MoE shape)
+# model (Qwen3-MoE shape); --shape picks one
 HIDDEN = 256
-LAYERS = 6
 HEADS = 8
 KV_HEADS = 4
 HEAD_DIM = 32
-NUM_EXPERTS = 32
-TOP_K = 2
-MOE_INTERMEDIATE = 256      # multiple of 64 so int4 group-64 quantization applies
+SHAPES = {
+    # the bundled model: 32 coarse experts, top-2
+    # balanced as transformers does, over all layers' selections together (per-layer skew stays)
+    "reference": dict(layers=6, experts=32, top_k=2, expert_width=256, max_params=45_500_000,
+                      balance="global", domains=("stdlib",)),
+    # fine-grained as Qwen3-30B-A3B (128/top-8): the same active expert width per token
+    # (8 x 64 = 2 x 256), trained on mixed domains so that experts can specialise
+    # balanced per layer, as Switch and the real fine-grained models are, so that no layer's
+    # routing collapses onto a few experts
+    "fine": dict(layers=8, experts=128, top_k=8, expert_width=64, max_params=60_000_000,
+                 balance="per_layer", domains=("stdlib", "docs", "man", "packages")),
+}
 DENSE_INTERMEDIATE = 768    # unused (no dense MLP layers), kept in config
 CONTEXT = 512
 ROPE_THETA = 10000.0
 AUX_LOSS_COEF = 0.01
+DOMAIN_CHARS = 12_000_000   # a domain with more text keeps every k-th file, k the smallest that fits
+# the installed packages whose sources make the "packages" domain (this project's pins)
+SOURCE_PACKAGES = ("transformers", "torch", "mlx_lm", "huggingface_hub", "starlette", "uvicorn",
+                   "httpx", "jinja2", "numpy")
 TIE_EMBEDDINGS = False
 # the speculative draft (--draft): dense, a tenth of the MoE's parameters, ~3 MB at int4
 DRAFT_LAYERS = 4
@@ -116,17 +128,90 @@ def stdlib_files():
     return root, out
 
 
-def load_corpus(out):
+def read_text(path):
+    return Path(path).read_bytes().decode("utf-8", errors="replace")
+
+
+# Each domain lists its files as (estimated characters, reader), sorted by path.
+def stdlib_docs():
+    """CPython's standard library sources (tests, idlelib, site-packages excluded)."""
     root, rels = stdlib_files()
-    train, held = [], []
-    for i, rel in enumerate(rels):
-        text = (root / rel).read_bytes().decode("utf-8", errors="replace")
-        (held if i % HELDOUT_EVERY == 0 else train).append(text)
+    return [((root / rel).stat().st_size, lambda p=root / rel: read_text(p)) for rel in rels]
+
+
+def python_docs():
+    """The Python documentation as reStructuredText (Debian's python3-doc)."""
+    root = Path("/usr/share/doc/python3/html/_sources")
+    if not root.is_dir():
+        sys.exit(f"docs domain: expected {root} (apt-get install python3-doc), found none")
+    return [(p.stat().st_size, lambda p=p: read_text(p)) for p in sorted(root.rglob("*.rst.txt"))]
+
+
+MAN_CHARS_PER_BYTE = 3.1    # rendered text per byte of gzipped roff, measured on this machine's pages
+
+
+def man_pages():
+    """The English manual pages installed on the machine, rendered to plain text by man(1)."""
+    files = sorted(p for p in Path("/usr/share/man").glob("man[1-8]/*") if p.is_file() and not p.is_symlink())
+    env = dict(os.environ, MANWIDTH="80", LANG="C.UTF-8")
+
+    def render(p):
+        r = subprocess.run(f"man -l -P cat {str(p)!r} 2>/dev/null | col -bx", shell=True,
+                           capture_output=True, env=env)
+        return r.stdout.decode("utf-8", errors="replace")
+    return [(p.stat().st_size * MAN_CHARS_PER_BYTE, lambda p=p: render(p)) for p in files]
+
+
+def package_sources():
+    """The sources of installed packages (SOURCE_PACKAGES), their tests excluded."""
+    import importlib.util
+    files = []
+    for name in SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            sys.exit(f"packages domain: expected the package {name} installed, found none")
+        root = Path(list(spec.submodule_search_locations)[0])
+        files += sorted(p for p in root.rglob("*.py")
+                        if not EXCLUDE_DIRS.intersection(p.relative_to(root).parts[:-1]))
+    return [(p.stat().st_size, lambda p=p: read_text(p)) for p in files]
+
+
+DOMAINS = {"stdlib": stdlib_docs, "docs": python_docs, "man": man_pages, "packages": package_sources}
+
+
+def read_domain(name):
+    """A domain's files, every k-th one with k the smallest that keeps it within about DOMAIN_CHARS."""
+    from concurrent.futures import ThreadPoolExecutor
+    files = DOMAINS[name]()
+    k = 1
+    while sum(size for size, _ in files[::k]) > DOMAIN_CHARS:
+        k += 1
+    with ThreadPoolExecutor(4) as pool:  # man pages render in subprocesses
+        return list(pool.map(lambda f: f[1](), files[::k]))
+
+
+def load_corpus(out, domains=("stdlib",)):
+    """Per domain, file i is held out iff i % HELDOUT_EVERY == 0. Cached in OUT/corpus.json."""
+    cache = out / "corpus.json"
+    if cache.exists():
+        corpus = json.loads(cache.read_text())
+    else:
+        corpus = {}
+        for name in tqdm(domains, desc="corpus", unit="domain"):
+            texts = read_domain(name)
+            corpus[name] = {"train": [t for i, t in enumerate(texts) if i % HELDOUT_EVERY],
+                            "heldout": texts[::HELDOUT_EVERY]}
+        cache.write_text(json.dumps(corpus))
+    train = [t for d in corpus.values() for t in d["train"]]
+    held = [t for d in corpus.values() for t in d["heldout"]]
     (out / "heldout.txt").write_text("\n\n".join(held), encoding="utf-8")
     (out / "train.txt").write_text("\n\n".join(train), encoding="utf-8")  # for heads and LoRA
     (out / "train_sample.txt").write_text("\n\n".join(train)[:TRAIN_SAMPLE_CHARS], encoding="utf-8")
-    print(f"corpus: {root}  {len(rels)} files -> {len(train)} train, {len(held)} held out; "
-          f"{sum(map(len, train))/1e6:.2f}M / {sum(map(len, held))/1e6:.2f}M chars")
+    for name, d in corpus.items():
+        if len(corpus) > 1:  # per-domain held-out text for the routing statistics
+            (out / f"heldout_{name}.txt").write_text("\n\n".join(d["heldout"]), encoding="utf-8")
+        print(f"corpus {name}: {len(d['train'])} train, {len(d['heldout'])} held-out files; "
+              f"{sum(map(len, d['train']))/1e6:.2f}M / {sum(map(len, d['heldout']))/1e6:.2f}M chars")
     return train, held
 
 
@@ -174,15 +259,16 @@ def unigram_baseline(train_ids, held_ids, vocab):
 
 
 # ---------------------------------------------------------------- model
-def make_config(tok):
+def make_config(tok, shape):
     from transformers import Qwen3MoeConfig
     eot = tok.convert_tokens_to_ids(EOT)
     return Qwen3MoeConfig(
         vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=DENSE_INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
-        moe_intermediate_size=MOE_INTERMEDIATE, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=AUX_LOSS_COEF,
+        num_hidden_layers=shape["layers"], num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+        moe_intermediate_size=shape["expert_width"], decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, output_router_logits=True,
+        router_aux_loss_coef=AUX_LOSS_COEF if shape["balance"] == "global" else 0.0,
         tie_word_embeddings=TIE_EMBEDDINGS, max_position_embeddings=CONTEXT * 4,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         bos_token_id=None, eos_token_id=eot, pad_token_id=eot, use_cache=True,
@@ -201,21 +287,21 @@ def make_draft_config(tok):
     )
 
 
-def param_report(model, draft=False):
+def param_report(model, shape=None):
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     router = sum(p.numel() for n, p in model.named_parameters() if ".mlp.gate." in n)
     emb = model.model.embed_tokens.weight.numel()
     head = 0 if model.config.tie_word_embeddings else model.lm_head.weight.numel()
-    active = total - experts + experts * TOP_K // NUM_EXPERTS
+    active = total - experts + (experts * shape["top_k"] // shape["experts"] if shape else experts)
     rep = dict(total=total, routed_experts=experts, routed_frac=experts / total, router=router,
                embed=emb, lm_head=head, attention_norms_etc=total - experts - router - emb - head,
                active_per_token=active, fp32_MB=total * 4 / 1e6, int4_est_MB=total * 5 / 8 / 1e6)
     print("params: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v:,}" for k, v in rep.items()))
-    if draft:
+    if shape is None:  # the dense draft
         return rep
     assert rep["routed_frac"] >= 0.80, "routed experts must be >= 80% of parameters"
-    assert total <= 45_500_000, "model too large"
+    assert total <= shape["max_params"], "model too large"
     return rep
 
 
@@ -226,7 +312,7 @@ def save_hf(model, tok, hf_dir):
     cfg_path = hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     if cfg["model_type"] == "qwen3_moe":
-        cfg["num_experts"] = cfg.get("num_local_experts", NUM_EXPERTS)
+        cfg["num_experts"] = cfg.get("num_local_experts", cfg.get("num_experts"))
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", ROPE_THETA)
     cfg["rope_scaling"] = None
     cfg["torch_dtype"] = "float32"
@@ -268,6 +354,20 @@ def greedy_sample(model, tok, prompt, n=48):
     return tok.decode(out[0], skip_special_tokens=False)
 
 
+def balance_loss(out, shape):
+    """The load-balancing loss this run adds itself: DeepSeek's expert-level one (1 when uniform),
+    per layer and averaged over layers. Zero for a draft and where transformers adds its own."""
+    if shape is None or shape["balance"] != "per_layer":
+        return torch.zeros(())
+    losses = []
+    for logits in out.router_logits:
+        probs = logits.float().softmax(-1)
+        chosen = probs.topk(shape["top_k"], dim=-1).indices.reshape(-1)
+        share = torch.bincount(chosen, minlength=shape["experts"]).float() / chosen.numel()
+        losses.append(shape["experts"] * (share * probs.mean(0)).sum())
+    return AUX_LOSS_COEF * torch.stack(losses).mean()
+
+
 def lr_at(step, progress):
     if step < WARMUP_STEPS:
         return LR * (step + 1) / WARMUP_STEPS
@@ -276,18 +376,19 @@ def lr_at(step, progress):
 
 
 # ---------------------------------------------------------------- framework benchmark
-def bench(tok):
+def bench(tok, shape):
     """Train steps/s of the same shape in PyTorch and MLX, random tokens, batch BATCH x 256."""
     from transformers import Qwen3MoeForCausalLM
     T, n = 256, 6
-    cfg = make_config(tok)
+    cfg = make_config(tok, shape)
     m = Qwen3MoeForCausalLM(cfg)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     ts = []
     for _ in range(n):
         x = torch.randint(0, cfg.vocab_size, (BATCH, T))
         t = time.time()
-        m(input_ids=x, labels=x).loss.backward()
+        out = m(input_ids=x, labels=x)
+        (out.loss + balance_loss(out, shape)).backward()
         opt.step(); opt.zero_grad(set_to_none=True)
         ts.append(time.time() - t)
     print(f"bench torch: {BATCH * T / np.mean(ts[2:]):.0f} tok/s  steps {np.round(ts, 2).tolist()}")
@@ -295,10 +396,10 @@ def bench(tok):
     import mlx.nn as mnn
     import mlx.optimizers as mopt
     from mlx_lm.models.qwen3_moe import Model, ModelArgs
-    args = ModelArgs(model_type="qwen3_moe", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                     intermediate_size=DENSE_INTERMEDIATE, num_attention_heads=HEADS, num_experts=NUM_EXPERTS,
-                     num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[],
-                     moe_intermediate_size=MOE_INTERMEDIATE, rms_norm_eps=1e-6, vocab_size=cfg.vocab_size,
+    args = ModelArgs(model_type="qwen3_moe", hidden_size=HIDDEN, num_hidden_layers=shape["layers"],
+                     intermediate_size=DENSE_INTERMEDIATE, num_attention_heads=HEADS,
+                     num_experts=shape["experts"], num_experts_per_tok=shape["top_k"], decoder_sparse_step=1,
+                     mlp_only_layers=[], moe_intermediate_size=shape["expert_width"], rms_norm_eps=1e-6, vocab_size=cfg.vocab_size,
                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=ROPE_THETA,
                      tie_word_embeddings=TIE_EMBEDDINGS, max_position_embeddings=CONTEXT, norm_topk_prob=True)
     mm = Model(args)
@@ -330,7 +431,13 @@ def main():
                     help="train the dense speculative draft (DRAFT_* shape) instead of the MoE")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="folder whose tokenizer.json to use (a draft's target) instead of training one")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="reference",
+                    help="reference: the bundled model (32 experts, top-2, stdlib); fine: 128 experts of "
+                         "width 64, top-8, on mixed domains, with the bundled model's tokenizer")
     args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    if args.shape == "fine" and args.tokenizer is None:
+        args.tokenizer = Path(__file__).resolve().parent.parent / "edgemoe/models/reference"
     t_start = time.time()
     deadline = float("inf") if args.steps else t_start + args.minutes * 60
     torch.set_num_threads(args.threads)
@@ -340,10 +447,10 @@ def main():
     for d in (out, hf_dir, ckpt_dir):
         d.mkdir(parents=True, exist_ok=True)
 
-    train_texts, held_texts = load_corpus(out)
+    train_texts, held_texts = load_corpus(out, shape["domains"])
     tok = build_tokenizer(train_texts, hf_dir, args.tokenizer)
     if args.bench:
-        return bench(tok)
+        return bench(tok, shape)
     train_ids = tokenize_docs(tok, train_texts, out / "train_ids.npy")
     held_ids = tokenize_docs(tok, held_texts, out / "heldout_ids.npy")
     del train_texts, held_texts
@@ -355,11 +462,12 @@ def main():
 
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
     model = (Qwen3ForCausalLM(make_draft_config(tok)) if args.draft
-             else Qwen3MoeForCausalLM(make_config(tok)))
+             else Qwen3MoeForCausalLM(make_config(tok, shape)))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.bos_token_id = None
-    rep = param_report(model, args.draft)
+    shape = None if args.draft else shape
+    rep = param_report(model, shape)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
@@ -427,7 +535,8 @@ def main():
         idx = rng.integers(0, n, size=BATCH)
         x = torch.from_numpy(np.stack([train_ids[i:i + CONTEXT] for i in idx]).astype(np.int64))
         outp = model(input_ids=x, labels=x)
-        outp.loss.backward()
+        balance = balance_loss(outp, shape)
+        (outp.loss + balance).backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -437,7 +546,9 @@ def main():
         train_s = train_s0 + time.time() - loop_t0
         if step % LOG_EVERY == 0:
             aux = outp.aux_loss.item() if getattr(outp, "aux_loss", None) is not None else 0.0
-            loss = outp.loss.item()
+            if shape is not None and shape["balance"] == "per_layer":
+                aux = balance.item() / AUX_LOSS_COEF
+            loss = outp.loss.item() + balance.item()
             tps = win_tok / (time.time() - win_t)
             win_t, win_tok = time.time(), 0
             logj(event="train", step=step, loss=loss, ce=loss - AUX_LOSS_COEF * aux, aux=aux, lr=lr,
