@@ -106,12 +106,9 @@ EVAL_WINDOWS = 32           # fixed held-out windows of CONTEXT tokens
 TRAIN_SAMPLE_CHARS = 20000
 END_RESERVE_S = 60          # stop the loop this long before the deadline for the final save
 EOT = "<|endoftext|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# the bundled model's ChatML with tool calls (renders plain chats exactly as ChatML does)
+CHAT_TEMPLATE = (Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
+                 / "chat_template.jinja").read_text()
 EXCLUDE_DIRS = {"test", "tests", "idlelib", "site-packages"}
 
 
