@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Rebuild everything shipped for the bundled reference MoE from one training run:
+# Rebuild everything shipped for a bundled reference MoE from one training run:
 # the int4 pack and its card, the prerouter heads, the recovery LoRA, the learned cache
 # policy's weights, the speculative draft. RUN is the folder of `scripts/train_reference_moe.py --out RUN --steps N`
 # (hf/ is the unquantized model the pack converts). Each step keeps its output under RUN/
 # and copies what ships into the repository.
 #
 #   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces|draft]...   (default: all)
+#
+# MODEL names the bundled model: reference (default; 32 experts, top-2, trained with the
+# default --shape) or fine (128 experts, top-8: train_reference_moe.py --shape fine).
 set -euo pipefail
 RUN=${1:?usage: scripts/rebuild_reference.sh RUN [step ...]}
 shift
 STEPS=${*:-pack card heads lora traces draft}
 PY=${PYTHON:-python}
-PACK=edgemoe/models/reference
-HEADS=edgemoe/models/reference/prerouter
-LORA=edgemoe/models/reference/adapter
-DRAFT=edgemoe/models/reference-draft
+MODEL=${MODEL:-reference}
+case $MODEL in reference) SHAPE=reference ;; fine) SHAPE=fine ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
+PACK=edgemoe/models/$MODEL
+HEADS=$PACK/prerouter
+LORA=$PACK/adapter
+DRAFT=edgemoe/models/$MODEL-draft
 
 for step in $STEPS; do
   echo "== $step"
@@ -40,20 +45,20 @@ for step in $STEPS; do
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
          "$LORA/"
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
-    traces)  # 8 decode traces of held-out passages at 25%; the learned policy fits them
-      mkdir -p "$RUN/traces"
-      for i in 0 1 2 3 4 5 6 7; do
-        $PY -c "import sys; t = open(sys.argv[1]).read(); n = len(t) // 8 * $i; print(t[n:n + 600])" \
-            "$RUN/heldout.txt" > "$RUN/traces/passage_$i.txt"
-        $PY -m edgemoe.generate --prompt - --ignore-chat-template --max-tokens 300 \
-            --expert-budget 25% --trace "$RUN/traces/r$i.npz" < "$RUN/traces/passage_$i.txt" > /dev/null
-      done
-      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r{0,1,2,3}.npz --out "$RUN/traces/learned_r0-3.npz"
-      $PY -m edgemoe.cache_sim "$RUN"/traces/r{4,5,6,7}.npz --learned "$RUN/traces/learned_r0-3.npz" \
+    traces)  # teacher-forced decode traces of held-out passages (4 per domain; greedy decode
+      # of a small model loops and flatters every cache), their routing statistics, and the
+      # learned cache policy: fitted on passages 0-1 of each text, replayed on 2-3, shipped fitted on all
+      texts=$(ls "$RUN"/heldout_*.txt 2>/dev/null | paste -sd, -); texts=${texts:-$RUN/heldout.txt}
+      rm -rf "$RUN/traces"
+      $PY scripts/routing_stats.py record --model "$PACK" --text "$texts" --out "$RUN/traces" \
+          --passages 4 --prompt 128 --decode 256
+      $PY scripts/routing_stats.py report "$RUN"/traces/*.npz --json "$PACK/routing_stats.json"
+      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/*_[01].npz --out "$RUN/traces/learned_01.npz"
+      $PY -m edgemoe.cache_sim "$RUN"/traces/*_[23].npz --learned "$RUN/traces/learned_01.npz" \
           --budget 0.1,0.25,0.5 --json "$RUN/traces/heldout_replay.json"
-      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/r?.npz --out edgemoe/models/reference/cache_policy.npz ;;
+      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/*.npz --out "$PACK/cache_policy.npz" ;;
     draft)  # a small dense model of the same corpus and tokenizer, int4 as mlx_lm.convert -q
-      $PY scripts/train_reference_moe.py --draft --tokenizer "$PACK" --out "$RUN/draft" --steps 2000
+      $PY scripts/train_reference_moe.py --draft --shape "$SHAPE" --tokenizer "$PACK" --out "$RUN/draft" --steps 2000
       rm -rf "$DRAFT"
       $PY -m mlx_lm convert --hf-path "$RUN/draft/hf" --mlx-path "$DRAFT" -q
       $PY scripts/model_card.py --draft --run "$RUN/draft" --pack "$DRAFT" ;;
