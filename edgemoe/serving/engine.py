@@ -39,6 +39,7 @@ and run on the engine thread only; the HTTP layer talks to it through `submit` a
 
 import gc
 import logging
+import math
 import queue
 import random
 import threading
@@ -91,6 +92,7 @@ class Job:
     stop_hit: Optional[str] = None  # the stop string that ended the job
     cached_tokens: int = 0  # prompt tokens whose KV cache came from the prompt cache
     prompt_scores: List[Optional[float]] = field(default_factory=list)
+    prompt_top: list = field(default_factory=list)  # each prompt token's top_logprobs
     draft: object = None  # the draft's state for this sequence (its for_sequence())
     num_draft_tokens: Optional[int] = None  # a window's drafts, fixed; None: DraftLength's
 
@@ -316,7 +318,8 @@ class Engine:
                 except Exception as e:
                     self._fatal_in_group(e)
                     log.exception("request %s: prefill failed", job.id)
-                    self._fail([job], f"prompt processing failed: {type(e).__name__}: {e}")
+                    self._fail([job], f"request {job.id}: prompt processing failed: "
+                                      f"{type(e).__name__}: {e}")
             if self.active:
                 try:
                     self._step()
@@ -416,6 +419,8 @@ class Engine:
                 scores = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)
                 job.prompt_scores += mx.take_along_axis(
                     scores, nxt[:, None], axis=-1)[:, 0].tolist()
+                if job.top_logprobs:  # what an evaluation harness checks greediness by
+                    job.prompt_top += [_top(row, job.top_logprobs) for row in scores]
             mx.eval([c.state for c in job.cache])
             self._count(self.metrics.prefill, before)
             with self.metrics.lock:
@@ -429,9 +434,11 @@ class Engine:
 
     def _start_prefill(self, job: Job):
         """The job's cache: the nearest cached prefix of its prompt, or a new one."""
-        job.detokenizer = self.tokenizer.detokenizer
+        if job.detokenizer is None:  # (a completion brings one that keeps leading spaces)
+            job.detokenizer = self.tokenizer.detokenizer
         job.sampler = make_request_sampler(**job.sampling) if job.sampling else None
         job.prompt_scores = [None]  # the first token has no logprob
+        job.prompt_top = [None]
         cache, rest = self._cached(job.prompt[:-1]) if job.use_prompt_cache else \
             (None, job.prompt[:-1])
         job.cache = cache if cache is not None else make_prompt_cache(self.model)
@@ -523,34 +530,43 @@ class Engine:
         logits = self._process(logits, failed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
-        mx.eval(greedy, logprobs, [c.state for c in self.batch_cache])
+        usable = _usable(logprobs)
+        mx.eval(greedy, logprobs, usable, [c.state for c in self.batch_cache])
         tokens = greedy.tolist()
-        for i, job in enumerate(self.active):
-            if job.sampler is None or i in failed:
-                continue
-            try:  # a request's own sampling fails that request alone
-                tokens[i] = job.sampler(logprobs[i:i + 1]).reshape(-1).item()
-            except Exception as e:
-                log.exception("request %s: sampling failed", job.id)
-                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
-        chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
+        for i, ok in enumerate(usable.tolist()):
+            if not ok and i not in failed:
+                failed[i] = self._row_failed(self.active[i], "sampling", _NOT_FINITE)
         now = time.perf_counter()
+        keep, generated = [], 0
+        for i, job in enumerate(self.active):
+            if i in failed:
+                continue
+            # every per-row stage runs inside the row's own boundary: whatever its
+            # sampler, grammar, detokenizer, stop strings or client do, the row ends
+            # alone and the batch goes on
+            stage = "sampling"
+            try:
+                if job.sampler is not None:
+                    tokens[i] = _token(job.sampler(logprobs[i:i + 1]), logprobs.shape[-1])
+                chosen = logprobs[i, tokens[i]].item()
+                stage = "top logprobs"
+                top = _top(logprobs[i], job.top_logprobs) if job.top_logprobs else None
+                if job.first_token_at is None:
+                    job.first_token_at = now
+                stage = "advancing"
+                generated += 1
+                if not self._advance(job, tokens[i], chosen, top):
+                    keep.append(i)
+            except Exception as e:
+                failed[i] = self._row_failed(job, stage, e)
         self._count(self.metrics.decode, before)
         with self.metrics.lock:
             self.metrics.steps += 1
             self.metrics.step_rows += len(self.active)
             self.metrics.max_batch_seen = max(self.metrics.max_batch_seen, len(self.active))
-            self.metrics.generated_tokens += len(self.active) - len(failed)
-        keep = []
-        for i, job in enumerate(self.active):
-            if i in failed:
-                self._fail_row(job, failed[i])
-                continue
-            if job.first_token_at is None:
-                job.first_token_at = now
-            top = _top(logprobs[i], job.top_logprobs) if job.top_logprobs else None
-            if not self._advance(job, tokens[i], chosen[i], top):
-                keep.append(i)
+            self.metrics.generated_tokens += generated
+        for i in sorted(failed):
+            self._fail_row(self.active[i], failed[i])
         if self.share is not None:
             self.share.broadcast({"tokens": tokens, "keep": keep}, "sharing the tokens")
         if len(keep) < len(self.active):
@@ -581,12 +597,13 @@ class Engine:
         for i in range(len(window)):  # each position as the target alone would choose it
             try:
                 token, chosen, top = self._choose(job, logits[i:i + 1])
+                if job.first_token_at is None:
+                    job.first_token_at = time.perf_counter()
+                done = self._advance(job, token, chosen, top)
             except Exception as e:
-                failed = str(e)
+                failed = self._row_failed(job, "advancing", e) \
+                    if not isinstance(e, RowError) else str(e)
                 break
-            if job.first_token_at is None:
-                job.first_token_at = time.perf_counter()
-            done = self._advance(job, token, chosen, top)
             if done or i == len(guess) or token != guess[i]:
                 break
             kept += 1
@@ -611,22 +628,22 @@ class Engine:
             self.draft.length.record(arm, emitted, time.perf_counter() - tic)
 
     def _choose(self, job: Job, logits: mx.array):
-        """(token, its logprob, top logprobs or None) of one row for `job`; raises with
-        the reason when its processing or sampling fails."""
+        """(token, its logprob, top logprobs or None) of one row for `job`; raises
+        RowError with the reason when its processing or sampling fails."""
+        stage = "logits processing"
         try:
             logits = self._process_row(job, logits)
+            stage = "sampling"
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if not _usable(logprobs).item():
+                raise ValueError(_NOT_FINITE)
+            token = _token(job.sampler(logprobs) if job.sampler is not None
+                           else mx.argmax(logprobs, axis=-1), logprobs.shape[-1])
+            stage = "top logprobs"
+            top = _top(logprobs[0], job.top_logprobs) if job.top_logprobs else None
+            return token, logprobs[0, token].item(), top
         except Exception as e:
-            log.exception("request %s: logits processing failed", job.id)
-            raise RuntimeError(f"logits processing failed: {type(e).__name__}: {e}") from e
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        try:
-            token = (job.sampler(logprobs) if job.sampler is not None
-                     else mx.argmax(logprobs, axis=-1)).reshape(-1).item()
-        except Exception as e:
-            log.exception("request %s: sampling failed", job.id)
-            raise RuntimeError(f"sampling failed: {type(e).__name__}: {e}") from e
-        top = _top(logprobs[0], job.top_logprobs) if job.top_logprobs else None
-        return token, logprobs[0, token].item(), top
+            raise RowError(self._row_failed(job, stage, e)) from e
 
     def _process(self, logits: mx.array, failed: dict) -> mx.array:
         """Each row's logits through its own processors and grammar (other rows are
@@ -640,27 +657,44 @@ class Engine:
             try:
                 parts[i] = self._process_row(job, parts[i])
             except Exception as e:
-                log.exception("request %s: logits processing failed", job.id)
-                failed[i] = f"logits processing failed: {type(e).__name__}: {e}"
+                failed[i] = self._row_failed(job, "logits processing", e)
+                parts[i] = logits[i:i + 1]  # the row is dropped; its shape keeps the batch's
         return mx.concatenate(parts)
 
     @staticmethod
     def _process_row(job: Job, row: mx.array) -> mx.array:
         """One row's logits through the job's processors and grammar."""
+        shape = row.shape
         if job.processors:
             history = mx.array(job.prompt + job.tokens)
             for process in job.processors:
                 row = process(history, row)
         if job.grammar is not None:
             row = job.grammar.mask(row)
+        if not isinstance(row, mx.array) or row.shape != shape:
+            raise ValueError(f"a logits processor returned "
+                             f"{getattr(row, 'shape', type(row).__name__)}, expected {shape}")
         return row
+
+    @staticmethod
+    def _row_failed(job: Job, stage: str, error) -> str:
+        """The message of `job`'s own failure at `stage` (logged with its traceback)."""
+        if isinstance(error, Exception):
+            log.error("request %s: %s failed", job.id, stage, exc_info=error)
+            error = f"{type(error).__name__}: {error}"
+        else:
+            log.error("request %s: %s failed: %s", job.id, stage, error)
+        return f"request {job.id}: {stage} failed: {error}"
 
     def _fail_row(self, job: Job, message: str):
         """One row's own failure: its request ends with an error, the batch goes on
-        (the caller drops the row)."""
+        (the caller drops the row). A client whose emit fails is only logged."""
         with self.metrics.lock:
             self.metrics.failed += 1
-        job.emit({"type": "error", "message": message})
+        try:
+            job.emit({"type": "error", "message": message})
+        except Exception:
+            log.exception("request %s: its error could not be sent", job.id)
 
     def _advance(self, job: Job, token: int, logprob: float, top=None) -> bool:
         """Give `job` its next token; True when the job has finished."""
@@ -717,7 +751,8 @@ class Engine:
             self.metrics.recent.append(done)
         job.emit({"type": "done", "finish_reason": reason, "prompt_tokens": len(job.prompt),
                   "completion_tokens": len(job.tokens), "cached_tokens": job.cached_tokens,
-                  "prompt_logprobs": job.prompt_scores if job.prompt_logprobs else None})
+                  "prompt_logprobs": job.prompt_scores if job.prompt_logprobs else None,
+                  "prompt_top": job.prompt_top if job.prompt_logprobs else None})
         m = self.snapshot()
         log.info("request %s: %s, prompt %d tok, generated %d tok in %.3f s (first token "
                  "%.3f s) | all: %.1f tok/s, batch mean %.2f, experts read %.1f MB, "
@@ -743,12 +778,59 @@ class Engine:
             job.emit({"type": "error", "message": message})
 
 
+class RowError(RuntimeError):
+    """One request's own failure, its message already made (Engine._row_failed)."""
+
+
+_NOT_FINITE = ("its logits are not finite (NaN or +inf, or every token at -inf) after its "
+               "penalties, bias and grammar")
+
+
+def _usable(logprobs: mx.array) -> mx.array:
+    """Per row: True when sampling it is sound (no NaN or +inf, one finite token)."""
+    bad = mx.any(mx.isnan(logprobs) | (logprobs == mx.inf), axis=-1)
+    return mx.logical_not(bad) & mx.isfinite(mx.max(logprobs, axis=-1))
+
+
+def _token(sampled, vocab: int) -> int:
+    """A sampler's token as an id, checked against the vocabulary."""
+    token = sampled.reshape(-1).item() if isinstance(sampled, mx.array) else sampled
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+        raise ValueError(f"the sampler chose {token!r}, expected a token id in [0, {vocab})")
+    return token
+
+
 def _top(logprobs: mx.array, n: int) -> List[tuple]:
-    """The `n` most likely (token, logprob) of one row, most likely first."""
+    """The `n` most likely (token, logprob) of one row, most likely first; tokens a
+    grammar forbids (-inf) are left out (JSON has no infinity)."""
     n = min(n, logprobs.shape[-1])
     ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
-    pairs = list(zip(ids.tolist(), logprobs[ids].tolist()))
+    pairs = [p for p in zip(ids.tolist(), logprobs[ids].tolist()) if math.isfinite(p[1])]
     return sorted(pairs, key=lambda p: -p[1])
+
+
+# Sampling ranges inside which a row's logits stay finite in float32: past them every
+# token is equally likely (temperature) or a penalty divides by nearly zero, and the
+# row's logits become NaN (1/1e308 is 0 in float32, and -inf * 0 is NaN)
+MAX_TEMPERATURE = 1000.0
+PENALTY_RANGE = {"repetition_penalty": (1e-3, 1e3), "presence_penalty": (-1e3, 1e3),
+                 "frequency_penalty": (-1e3, 1e3)}
+
+
+def check_sampling(temperature: float = 0.0, penalties: Optional[dict] = None):
+    """None, or (the field, the message) of the first sampling value outside the ranges
+    above (a repetition penalty of 0 or 1 is off)."""
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature <= MAX_TEMPERATURE):
+        return "temperature", (f"must be within [0, {MAX_TEMPERATURE:g}] (higher makes "
+                               f"every token equally likely), got {temperature}")
+    for name, value in (penalties or {}).items():
+        if name not in PENALTY_RANGE or value is None or \
+                (name == "repetition_penalty" and value in (0, 1)):
+            continue
+        lo, hi = PENALTY_RANGE[name]
+        if not (isinstance(value, (int, float)) and lo <= value <= hi):
+            return name, f"must be within [{lo:g}, {hi:g}], got {value}"
+    return None
 
 
 def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
@@ -760,6 +842,8 @@ def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
     """
     if temp <= 0:
         return None
+    if (bad := check_sampling(temp)) is not None:
+        raise ValueError(f"'{bad[0]}' {bad[1]}")
     methods = []
     if 0 < top_p < 1.0:
         methods.append(lambda x: apply_top_p(x, top_p))

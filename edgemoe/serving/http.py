@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .chat import BadRequest
-from .engine import Engine, Job
+from .engine import Engine, Job, check_sampling
 
 log = logging.getLogger("edgemoe.server")
 
@@ -42,6 +42,7 @@ DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 4 * 2**20  # a request body larger than this gets a 413
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+_OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its names of our fields
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 SEND_TIMEOUT_S = 30.0  # a stream whose client takes nothing for this long is cancelled
 # the folders of a path: absolute, ~ or ./ relative, or relative before a file.ext
@@ -202,6 +203,11 @@ class Server:
                              f"prompt is {len(prompt)} and '{max_tokens_name}' asks for "
                              f"{max_tokens} more ({len(prompt) + max_tokens} in all)",
                              max_tokens_name)
+        bad = check_sampling(temperature, penalties)
+        if bad is not None:  # a row whose logits would become NaN (engine.check_sampling)
+            name = ("options." + _OLLAMA_NAMES.get(bad[0], bad[0])
+                    if id_prefix.startswith("ollama") else bad[0])
+            raise BadRequest(f"'{name}' {bad[1]}", name)
         sampling = None  # greedy
         if temperature > 0:
             sampling = dict(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
