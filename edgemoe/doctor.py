@@ -19,8 +19,10 @@ import os
 import random
 import re
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,6 +31,7 @@ import numpy as np
 from .cli import add_debug_flag, tool
 from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
+from .hub import ALLOW_PATTERNS, cache_dir as hub_cache_dir, free_bytes, parse_hub_id, remote_headers
 from .options import StreamOptions
 from .streaming.budget import (AUTO, AUTO_KV_TOKENS, HEADROOM, BudgetError, SlotPlan,
                                fitting_budget, fmt_bytes, parse_budget)
@@ -228,18 +231,28 @@ def parse_memory(text: str) -> int:
 
 @tool("doctor")
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Will a pack fit, and how fast will it decode?")
+    p = argparse.ArgumentParser(
+        description="Will a model fit, and how fast will it decode? A model on the Hugging "
+                    "Face hub is sized from its config.json and safetensors headers alone, "
+                    "before any download.")
     p.add_argument("--model", default=str(BUNDLED_MODEL),
-                   help="An edgemoe pack or an mlx-lm quantized checkpoint (default: the "
-                        "bundled reference MoE)")
+                   help="An edgemoe pack or an mlx-lm quantized checkpoint: a folder, or a "
+                        "hub id (org/name[@revision]) (default: the bundled reference MoE)")
     p.add_argument("--memory", default=None,
-                   help="Memory to run in: GB (16) or a size (16GB, 12GiB)")
+                   help="Memory to run in: GB (16) or a size (16GB, 12GiB) (default: what "
+                        "is available here)")
     StreamOptions.add_arguments(p, only=["expert_budget"])
     p.add_argument("--budget", dest="expert_budget", help=argparse.SUPPRESS)  # older name
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
     add_debug_flag(p)
     args = p.parse_args(argv)
+    hub_id = parse_hub_id(args.model)
+    if hub_id is not None:
+        cached = cached_snapshot(hub_id)
+        if cached is None:  # not downloaded: size it from its headers
+            return report_remote(hub_id, args)
+        args.model = str(cached)
     pack = open_source(args.model)
     trace = None
     if args.trace:
@@ -250,14 +263,88 @@ def main(argv=None):
     report(pack, args, trace)
 
 
-def report(pack: Pack, args, trace=None):
+def cached_snapshot(hub_id):
+    """The folder of `hub_id` in the hub cache, when a download completed it; else None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(hub_id.repo, revision=hub_id.revision,
+                                        allow_patterns=ALLOW_PATTERNS, local_files_only=True))
+    except Exception:  # not there (or partly): huggingface_hub's errors
+        return None
+    return folder if (folder / "config.json").exists() else None
+
+
+def report_remote(hub_id, args):
+    """Whether a model on the hub fits here (or in --memory), from its config.json and
+    safetensors headers, read into a temporary folder of sparse files (edgemoe.hub)."""
+    if args.trace:
+        raise ValueError("--trace with a hub id: replay a trace against a downloaded model")
+    with tempfile.TemporaryDirectory(prefix="edgemoe-doctor-") as tmp:
+        remote = remote_headers(hub_id, Path(tmp) / "model")
+        pack = open_source(remote.folder, verify=False)
+        config = json.loads((remote.folder / "config.json").read_text())
+        print(f"hub: {hub_id} at {remote.commit[:12]}, sized from config.json and the "
+              f"safetensors headers ({fmt_bytes(remote.fetched_bytes)} read, no weights "
+              f"downloaded)")
+        describe(pack, resident_compute_bytes(pack), hub_id)
+        free = free_bytes(hub_cache_dir())
+        need = remote.download_bytes
+        print(f"  download         {fmt_bytes(need):>10}  ({len(remote.files)} files into "
+              f"{hub_cache_dir()}, {fmt_bytes(free)} free: "
+              + ("enough)" if need <= free else "NOT enough)"))
+        memory, auto, no_fit = fit(pack, config, args)
+        plan = SlotPlan.of(pack)
+        print(f"  {'budget':>10} {'slots':>5} {'memory':>10}")
+        for b in _budgets(args, auto):
+            budget_bytes = plan.minimum_bytes if b == "min" else parse_budget(b, pack.expert_bytes)
+            slots = plan.slots_for_bytes(budget_bytes)
+            label = b if isinstance(b, str) else fmt_bytes(b)
+            if slots < pack.top_k:
+                print(f"  {str(label):>10} below the minimum budget")
+                continue
+            print(f"  {label:>10} {slots:>5} "
+                  f"{fmt_bytes(pack.resident_bytes + plan.memory(slots)):>10}")
+        print_fit(pack, args, memory, auto, no_fit)
+        print(f"speed: not predicted from headers (doctor times reads of the model's own "
+              f"files); once downloaded (edgemoe.generate --model {hub_id}), run doctor on "
+              f"it again")
+
+
+def fit(pack: Pack, config: dict, args):
+    """(memory, the budget `--expert-budget auto` gives there or None, why not)."""
+    memory = parse_memory(args.memory) if args.memory else available_memory_bytes()
+    try:  # the rule `--expert-budget auto` follows
+        return memory, fitting_budget(pack, config, memory), None
+    except BudgetError as e:
+        return memory, None, str(e)
+
+
+def print_fit(pack: Pack, args, memory: int, auto, no_fit):
+    where = f"--memory {args.memory}" if args.memory else "available here"
+    if auto is None:
+        print(f"memory {fmt_bytes(memory)} ({where}): {no_fit}")
+    else:
+        plan = SlotPlan.of(pack)
+        print(f"memory {fmt_bytes(memory)} ({where}): fits: --expert-budget auto gives "
+              f"{auto} bytes ({fmt_bytes(auto)}, {auto / pack.expert_bytes:.0%} of the routed "
+              f"experts, {plan.slots_for_bytes(auto)} slots per layer), beside the resident "
+              f"weights ({fmt_bytes(pack.resident_bytes)}), a {AUTO_KV_TOKENS}-token KV cache "
+              f"and the runtime, {HEADROOM:.0%} kept free")
+
+
+def _budgets(args, auto):
+    asked = args.expert_budget if args.expert_budget not in (None, "1.0", AUTO) else None
+    return list(BUDGETS) + ([asked] if asked else []) + ([auto] if auto else [])
+
+
+def describe(pack: Pack, computed: int, name=None):
+    """The model's sizes: what stays resident, what streams, the least it runs in."""
     layers, k = pack.layers, pack.top_k
     resident, experts = pack.resident_bytes, pack.expert_bytes
-    plan = SlotPlan.of(pack)
-    minimum = plan.minimum_bytes
+    minimum = SlotPlan.of(pack).minimum_bytes
     per_expert = sum(l.expert_bytes for l in layers) / len(layers)
-    computed = resident_compute_bytes(pack)
-    print(f"pack: {pack.path} ({pack.model_type}, {len(layers)} MoE layers, "
+    print(f"pack: {name or pack.path} ({pack.model_type}, {len(layers)} MoE layers, "
           f"{layers[0].num_experts} experts each, top-{k})")
     print(f"  total            {fmt_bytes(resident + experts):>10}")
     print(f"  resident         {fmt_bytes(resident):>10}  (model.safetensors; "
@@ -265,6 +352,16 @@ def report(pack: Pack, args, trace=None):
     print(f"  routed experts   {fmt_bytes(experts):>10}  ({fmt_bytes(per_expert)} per expert)")
     print(f"  minimum budget   {fmt_bytes(minimum):>10}  ({minimum / experts:.1%} of the routed "
           f"experts: top-{k} slots in every MoE layer)")
+
+
+def report(pack: Pack, args, trace=None):
+    layers, k = pack.layers, pack.top_k
+    resident, experts = pack.resident_bytes, pack.expert_bytes
+    plan = SlotPlan.of(pack)
+    minimum = plan.minimum_bytes
+    per_expert = sum(l.expert_bytes for l in layers) / len(layers)
+    computed = resident_compute_bytes(pack)
+    describe(pack, computed)
 
     disk = calibrate_disk(pack)
     shapes = {}  # layers of the same record layout compute alike: time each layout once
@@ -291,13 +388,8 @@ def report(pack: Pack, args, trace=None):
           f"token outside them (mlx-lm's model class, random weights): "
           f"{1e3 * step_s:.2f} ms per resident decode step")
 
-    memory = parse_memory(args.memory) if args.memory else available_memory_bytes()
-    try:  # the rule `--expert-budget auto` follows
-        auto = fitting_budget(pack, config, memory)
-    except BudgetError as e:
-        auto, no_fit = None, str(e)
-    asked = args.expert_budget if args.expert_budget not in (None, "1.0", AUTO) else None
-    budgets = list(BUDGETS) + ([asked] if asked else []) + ([auto] if auto else [])
+    memory, auto, no_fit = fit(pack, config, args)
+    budgets = _budgets(args, auto)
     print("predicted decode: a resident step, plus the host round trip per MoE layer, "
           "plus the misses read (serially, or overlapped with compute)")
     if args.trace:
@@ -321,14 +413,7 @@ def report(pack: Pack, args, trace=None):
         read = (1 - hit) * k * sum(l.expert_bytes for l in layers)
         print(f"  {label:>10} {slots:>5} {fmt_bytes(resident + slot_bytes):>10} {hit:>8.1%} "
               f"{fmt_bytes(read):>10} {pred.serial_tps:>7.1f} {pred.overlapped_tps:>18.1f}")
-    where = f"--memory {args.memory}" if args.memory else "available here"
-    if auto is None:
-        print(f"memory {fmt_bytes(memory)} ({where}): {no_fit}")
-    else:
-        print(f"memory {fmt_bytes(memory)} ({where}): --expert-budget auto gives {auto} bytes "
-              f"({fmt_bytes(auto)}, {auto / experts:.0%} of the routed experts, "
-              f"{plan.slots_for_bytes(auto)} slots per layer), beside the resident weights, "
-              f"a {AUTO_KV_TOKENS}-token KV cache and the runtime, {HEADROOM:.0%} kept free")
+    print_fit(pack, args, memory, auto, no_fit)
 
 
 def _cached(shapes: dict, layer: PackLayer) -> float:

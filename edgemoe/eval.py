@@ -60,19 +60,22 @@ class ModelConfig:
         return cls(path, options)
 
     def load(self, defaults: Optional[StreamOptions] = None):
-        kind = source_kind(self.path)
+        from .hub import resolve
+
+        path = str(resolve(self.path))  # a hub id: its folder in the hub cache
+        kind = source_kind(path)
         if kind == "pack" or (kind == "mlx-lm" and set(self.options) - {"adapter"}):
             from .model.loader import load
 
             options = (defaults or StreamOptions()).replace(**{
                 {"budget": "expert_budget"}.get(k, k): v for k, v in self.options.items()})
-            return load(self.path, **options.load_kwargs())
+            return load(path, **options.load_kwargs())
         if set(self.options) - {"adapter"}:
             raise ValueError(f"{self.path}: budget=, routing= and prerouter= apply to "
                              f"edgemoe packs and mlx-lm quantized checkpoints only")
         from mlx_lm import load
 
-        return load(self.path, adapter_path=self.options.get("adapter"))
+        return load(path, adapter_path=self.options.get("adapter"))
 
     def __str__(self):
         return ",".join([self.path] + [f"{k}={v}" for k, v in self.options.items()])

@@ -15,6 +15,7 @@ from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
 from mlx_lm.sample_utils import make_sampler
 
 from .cli import add_debug_flag, tool
+from .hub import resolve as resolve_hub_id
 from .model.generation import generate
 from .options import StreamOptions, number
 
@@ -175,6 +176,7 @@ def main(argv=None):
         parser.error(error)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    args.model = resolve_hub_id(args.model)  # a hub id: its folder in the hub cache
     prompt_cache, tokenizer_config = None, None
     if args.prompt_cache_file is not None:
         prompt_cache, args.model, tokenizer_config = saved_cache(args)

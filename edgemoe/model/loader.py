@@ -13,6 +13,7 @@ from ..distributed import DEFAULT_TIMEOUT_S, share_for
 from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import routed_experts
 from ..format.pack import PackError
+from ..hub import resolve as resolve_hub_id
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
 from ..routing.modes import ROUTING_MODES, PredictedRouting
@@ -48,7 +49,8 @@ def load(
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
     `path_or_hf_repo` is an edgemoe pack or an mlx-lm quantized checkpoint, read in
-    place (default: the bundled reference model). `routing` is "native" (the model's own
+    place (default: the bundled reference model): a folder, or a Hugging Face hub id
+    (`org/name`, `org/name@revision`), downloaded once into the hub cache (edgemoe.hub). `routing` is "native" (the model's own
     router, loads on demand), "advisory" (a predictor prefetches the next layer's
     experts; the router still decides, so outputs are the same), "prerouted" (the
     prerouter heads' prediction is the routing, read a whole token ahead) or
@@ -82,7 +84,7 @@ def load(
     """
     if routing not in ROUTING_MODES:
         raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
-    path = model_path(path_or_hf_repo)
+    path = model_path(resolve_hub_id(path_or_hf_repo))
     source = open_source(path, verify)
     if verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
