@@ -288,7 +288,8 @@ def _replace(tmp: Path, dst: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Convert an MoE checkpoint to an edgemoe pack.")
     parser.add_argument("--hf-path", "--model", required=True,
-                        help="Hugging Face checkpoint folder, or an mlx-lm quantized one")
+                        help="Hugging Face checkpoint, or an mlx-lm quantized one: a folder, "
+                             "or a hub id (org/name[@revision]), downloaded into the hub cache")
     parser.add_argument("--mlx-path", default="edgemoe_model", help="Where to write the pack")
     parser.add_argument("--q-bits", type=int, help="Bits per weight (default: the mode's, 4)")
     parser.add_argument("--q-group-size", type=int,
@@ -307,7 +308,9 @@ def main(argv=None):
                              "(default: round-robin)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
-    dst = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,
+    from .hub import resolve
+
+    dst = convert(resolve(args.hf_path), args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,
                   args.q_mode, not args.no_quantize, shard=args.shard,
                   partition=args.partition)
     print(f"[edgemoe] wrote {dst}")

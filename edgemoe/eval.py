@@ -228,7 +228,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", required=True, help="A UTF-8 text file")
     p.add_argument("--model", action="append", default=None,
-                   help="PATH[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
+                   help="PATH or hub id (org/name[@revision])"
+                        "[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
                         "give two to compare them (default: the bundled reference model)")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")

@@ -32,8 +32,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="A server speaking OpenAI's, Anthropic's and "
                                             "Ollama's APIs, streaming MoE experts from disk.")
     p.add_argument("--model", default=None,
-                   help="An edgemoe pack or mlx-lm quantized checkpoint "
-                        "(default: the bundled reference MoE)")
+                   help="An edgemoe pack or mlx-lm quantized checkpoint: a folder, or a hub "
+                        "id (org/name[@revision]), downloaded into the hub cache (default: "
+                        "the bundled reference MoE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--allowed-host", action="append", default=None,
