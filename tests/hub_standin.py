@@ -10,8 +10,8 @@ It serves what huggingface_hub asks for when it downloads a model or reads its h
 and fails as the hub does, with the X-Error-Code headers huggingface_hub reads
 (RepoNotFound, GatedRepo, RevisionNotFound, EntryNotFound). Every request is logged
 with the body bytes it served, so a test can count what a tool fetched. `cut` makes the
-next download of a file stop after some bytes (a cut connection), `refuse` makes its
-downloads fail with 503 until cleared.
+next download of a file stop after some bytes (a cut connection), `refused` makes its
+downloads fail with 503 until cleared (`refuse_after_cut`: from its cut on).
 
     hub = HubStandin(); hub.add_repo("org/name", folder); hub.start()
     env HF_ENDPOINT=hub.url HF_HOME=tmp ...
@@ -49,12 +49,17 @@ class HubStandin:
         self.log: List[Served] = []
         self.cuts: Dict[str, int] = {}  # file -> bytes to send before cutting, once
         self.refused = set()  # files whose downloads answer 503
+        self.refuse_after_cut = set()  # files refused once their cut was served
+        self.claimed = {}  # (repo, commit, file) -> the size the API lists
         self.lock = threading.Lock()
         self.server = None
 
     # -- content --------------------------------------------------------------------
-    def add_repo(self, repo: str, folder, branch: str = "main", gated: bool = False) -> str:
-        """Publish `folder`'s files as a new commit of `repo` on `branch`; its hash."""
+    def add_repo(self, repo: str, folder, branch: str = "main", gated: bool = False,
+                 claimed_sizes: Optional[Dict[str, int]] = None) -> str:
+        """Publish `folder`'s files as a new commit of `repo` on `branch`; its hash.
+        `claimed_sizes`: sizes the API lists for some files instead of theirs (a repo
+        larger than the disk, without the bytes)."""
         files = {p.relative_to(folder).as_posix(): p.read_bytes()
                  for p in sorted(Path(folder).rglob("*")) if p.is_file()}
         digest = hashlib.sha1()
@@ -64,6 +69,7 @@ class HubStandin:
         entry = self.repos.setdefault(repo, {"refs": {}, "commits": {}})
         entry["commits"][commit] = files
         entry["refs"][branch] = commit
+        self.claimed.update({(repo, commit, n): size for n, size in (claimed_sizes or {}).items()})
         if gated:
             self.gated.add(repo)
         return commit
@@ -138,7 +144,8 @@ class HubStandin:
             else:
                 body = {"id": repo, "modelId": repo, "sha": commit, "private": False,
                         "gated": "auto" if repo in self.gated else False, "tags": [],
-                        "siblings": [{"rfilename": n, "size": len(d),
+                        "siblings": [{"rfilename": n,
+                                      "size": self.claimed.get((repo, commit, n), len(d)),
                                       "blobId": hashlib.sha1(d).hexdigest()}
                                      for n, d in files.items()]}
             return self._send(h, path, 200, {"Content-Type": "application/json"},
@@ -162,6 +169,8 @@ class HubStandin:
         if not head:
             with self.lock:
                 cut = self.cuts.pop(name, None)
+                if cut is not None and name in self.refuse_after_cut:
+                    self.refused.add(name)
         self._send(h, path, status, headers, body, head, asked, cut)
 
     def _send(self, h, path, status, headers, body: bytes, head: bool, asked=None, cut=None):
