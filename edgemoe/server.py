@@ -21,11 +21,14 @@ from .cli import add_debug_flag, tool
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .options import StreamOptions, number
 from .serving.engine import Engine
+from .serving.guard import guarded_protocol, stop_within
+from .serving.templates import POLICY, RENDER_TIMEOUT_S
 from .serving.http import (DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server,
                            make_app)
 
 log = logging.getLogger("edgemoe.server")
 SEND_BUFFER_BYTES = 256 * 1024
+STOP_TIMEOUT_S = 20.0  # after SIGTERM the process ends within this, whatever its threads do
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -42,14 +45,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "localhost names (repeat it; '*' allows any). Bound to 0.0.0.0 or "
                         "::, any is allowed")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="Connections served at once; more get 503 (default: %(default)s)")
+                   help="Connections open at once; past it a new one closes the oldest "
+                        "still reading its request, else gets 503 (default: %(default)s)")
+    p.add_argument("--max-client-connections", type=number(int, 1), default=64,
+                   help="Connections one client address holds at once, the same way "
+                        "(default: %(default)s)")
+    p.add_argument("--allow-client-templates", action="store_true",
+                   help="Render a request's own chat template "
+                        "(chat_template_kwargs.chat_template); refused by default")
+    p.add_argument("--template-timeout", type=number(float, 0, above=True),
+                   default=RENDER_TIMEOUT_S, metavar="SECONDS",
+                   help="A chat template render that takes longer is stopped, its request "
+                        "refused (default: %(default)s)")
     p.add_argument("--send-timeout", type=number(float, 0, above=True),
                    default=SEND_TIMEOUT_S, metavar="SECONDS",
                    help="A streamed request whose client reads nothing for this long is "
                         "cancelled, freeing its batch row (default: %(default)s)")
     p.add_argument("--request-timeout", type=number(float, 0, above=True), default=10.0,
-                   metavar="SECONDS", help="A connection that starts no request for this "
-                                           "long is closed (default: %(default)s)")
+                   metavar="SECONDS", help="A connection that takes longer to send a "
+                                           "request's headers, or then its body, is "
+                                           "closed (default: %(default)s)")
     p.add_argument("--send-buffer", type=number(int, 4096), default=SEND_BUFFER_BYTES,
                    metavar="BYTES", help="Kernel send buffer of each connection "
                                          "(default: %(default)s)")
@@ -164,35 +179,6 @@ def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
     return sock
 
 
-def http_protocol(request_timeout_s: float):
-    """uvicorn's h11 protocol, closing a connection that starts no request within
-    `request_timeout_s` (uvicorn has no such timeout: connections that send part of a
-    request, or nothing, would hold their place under --max-connections for ever, and
-    past it every request, /health too, gets a 503)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class Protocol(H11Protocol):
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            self._last_seen = None
-            self._watch = self.loop.call_later(request_timeout_s, self._close_if_idle)
-
-        def _close_if_idle(self):
-            cycle = self.cycle  # the request being served; None before the first
-            if cycle is None or (cycle.response_complete and cycle is self._last_seen):
-                if not self.transport.is_closing():
-                    self.transport.close()
-                return
-            self._last_seen = cycle
-            self._watch = self.loop.call_later(request_timeout_s, self._close_if_idle)
-
-        def connection_lost(self, exc):
-            self._watch.cancel()
-            super().connection_lost(exc)
-
-    return Protocol
-
-
 @tool("server")
 def main(argv=None):
     import uvicorn
@@ -214,13 +200,17 @@ def main(argv=None):
              "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,
              info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,
              args.routing, server.context_length, args.host, args.port)
+    POLICY.allow_client, POLICY.timeout_s = args.allow_client_templates, args.template_timeout
     try:
         config = uvicorn.Config(make_app(server, cors_origins=args.cors_origin), log_level=args.log_level.lower(),
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                                limit_concurrency=args.max_connections,
-                                http=http_protocol(args.request_timeout))
+                                http=guarded_protocol(args.request_timeout,
+                                                      args.max_connections,
+                                                      args.max_client_connections))
         sock = listening_socket(args.host, args.port, args.send_buffer)
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn_server = uvicorn.Server(config)
+        stop_within(uvicorn_server, STOP_TIMEOUT_S)
+        uvicorn_server.run(sockets=[sock])
     finally:
         engine.stop()
 

@@ -4,7 +4,7 @@
            [--memory 2G] [--read-bps 20M] [--budget auto] [--io direct]
            [--prompt-tokens 32] [--max-tokens 16] [--rounds 2] [--json out.json] [--png out.png]
 
-Each host is a process under `../shared/tools/constrained --memory` (a memory cgroup that
+Each host is a process under `edgemoe.constrained --memory` (a memory cgroup that
 counts the page cache; with --read-bps, a read-rate cap of its own, as if each host had its
 own SSD), joined to the others by MLX's ring backend over 127.0.0.1 (MLX_RANK and
 MLX_HOSTFILE set as mlx.launch sets them). The model should not fit one host's cap but fit
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
+CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
@@ -119,7 +119,7 @@ def run_group(args, hosts: int, out_dir: Path) -> dict:
     for rank in range(hosts):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
                "BENCH_HOSTS": str(hosts)}
-        cmd = [str(CONSTRAINED), *cap, "--", sys.executable, __file__, "--worker",
+        cmd = [*CONSTRAINED, *cap, "--", sys.executable, __file__, "--worker",
                "--model", args.model, "--budget", args.budget, "--io", args.io,
                "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
@@ -251,7 +251,7 @@ def main():
     if args.worker:
         return worker(args)
     if os.geteuid() != 0:
-        sys.exit("bench_distributed: needs root (../shared/tools/constrained makes cgroups)")
+        sys.exit("bench_distributed: needs root (edgemoe.constrained makes cgroups)")
     model = Path(args.model)
     if not model.exists():
         if args.make is None:

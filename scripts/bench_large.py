@@ -10,7 +10,7 @@ synthetic Qwen3-30B-A3B-shaped mlx-lm int4 checkpoint of that size (--experts pe
 with no pack at --pack, `edgemoe.convert` packs it; with --gguf and no file there,
 scripts/mlx_to_gguf.py writes the same model as llama.cpp reads it (when the disk cannot
 hold all three, the pack this run made is removed once its rows are done). Everything runs
-under `../shared/tools/constrained --memory` (a memory cgroup that counts the page cache),
+under `edgemoe.constrained --memory` (a memory cgroup that counts the page cache),
 each configuration in its own process with the page cache dropped first:
 
   edgemoe    from the pack and in place (--sources), at each budget, with each --io
@@ -40,12 +40,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
+CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
 
 def constrained(memory: str, *cmd, timeout=None):
     """(exit status, peak memory bytes, stdout, stderr) of CMD under the memory cap."""
-    r = subprocess.run([str(CONSTRAINED), "--memory", memory, "--", *map(str, cmd)],
+    r = subprocess.run([*CONSTRAINED, "--memory", memory, "--", *map(str, cmd)],
                        capture_output=True, text=True, timeout=timeout)
     peak = None
     if "constrained: peak memory " in r.stderr:

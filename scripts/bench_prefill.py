@@ -5,7 +5,7 @@ passes of experts that fit the slots (edgemoe.streaming.calls). Read ahead (the 
 each pass is half the pool and the next pass reads into the other half while it computes;
 serial, each pass is the whole pool and reads wait for compute. Each configuration runs in
 its own process, cold (O_DIRECT, page cache dropped), optionally under a disk read-rate cap
-(`../shared/tools/constrained --read-bps`), in alternating rounds. Prints and writes JSON
+(`edgemoe.constrained --read-bps`), in alternating rounds. Prints and writes JSON
 and a PNG: prefill seconds, expert bytes read, read rate achieved, seconds blocked on reads.
 
     python scripts/bench_prefill.py [--model PACK] [--prompt-len 512] [--budgets 0.1,0.25]
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
+CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
 
 def worker(model: str, budget: float, prompt_len: int, read_ahead: bool) -> dict:
@@ -52,7 +52,7 @@ def run_one(args, budget, read_ahead) -> dict:
            "--budgets", str(budget), "--prompt-len", str(args.prompt_len),
            "--read-ahead", str(int(read_ahead))]
     if args.read_bps:
-        cmd = [str(CONSTRAINED), "--read-bps", args.read_bps, "--disk-of", args.model, "--"] + cmd
+        cmd = [*CONSTRAINED, "--read-bps", args.read_bps, "--disk-of", args.model, "--"] + cmd
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -1,7 +1,7 @@
 """Benchmark: speculative decoding against plain decode on a streamed model, side by side.
 
 Per draft source, expert budget and
-read regime (a read-rate cap through ../shared/tools/constrained, as on a Mac where reads
+read regime (a read-rate cap through edgemoe.constrained, as on a Mac where reads
 dominate, and unthrottled), each configuration runs in its own process with O_DIRECT
 expert reads (nothing served from the page cache), over held-out prompts of the bundled
 model's corpus (the first tokens of standard-library files it never trained on), and the
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
+CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
 
 def heldout_prompts(tokenizer, n: int, length: int):
@@ -113,7 +113,7 @@ def run(source: str, budget: str, regime: str, args) -> dict:
     if args.draft_model:
         cmd += ["--draft-model", args.draft_model]
     if regime != "none":
-        cmd = [str(CONSTRAINED), "--read-bps", regime, "--disk-of", args.model, "--"] + cmd
+        cmd = [*CONSTRAINED, "--read-bps", regime, "--disk-of", args.model, "--"] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -18,7 +18,7 @@ over the read rate), the best step native routing allows. --adapter-path adds ro
 prerouted row) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
 with O_DIRECT; --fio also measures the experts file with fio (random reads of one
 record each, O_DIRECT) for a reference read rate. --read-bps caps every run's disk reads
-(../shared/tools/constrained) as on a Mac, where reads dominate decode.
+(edgemoe.constrained) as on a Mac, where reads dominate decode.
 """
 
 import argparse
@@ -157,8 +157,8 @@ def run_config(kind, path, args) -> dict:
         trace.parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--trace", str(trace)]
     if args.read_bps:
-        constrained = Path(__file__).resolve().parents[2] / "shared" / "tools" / "constrained"
-        cmd = [str(constrained), "--read-bps", args.read_bps, "--disk-of", str(path), "--"] + cmd
+        cmd = [sys.executable, "-m", "edgemoe.constrained", "--read-bps", args.read_bps,
+               "--disk-of", str(path), "--"] + cmd
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     if trace:

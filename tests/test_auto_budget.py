@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import edgemoe
+from edgemoe import constrained
 from edgemoe.format.families import kv_bytes_per_token
 from edgemoe.format.source import open_source
 from edgemoe.streaming import telemetry
@@ -74,11 +75,11 @@ def test_doctor_prints_the_budget_auto_gives(pack_and_config, capsys):
     assert f"--expert-budget auto gives {expected} bytes" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(constrained.why_unavailable() is not None,
+                    reason=f"no cgroups here: {constrained.why_unavailable()}")
 def test_available_memory_follows_a_memory_cgroup():
-    constrained = ROOT.parent / "shared" / "tools" / "constrained"
     code = "from edgemoe.streaming.telemetry import available_memory_bytes as a; print(a())"
-    r = subprocess.run([str(constrained), "--memory", "1G", "--", sys.executable, "-c", code],
+    r = subprocess.run(constrained.command("--memory", "1G") + [sys.executable, "-c", code],
                        capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"constrained does not run here: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stderr
     assert 0.5 * 2**30 < int(r.stdout) <= 2**30

@@ -156,3 +156,249 @@ def test_a_fault_in_one_rows_stage_ends_that_row_alone(engine, solo, stage, monk
     assert last["type"] == "error", (stage, last)
     assert last["message"].startswith(f"request {poison.id}: "), last["message"]
     assert "good-" not in last["message"]
+
+
+# ---- over HTTP: a real server process on loopback -----------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
+TIMEOUT = httpx.Timeout(60.0)
+
+
+def start_server(log_path, *args):
+    """`python -m edgemoe.server` on the reference model; (process, url) once healthy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgemoe.server", "--model", str(REFERENCE), "--host",
+         "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *args],
+        stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("the server did not start within 90 s")
+
+
+def stop_server(proc, timeout=25.0) -> float:
+    """SIGTERM; the seconds the process took to end (killed, and the test failed, past
+    `timeout`)."""
+    tic = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the server did not stop within {timeout} s of SIGTERM")
+    return time.time() - tic
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = start_server(log_path, "--max-batch", "8", "--request-timeout", "2")
+    yield url
+    stop_server(proc)
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: NaN and Infinity are not JSON."""
+    def refuse(name):
+        raise AssertionError(f"{name} in a response: {text[:200]}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def chat_stream(url, content, max_tokens=12, **extra):
+    """An OpenAI chat stream's text (every chunk strict JSON)."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, **extra}
+    text = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = strict_json(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
+GOOD = ["Tell me about foxes.", "Write a list of numbers.", "What is Python?"]
+POISON = {
+    "ollama temperature 1e308 with format json": (
+        "/api/chat", {"model": "reference", "stream": False,
+                      "messages": [{"role": "user", "content": "hi"}],
+                      "format": "json", "options": {"temperature": 1e308}},
+        "options.temperature"),
+    "openai repetition_penalty 1e-300 with response_format": (
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                 "repetition_penalty": 1e-300, "max_tokens": 8,
+                                 "response_format": {"type": "json_object"}},
+        "repetition_penalty"),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISON))
+def test_three_good_streams_beside_a_poison_request_equal_their_solo_text(server, poison):
+    solo = [chat_stream(server, c) for c in GOOD]
+    path, body, param = POISON[poison]
+    with ThreadPoolExecutor(4) as pool:
+        goods = [pool.submit(chat_stream, server, c) for c in GOOD]
+        bad = pool.submit(httpx.post, server + path, json=body, timeout=TIMEOUT)
+        assert [g.result() for g in goods] == solo
+        r = bad.result()
+    assert r.status_code == 400, r.text
+    assert param in r.text
+
+
+def test_grammar_masked_top_logprobs_are_strict_json(server):
+    body = {"messages": [{"role": "user", "content": "a JSON object"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 20, "response_format": {"type": "json_object"}}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    strict_json(r.text)
+    chat_stream(server, "a JSON object", max_tokens=6, logprobs=True, top_logprobs=20,
+                response_format={"type": "json_object"})
+
+
+def test_a_client_template_is_refused_naming_the_field(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "chat_template_kwargs.chat_template" in r.json()["error"]["message"]
+
+
+def test_a_5000_digit_integer_is_a_400_and_the_connection_lives(server):
+    with httpx.Client(timeout=TIMEOUT) as client:
+        raw = ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": '
+               + "9" * 5000 + "}")
+        r = client.post(server + "/v1/chat/completions", content=raw,
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "digits" in r.json()["error"]["message"]
+        assert client.get(server + "/health").status_code == 200
+
+
+def test_no_response_shows_the_servers_folders(server):
+    folder = str(REFERENCE.parent)
+    r = httpx.post(server + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "reference", r.text
+    for method, path, body in [("GET", "/v1/models", None), ("GET", "/api/tags", None),
+                               ("POST", "/v1/chat/completions", {"model": "nope",
+                                "messages": [{"role": "user", "content": "hi"}]}),
+                               ("GET", "/v1/models/nope", None)]:
+        r = httpx.request(method, server + path, json=body, timeout=TIMEOUT)
+        assert folder not in r.text, (path, r.text)
+    # the folder's full path is still taken as the model's name
+    r = httpx.post(server + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "model": str(REFERENCE), "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_256_slow_bodies_leave_health_answering(server):
+    port = int(server.rsplit(":", 1)[1])
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    slow = []
+    for _ in range(256):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(head)
+        slow.append(s)
+    try:
+        tic, answered = time.time(), []
+        while time.time() - tic < 3.0:  # the trickle goes on; /health answers throughout
+            for s in slow[:: 8]:
+                try:
+                    s.send(b" ")
+                except OSError:
+                    pass
+            t = time.time()
+            r = httpx.get(server + "/health", timeout=5)
+            answered.append((r.status_code, time.time() - t))
+            time.sleep(0.3)
+        assert all(code == 200 and took < 1.0 for code, took in answered), answered
+        assert chat_stream(server, "hi", max_tokens=4) is not None
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_slow_body_is_closed_past_the_request_timeout(server):
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        tic, got = time.time(), b"x"
+        while got and time.time() - tic < 8:
+            try:
+                s.send(b" ")
+                got = s.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                time.sleep(0.5)
+            except OSError:
+                break
+        assert time.time() - tic < 6, "the connection was not closed past --request-timeout 2"
+
+
+BOMB = ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}"
+        "{% endfor %}{% endfor %}")
+
+
+def test_template_bombs_hold_no_worker_and_sigterm_stops_the_server(tmp_path):
+    proc, url = start_server(tmp_path / "server.log", "--allow-client-templates",
+                             "--template-timeout", "1")
+    try:
+        def bomb(template):
+            return httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "chat_template_kwargs": {"chat_template": template}})
+
+        with ThreadPoolExecutor(12) as pool:
+            bombs = [pool.submit(bomb, BOMB) for _ in range(10)]
+            bombs.append(pool.submit(bomb, "{{ 'x' * 20000000 }}"))
+            time.sleep(0.3)
+            tic = time.time()
+            assert chat_stream(url, "hi", max_tokens=4) is not None
+            assert time.time() - tic < 5.0, "a normal request waited behind the bombs"
+            for b in bombs:
+                r = b.result()
+                assert r.status_code == 400, r.text
+                assert "chat template" in r.json()["error"]["message"]
+            # SIGTERM while bombs render
+            more = [pool.submit(bomb, BOMB) for _ in range(8)]
+            time.sleep(0.3)
+            took = stop_server(proc)
+            for b in more:
+                try:
+                    b.result()
+                except httpx.TransportError:
+                    pass
+        assert took < 10, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from edgemoe import constrained
+
 ROOT = Path(__file__).resolve().parents[1]
-CONSTRAINED = ROOT.parent / "shared" / "tools" / "constrained"
 SHAPE = ["--hidden", "512", "--moe-intermediate", "1024", "--experts", "32", "--heads", "4",
          "--kv-heads", "2", "--head-dim", "128", "--top-k", "4"]
 # format: (dtype, layers of the small and the large checkpoint, a cap the large is ~3x
@@ -61,21 +62,13 @@ def test_convert_peak_rss_does_not_grow_with_the_model(converted):
     assert large - small < 64 * 2**20, (fmt, small, large)
 
 
-def constrained_works() -> bool:
-    try:
-        return subprocess.run([str(CONSTRAINED), "--memory", "1G", "--", "true"],
-                              capture_output=True).returncode == 0
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not constrained_works(), reason="needs ../shared/tools/constrained "
-                                                    "(root, cgroup v1)")
+@pytest.mark.skipif(constrained.why_unavailable() is not None,
+                    reason=f"no cgroups here: {constrained.why_unavailable()}")
 def test_a_checkpoint_3x_its_memory_cap_converts_under_it_to_the_same_pack(converted,
                                                                           tmp_path):
     fmt, large, reference, _, cap = converted
     size = sum(f.stat().st_size for f in large.glob("*.safetensors"))
-    r = subprocess.run([str(CONSTRAINED), "--memory", cap, "--", sys.executable, "-m",
+    r = subprocess.run(constrained.command("--memory", cap) + [sys.executable, "-m",
                         "edgemoe.convert", "--hf-path", str(large), "--mlx-path",
                         str(tmp_path / "pack")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -96,10 +96,15 @@ def render(tokenizer, messages: List[dict], tools: Optional[list] = None,
                              "tools")
         from mlx_lm.server import convert_chat
         return tokenizer.encode(convert_chat(messages, role_mapping))
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True,
-                                             **(template_args or {}))
+    from .templates import bounded_render, check_client_args
+
+    check_client_args(template_args or {})
+    try:  # bounded in time and size (edgemoe.serving.templates)
+        text = bounded_render(lambda: tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True,
+            **(template_args or {})))
+    except BadRequest:
+        raise
     except Exception as e:  # jinja's own message names what the template wanted
         raise BadRequest(f"the chat template cannot render these messages: "
                          f"{type(e).__name__}: {e}", "messages") from None

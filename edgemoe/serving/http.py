@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -29,7 +30,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -129,8 +130,13 @@ class Server:
         self.sending: Dict[Job, Tuple[float, asyncio.Queue]] = {}  # chunks not yet taken
         self.allowed_hosts = allowed_hosts
         self.vocab_size = vocab_size
-        self.model_id = model_id
-        self.names = {model_id, model_id.rstrip("/").rsplit("/", 1)[-1], *aliases}
+        # a local folder is shown by its name alone: clients never see the server's folders
+        # (its path is still taken as a name); a hub id is shown as it is
+        shown = model_id.rstrip("/").rsplit("/", 1)[-1] \
+            if os.path.exists(os.path.expanduser(model_id)) else model_id
+        self.model_id = shown
+        self.names = {shown, shown.rsplit("/", 1)[-1], *aliases}
+        self.hidden_names = {model_id}  # taken in requests, never listed
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
         self.template_args = template_args or {}
@@ -159,7 +165,8 @@ class Server:
             if required:
                 raise BadRequest(f"'{name}' is required", name)
             return self.model_id
-        if model not in self.names and model.removesuffix(":latest") not in self.names:
+        if model not in self.names | self.hidden_names and \
+                model.removesuffix(":latest") not in self.names:
             raise BadRequest(f"the model {model!r} does not exist: this server serves "
                              f"{self.model_id!r} (add names with --model-alias)", name, 404)
         return model
@@ -388,14 +395,18 @@ class Server:
             raise BadRequest(f"the request body is {declared} bytes; at most "
                              f"{MAX_BODY_BYTES} are taken", status=413)
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes",
-                                 status=413)
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes",
+                                     status=413)
+        except ClientDisconnect:  # gone, or closed past --request-timeout (serving.guard)
+            raise BadRequest("the client sent no whole body in time", status=408) from None
         try:
             body = json.loads(bytes(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # a JSONDecodeError, invalid UTF-8, or
+            #                                        an integer over Python's 4300 digits
             raise BadRequest(f"invalid JSON in the request body: "
                              f"{str(e)[:200] or type(e).__name__}") from None
         try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it
