@@ -1,0 +1,346 @@
+"""The twin's run: the real store, readers, slots and policy; compute replaced by waits.
+
+One forward call of the trace, layer by layer, as edgemoe.model.experts.StreamingExperts
+drives the store (module doc of edgemoe.twin):
+
+    wait(resident compute of the layer)          attention, router, shared expert
+    wait(host sync)                              routing learned by the host (native,
+                                                 advisory; not prerouted decode)
+    run_call(pool, ids, compute, routed)         edgemoe.streaming.calls, the real one:
+        ensure -> routed(): prefetches -> compute: wait(experts) + wait(host sync) -> release
+    prerouted: prefetch the next token's experts
+    ... every layer, then wait(lm_head) + wait(host sync) (the sampled token)
+
+Waits are `time.sleep`, which releases the GIL as MLX's evaluation does, so reader threads
+run beside them. A sleep that overshoots is paid back from the next waits (`Waiter`), so
+the compute total is what the model says. Everything times `stretch`: this disk's seconds
+per record over the profile's, so that reads and compute keep the profile's ratio; the
+Python between waits (which runs at this CPU's speed and is not stretched by itself) gets
+an extra wait of (stretch / cpu_vs_here - 1) x its duration, so it too counts as it would
+on the profile's CPU. Forecast seconds = twin seconds / stretch.
+"""
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..cache_sim import trace_calls
+from ..format.pack import Pack, PackLayer
+from ..streaming.budget import SlotPlan
+from ..streaming.calls import run_call
+from ..streaming.slots import UnorderedMemory
+from ..streaming.store import ExpertStore
+from .profiles import Profile, measure_reads
+from .shapes import Shape
+
+SLOT_MEMORY_CAP = 4.5e9  # real per-layer slot memory up to this; above, layers share rows
+
+
+@dataclass
+class Compute:
+    """Seconds of GPU (or CPU) work per piece of a forward call, on the profile's machine."""
+
+    resident_layer_s: Callable[[int], float]  # tokens -> s
+    experts_s: Callable[[int, int], float]  # (distinct experts, token-expert entries) -> s
+    head_s: float
+    host_sync_s: float
+    method: str
+
+    @classmethod
+    def from_profile(cls, profile: Profile, shape: Shape) -> "Compute":
+        """Bytes over the profile's int4 rate, or FLOPs over its prefill rate if more."""
+        rate = profile.value("int4_gbps") * 1e9
+        flops = profile.value("prefill_tflops") * 1e12
+        return cls(
+            lambda t: max(shape.resident_layer_bytes / rate,
+                          2 * shape.resident_params_per_layer * t / flops),
+            lambda n, entries: max(n * shape.record_bytes / rate,
+                                   2 * shape.expert_params / 3 * 3 * entries / flops),
+            shape.head_bytes / rate, profile.value("host_sync_us") * 1e-6,
+            f"profile {profile.name}: weights / int4_gbps, or 2 x params x tokens / "
+            f"prefill_tflops if longer")
+
+    @classmethod
+    def calibrated(cls, decode_s: float, prefill_s_per_token: float, layers: int, top_k: int,
+                   host_sync_s: float, expert_share: float = 0.5) -> "Compute":
+        """From a measured resident run of the same model (this machine): `decode_s` per
+        decode step and `prefill_s_per_token` less the twin's own overhead, spread evenly
+        over layers, `expert_share` of each layer's to its experts."""
+        per_layer = decode_s / layers
+        per_layer_pre = prefill_s_per_token / layers
+        return cls(
+            lambda t: max(per_layer * (1 - expert_share), per_layer_pre * (1 - expert_share) * t),
+            lambda n, entries: max(per_layer * expert_share * n / top_k,
+                                   per_layer_pre * expert_share * entries / top_k),
+            0.0, host_sync_s, "calibrated on a resident run of the same model")
+
+    def scaled(self, factor: float) -> "Compute":
+        return Compute(lambda t: self.resident_layer_s(t) * factor,
+                       lambda n, e: self.experts_s(n, e) * factor, self.head_s * factor,
+                       self.host_sync_s * factor, self.method + f" x{factor:g}")
+
+
+class Waiter:
+    """Timed waits that stand for compute, and the Python between them dilated."""
+
+    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0):
+        self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
+        self.debt = 0.0  # slept beyond what was asked, paid back by later waits
+        self.asked = self.slept = self.python_s = self.python_pad = 0.0
+        self._mark = None
+        self._blocked_at = blocked()
+
+    def _python_since_mark(self) -> float:
+        now = time.perf_counter()
+        blocked = self.blocked()
+        p = 0.0
+        if self._mark is not None:
+            p = max(0.0, now - self._mark - (blocked - self._blocked_at))
+        self._blocked_at = blocked
+        return p
+
+    def wait(self, seconds: float):
+        """Wait `seconds` of the profile's machine (x stretch here)."""
+        python = self._python_since_mark()
+        self.python_s += python
+        pad = python * (self.python_factor - 1) if self.python_factor > 1 else 0.0
+        self.python_pad += pad
+        want = seconds * self.stretch + pad
+        self.asked += want
+        sleep = want - self.debt
+        tic = time.perf_counter()
+        if sleep > 0:
+            time.sleep(sleep)
+        took = time.perf_counter() - tic
+        self.slept += took
+        self.debt = max(0.0, self.debt + took - want)
+        self._mark = time.perf_counter()
+
+
+class ScratchMemory(UnorderedMemory):
+    """A layer's slots as host rows the reader fills (what it reads into is never computed
+    on); layers may share one set of rows (`shared`), to hold large pools in less memory."""
+
+    arrays: Dict[str, object] = {}
+
+    def __init__(self, layer: PackLayer, num_slots: int, rows=None):
+        self.tensors = layer.tensors
+        self.buf = rows if rows is not None else np.zeros((num_slots, layer.expert_bytes),
+                                                          dtype=np.uint8)
+
+    def rows(self, slot: int):
+        row = self.buf[slot]
+        return [row[t.offset:t.offset + t.nbytes] for t in self.tensors]
+
+
+def memory_factory(pack: Pack, slots: int, cap: float = SLOT_MEMORY_CAP):
+    """Per-layer rows if all layers' pools fit `cap`, else one set shared by all layers (then
+    the records' CRC32s are not checked: two layers' fills may share a row)."""
+    per_layer = slots * max(l.expert_bytes for l in pack.layers)
+    if per_layer * len(pack.layers) <= cap:
+        return (lambda layer, n: ScratchMemory(layer, n)), False
+    shared = np.zeros((slots, max(l.expert_bytes for l in pack.layers)), dtype=np.uint8)
+    return (lambda layer, n: ScratchMemory(layer, n, shared)), True
+
+
+def without_checksums(pack: Pack) -> Pack:
+    from ..format.pack import Record
+    layers = [PackLayer(l.module, l.index, l.tensors, l.quantization,
+                        [Record(r.segments, None) for r in l.records]) for l in pack.layers]
+    return Pack(pack.path, pack.model_type, pack.top_k, layers, pack.experts_file_size,
+                list(pack.files))
+
+
+@dataclass
+class TwinConfig:
+    budget: str = "25%"
+    mode: str = "native"  # native | advisory | prerouted
+    policy: str = "lfu"
+    io: str = "direct"
+    readers: int = 2
+    stretch: Optional[float] = None  # None: measured (this disk over the profile's SSD)
+    recall: float = 0.8  # advisory's synthetic predictor, where the trace recorded none
+    seed: int = 0
+    dilate_python: bool = True
+
+
+@dataclass
+class TwinResult:
+    config: dict
+    profile: str
+    compute_method: str
+    stretch: float
+    tokens: int
+    decode_tokens: int
+    prefill_tokens: int
+    twin_decode_s: float
+    twin_prefill_s: float
+    forecast_decode_tok_s: float
+    forecast_prefill_s: float
+    decode_bytes: int
+    total_bytes: int
+    decode_bytes_per_token: float
+    blocked_ms_per_token: float  # forecast ms (twin / stretch)
+    compute_ms_per_token: float  # forecast ms of compute waits per decode token
+    host_syncs_per_token: float
+    hit_rate: float
+    slots_per_layer: int
+    read_gbps_during_run: float
+    probe: dict = field(default_factory=dict)
+    waits: dict = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def probe_stretch(pack: Pack, profile: Profile, readers: int, io: str) -> dict:
+    """This disk's seconds per record (random records of the pack, `readers` threads) over
+    the profile's."""
+    rec = pack.layers[0].expert_bytes
+    here = measure_reads(pack.files[0], rec, reads=max(16, min(96, int(2e9 // rec))),
+                         threads=readers, direct=io == "direct")
+    there = profile.read_s(rec, readers) / readers  # wall per record, `readers` in flight
+    return {"here_s_per_record": here["s_per_record"], "here_gbps": here["gbps"],
+            "profile_s_per_record": there, "stretch": here["s_per_record"] / there}
+
+
+def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile: Profile,
+             cfg: TwinConfig) -> TwinResult:
+    """Replay `trace` (already mapped onto `pack`'s layers) through a real ExpertStore."""
+    notes = []
+    routed, decode = trace["routed"], trace["decode"].astype(bool)
+    calls = trace_calls(trace)
+    probe = {}
+    if cfg.stretch is not None:
+        stretch = cfg.stretch
+    else:
+        probe = probe_stretch(pack, profile, cfg.readers, cfg.io)
+        stretch = probe["stretch"]
+    slots = SlotPlan.of(pack).slots(cfg.budget)  # the store's own rule
+    factory, shared = memory_factory(pack, slots)
+    if shared:
+        pack = without_checksums(pack)
+        notes.append("slot rows shared by layers (pools too large for memory here): records' "
+                     "CRC32 not checked, so the readers' checksum time is left out")
+    store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
+                        memory=factory)
+    try:
+        return _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
+                       probe, notes)
+    finally:
+        store.close()
+
+
+def _prefetch_table(trace) -> Dict[tuple, list]:
+    from ..cache_sim import _prefetches
+    return _prefetches(trace)
+
+
+def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch, probe, notes):
+    pools = [store.pool(i) for i in store.layer_indices]
+    L = len(pools)
+    stats = store.stats
+    python_factor = stretch / profile.value("cpu_vs_here") if cfg.dilate_python else 1.0
+    waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
+    recorded = _prefetch_table(trace) if cfg.mode != "native" else {}
+    synthetic = cfg.mode != "native" and not recorded
+    if synthetic:
+        notes.append(f"{cfg.mode}: predictions synthesized from the trace ("
+                     + ("the next token's routing, exact: the prediction is the routing"
+                        if cfg.mode == "prerouted" else
+                        f"the next layer's experts of the same token at recall {cfg.recall}")
+                     + ")")
+    store.gate_prefetches(cfg.mode == "advisory")
+    rng = np.random.default_rng(cfg.seed)
+    num_experts = pools[0].layer.num_experts
+    prefill_s = decode_s = 0.0
+    compute_asked_decode = 0.0
+    before_decode = None
+    first_decode = next((i for i, c in enumerate(calls) if decode[c.start]), len(calls))
+
+    def issue(c, position):
+        for target, lead, ids in recorded.get((c, position), ()):
+            store.prefetch(target, np.asarray(ids), lead)
+
+    def advise(c, p):  # the next layer's experts of this call, at `recall`
+        if p + 1 >= L:
+            return
+        true = np.unique(routed[calls[c], p + 1])
+        keep = true[rng.random(len(true)) < cfg.recall]
+        others = np.setdiff1d(np.arange(num_experts), true)
+        wrong = rng.choice(others, len(true) - len(keep), replace=False)
+        store.prefetch(p + 1, np.concatenate([keep, wrong]), 0, advisory=True)
+
+    def preroute(c, p):  # the next token's experts of the next layer: the routing itself
+        if c + 1 >= len(calls) or not decode[calls[c + 1].start]:
+            return
+        target, lead = (p + 1, 1) if p + 1 < L else (0, 0)
+        store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead, advisory=False)
+
+    for c, call in enumerate(calls):
+        is_decode = bool(decode[call.start])
+        if c == first_decode:
+            before_decode = store.snapshot()
+            asked_at = waiter.asked
+        tic = time.perf_counter()
+        tokens = call.stop - call.start
+        issue(c, -1)
+        known = (cfg.mode == "prerouted" and is_decode and c > 0
+                 and bool(decode[calls[c - 1].start]))
+        for p, pool in enumerate(pools):
+            waiter.wait(compute.resident_layer_s(tokens))
+            if not known:
+                waiter.wait(compute.host_sync_s)
+                stats.host_syncs += 1
+            ids = routed[call, p]
+
+            def compute_pass(rows, slot_ids, ids=ids):
+                entries = ids.size if rows is None else len(rows)
+                n = len(np.unique(slot_ids))
+                waiter.wait(compute.experts_s(n, entries))
+                waiter.wait(compute.host_sync_s)
+                stats.host_syncs += 1
+
+            def on_routed(c=c, p=p):
+                if cfg.mode != "prerouted" or not is_decode:
+                    issue(c, p)
+                if synthetic and cfg.mode == "advisory":
+                    advise(c, p)
+
+            run_call(pool, ids, compute_pass, on_routed)
+            if cfg.mode == "prerouted" and is_decode:
+                issue(c, p)
+                if synthetic:
+                    preroute(c, p)
+        waiter.wait(compute.head_s)
+        waiter.wait(compute.host_sync_s)
+        took = time.perf_counter() - tic
+        if is_decode:
+            decode_s += took
+        else:
+            prefill_s += took
+    d = store.snapshot() - before_decode if before_decode is not None else store.snapshot()
+    total = store.snapshot()
+    n_dec = int(decode.sum())
+    n_calls_dec = sum(1 for c in calls if decode[c.start])
+    asked_decode = waiter.asked - asked_at if before_decode is not None else 0.0
+    notes.append(f"waits: asked {waiter.asked:.2f} s, slept {waiter.slept:.2f} s; Python "
+                 f"between waits {waiter.python_s:.2f} s, padded by {waiter.python_pad:.2f} s")
+    return TwinResult(
+        config=asdict(cfg), profile=profile.name, compute_method=compute.method,
+        stretch=stretch, tokens=len(routed), decode_tokens=n_dec,
+        prefill_tokens=int((~decode).sum()), twin_decode_s=decode_s, twin_prefill_s=prefill_s,
+        forecast_decode_tok_s=n_dec / (decode_s / stretch) if decode_s else 0.0,
+        forecast_prefill_s=prefill_s / stretch,
+        decode_bytes=int(d.bytes_read), total_bytes=int(total.bytes_read),
+        decode_bytes_per_token=d.bytes_read / max(n_dec, 1),
+        blocked_ms_per_token=1000 * d.blocked_s / stretch / max(n_dec, 1),
+        compute_ms_per_token=1000 * asked_decode / stretch / max(n_dec, 1),
+        host_syncs_per_token=d.host_syncs / max(n_calls_dec, 1), hit_rate=d.hit_rate,
+        slots_per_layer=store.slots_per_layer, read_gbps_during_run=d.read_gbps,
+        probe=probe, waits={"asked_s": waiter.asked, "slept_s": waiter.slept,
+                            "python_s": waiter.python_s, "python_pad_s": waiter.python_pad},
+        notes=notes)

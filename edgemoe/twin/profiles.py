@@ -1,0 +1,186 @@
+"""Machine profiles: what a Mac (or this machine) does per byte read and per weight computed.
+
+Profiles are data (profiles.json beside this file): every figure carries its `kind`
+(measured, derived, unsourced) and its `source`. `this-machine` is measured by the tool
+itself (`measure_this_machine`): O_DIRECT preads of records, `mx.quantized_matmul` at
+int4 g64 (fp32 activations, as the CPU needs), and the cost of an `mx.eval` round trip.
+"""
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+PROFILES_FILE = Path(__file__).with_name("profiles.json")
+FIGURES = ("memory_gb", "ssd_read_gbps", "ssd_latency_us", "int4_gbps", "prefill_tflops",
+           "host_sync_us", "cpu_vs_here")
+KINDS = ("measured", "derived", "unsourced")
+
+
+@dataclass
+class Profile:
+    name: str
+    chip: str
+    figures: Dict[str, dict]  # name -> {value, unit, kind, source}
+
+    def value(self, figure: str) -> float:
+        return float(self.figures[figure]["value"])
+
+    @property
+    def ssd_gbps(self) -> float:
+        return self.value("ssd_read_gbps")
+
+    def read_s(self, record_bytes: int, queue_depth: int = 1) -> float:
+        """Time per record read at this queue depth: bytes over the bandwidth, plus the
+        per-read latency shared by the reads in flight."""
+        return (record_bytes / (self.ssd_gbps * 1e9)
+                + self.value("ssd_latency_us") * 1e-6 / max(queue_depth, 1))
+
+    def unsourced(self):
+        return [k for k, f in self.figures.items() if f.get("kind") == "unsourced"]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "chip": self.chip, "figures": self.figures}
+
+
+def check_profile(name: str, d: dict) -> Profile:
+    figures = {k: v for k, v in d.items() if isinstance(v, dict)}
+    for k in FIGURES:
+        if k not in figures:
+            raise ValueError(f"profile {name}: figure {k} missing")
+    for k, f in figures.items():
+        if "value" not in f or not f.get("source") or f.get("kind") not in KINDS:
+            raise ValueError(f"profile {name}: figure {k} needs a value, a kind "
+                             f"({', '.join(KINDS)}) and a source (found {f})")
+    return Profile(name, d.get("chip", name), figures)
+
+
+def all_profiles(path: Path = PROFILES_FILE) -> Dict[str, Profile]:
+    data = json.loads(Path(path).read_text())
+    return {k: check_profile(k, v) for k, v in data.items() if not k.startswith("_")}
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A named profile of profiles.json, or a .json file (e.g. `this-machine`'s, written by
+    `measure_this_machine`)."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        d = json.loads(p.read_text())
+        return check_profile(d.get("name", p.stem), d.get("figures", d))
+    profiles = all_profiles()
+    if name_or_path not in profiles:
+        raise ValueError(f"profile {name_or_path!r}: choose from {', '.join(profiles)}, or "
+                         f"a profile .json (python scripts/bench_twin.py --measure OUT.json)")
+    return profiles[name_or_path]
+
+
+# -- this machine, measured --
+
+def _aligned(n: int) -> np.ndarray:
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % 4096
+    return raw[skip:skip + n]
+
+
+def measure_reads(path: Path, record_bytes: int, reads: int = 64, threads: int = 2,
+                  seed: int = 0, direct: bool = True) -> dict:
+    """Random reads of `record_bytes` (4 KiB aligned offsets) from `path` by `threads`
+    threads: seconds per record (wall / reads) and GB/s."""
+    size = os.path.getsize(path)
+    length = (record_bytes + 4095) // 4096 * 4096
+    if size < length:
+        raise ValueError(f"{path}: {size} bytes, shorter than one read of {length}")
+    rng = np.random.default_rng(seed)
+    offsets = (rng.integers(0, (size - length) // 4096 + 1, reads) * 4096).tolist()
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fd = os.open(path, flags)
+    lock = threading.Lock()
+
+    def work():
+        buf = _aligned(length)
+        while True:
+            with lock:
+                if not offsets:
+                    return
+                off = offsets.pop()
+            os.preadv(fd, [buf], off)
+
+    tic = time.perf_counter()
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - tic
+    os.close(fd)
+    return {"record_bytes": record_bytes, "threads": threads, "reads": reads,
+            "s_per_record": wall / reads, "gbps": reads * record_bytes / wall / 1e9}
+
+
+def measure_compute(d: int = 2048, f: int = 768, repeats: int = 20) -> dict:
+    """int4 g64 `mx.quantized_matmul` on this machine's default device, fp32 activations:
+    GB/s of weights at one token (decode) and TFLOP/s at 256 tokens (prefill); the cost of
+    one `mx.eval` round trip on a tiny graph."""
+    import mlx.core as mx
+
+    w = mx.random.normal((f, d))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    nbytes = wq.nbytes + scales.nbytes // 2 + biases.nbytes // 2  # as bf16 scales on disk
+
+    def timed(x, n):
+        y = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+        mx.eval(y)
+        tic = time.perf_counter()
+        for _ in range(n):
+            y = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64,
+                                    bits=4)
+            mx.eval(y)
+        return (time.perf_counter() - tic) / n
+
+    one = timed(mx.random.normal((1, d)), repeats)
+    many = timed(mx.random.normal((256, d)), max(2, repeats // 5))
+    a = mx.array([1.0])
+    mx.eval(a + 1)
+    tic = time.perf_counter()
+    for _ in range(200):
+        mx.eval(a + 1)
+    sync = (time.perf_counter() - tic) / 200
+    return {"int4_gbps": nbytes / one / 1e9, "prefill_tflops": 2 * d * f * 256 / many / 1e12,
+            "host_sync_us": sync * 1e6, "shape": [f, d]}
+
+
+def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: int = 2) -> Profile:
+    """A profile of this machine: disk (at `record_bytes` and 256 KiB, for bandwidth and
+    latency), CPU int4 compute and host sync, each marked measured with how and when."""
+    big = measure_reads(read_file, record_bytes, 48, threads)
+    small = measure_reads(read_file, 256 * 1024, 96, threads)
+    # s = lat/QD + bytes/bw at both sizes
+    slope = (big["s_per_record"] - small["s_per_record"]) / (record_bytes - 256 * 1024)
+    bw = 1 / slope / 1e9 if slope > 0 else big["gbps"]
+    lat = max(0.0, (small["s_per_record"] - 256 * 1024 * slope) * threads)
+    c = measure_compute()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    how = f"edgemoe.twin.profiles.measure_this_machine on {os.uname().nodename}, {when}"
+    fig = lambda v, unit, what: {"value": round(v, 4), "unit": unit, "kind": "measured",  # noqa
+                                 "source": f"{how}: {what}"}
+    figures = {
+        "memory_gb": fig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "GB",
+                         "physical memory"),
+        "ssd_read_gbps": fig(bw, "GB/s", f"O_DIRECT random reads of {record_bytes} and 262144 "
+                                         f"bytes, {threads} threads, of {read_file}"),
+        "ssd_latency_us": fig(lat * 1e6, "us", "intercept of the same two sizes"),
+        "int4_gbps": fig(c["int4_gbps"], "GB/s", f"mx.quantized_matmul int4 g64 fp32, one "
+                                                 f"token, {c['shape']}"),
+        "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
+        "host_sync_us": fig(c["host_sync_us"], "us", "mx.eval of a one-element graph"),
+        "cpu_vs_here": fig(1.0, "x", "this machine"),
+    }
+    p = Profile("this-machine", f"this machine ({os.cpu_count()} CPUs)", figures)
+    p.figures["_reads"] = {"value": 0, "kind": "measured", "source": how,
+                           "detail": [big, small]}
+    return p
