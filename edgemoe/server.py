@@ -15,6 +15,7 @@ edgemoe.serving.engine.
 import argparse
 import logging
 import socket
+from pathlib import Path
 from typing import Tuple
 
 from .cli import add_debug_flag, tool
@@ -90,8 +91,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
                    help="Another model name requests may give (repeat it); any name that "
                         "is neither this nor the model's is a 404")
-    p.add_argument("--chat-template", default=None,
-                   help="A chat template (Jinja text) to use instead of the tokenizer's")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="A chat template to use instead of the tokenizer's: a file's path "
+                        "(.jinja), or the Jinja text itself")
     p.add_argument("--chat-template-args", type=json_object, default={},
                    help="Arguments of every request's chat template, a JSON object "
                         "(e.g. '{\"enable_thinking\": false}')")
@@ -127,7 +129,8 @@ def build(args) -> Tuple[Engine, Server]:
     from .model.loader import load
 
     options = StreamOptions.from_args(args)
-    tokenizer_config = {"chat_template": args.chat_template} if args.chat_template else None
+    template = chat_template(args.chat_template)
+    tokenizer_config = {"chat_template": template} if template else None
 
     def load_model():
         return load(args.model, return_config=True, tokenizer_config=tokenizer_config,
@@ -162,11 +165,40 @@ def build(args) -> Tuple[Engine, Server]:
     return engine, server
 
 
+def chat_template(value):
+    """--chat-template's template: the file it names, or the text it is (logged: which)."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if "\n" not in value and "{" not in value:
+        if not path.is_file():
+            raise SystemExit(f"--chat-template: {value!r} is neither a file (no such file) "
+                             f"nor a Jinja template (no {{% or {{{{ in it)")
+        log.info("chat template: the file %s", path)
+        return path.read_text(encoding="utf-8")
+    log.info("chat template: the text given on the command line (%d characters)",
+             len(value))
+    return value
+
+
 def allowed_hosts(host: str, extra):
     """The Host names a server bound to `host` answers: None (any) for a wildcard bind."""
     if host in ("0.0.0.0", "::") or "*" in (extra or ()):
         return None
     return sorted({host, *LOCAL_HOSTS, *(extra or ())})
+
+
+def end_streams_on_exit(uvicorn_server, server: Server):
+    """On a stop signal, streams in flight end with an error event before uvicorn waits
+    for their connections to close (else they would be cut without one)."""
+    handle_exit = uvicorn_server.handle_exit
+
+    def handle(sig, frame):
+        if server.loop is not None and not server.loop.is_closed():
+            server.loop.call_soon_threadsafe(server.close_streams)
+        handle_exit(sig, frame)
+
+    uvicorn_server.handle_exit = handle
 
 
 def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
@@ -210,6 +242,7 @@ def main(argv=None):
         sock = listening_socket(args.host, args.port, args.send_buffer)
         uvicorn_server = uvicorn.Server(config)
         stop_within(uvicorn_server, STOP_TIMEOUT_S)
+        end_streams_on_exit(uvicorn_server, server)
         uvicorn_server.run(sockets=[sock])
     finally:
         engine.stop()

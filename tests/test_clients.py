@@ -176,7 +176,6 @@ REFUSED = [
     ({"prediction": {"type": "content", "content": "x"}}, "'prediction' is not supported"),
     ({"web_search_options": {}}, "'web_search_options' is not supported"),
     ({"n": 2}, "'n' must be 1"),
-    ({"parallel_tool_calls": False}, "'parallel_tool_calls': false"),
     ({"response_format": {"type": "xml"}}, "'response_format.type' must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},

@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .chat import BadRequest, Reply, render, text_of
+from .chat import BadRequest, Reply, arguments_object, render, text_of
 from .http import NUMBER, Server, field, public, refuse_unknown, stop_strings
 from .http import sse as _sse
-from .openai import forced_call
+from .openai import forced_call, no_tool_format
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
           "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",
@@ -121,13 +121,14 @@ class AnthropicAPI:
         max_tokens = field(body, "max_tokens", int, lo=1)
         messages = self._conversation(body)
         tools = self._tools(body)
-        if tools and s.tokenizer.tool_parser is None:
-            raise BadRequest("this model's tokenizer has no tool-call parser, so its tool "
-                             "use could not be returned", "tools")
         choice = field(body, "tool_choice", dict, {"type": "auto"})
-        kind, grammar, parse = choice.get("type"), None, bool(tools)
+        refuse_unknown(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice",
+                       "tool_choice.")
+        kind, grammar, reading = choice.get("type"), None, "parse" if tools else None
         if kind == "none":
-            parse = False
+            reading = None
+        elif kind == "auto" and tools and s.tokenizer.tool_parser is None:
+            raise BadRequest(no_tool_format(s.tokenizer), "tools")
         elif kind in ("any", "tool"):
             if not tools:
                 raise BadRequest("'tool_choice' asks for tool use, but no 'tools' are "
@@ -136,11 +137,11 @@ class AnthropicAPI:
             if kind == "tool" and name not in [t["function"]["name"] for t in tools]:
                 raise BadRequest(f"'tool_choice.name' {name!r} is not in 'tools'",
                                  "tool_choice")
-            grammar = forced_call(s, tools, name)
+            grammar, reading = forced_call(s, tools, name), "forced"
         elif kind != "auto":
             raise BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got "
                              f"{kind!r}", "tool_choice")
-        prompt = render(s.tokenizer, messages, tools if parse else None, s.template_args)
+        prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
         d = s.sampling_defaults
         job = s.job(prompt, max_tokens=max_tokens, max_tokens_name="max_tokens",
                     prompt_param="messages",
@@ -152,7 +153,10 @@ class AnthropicAPI:
                     stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
                     grammar=grammar, id_prefix="msg_")
         opts = {"model": model, "stream": field(body, "stream", bool, False)}
-        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=parse)
+        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
+                                forced=reading == "forced",
+                                max_calls=1 if choice.get("disable_parallel_tool_use")
+                                else None)
 
     async def count_tokens(self, request: Request):
         s = self.server
@@ -199,7 +203,7 @@ class MessageView:
     def _tool_use(call: dict) -> dict:
         return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
                 "name": call["function"]["name"],
-                "input": json.loads(call["function"]["arguments"])}
+                "input": arguments_object(call)}
 
     def _stop_reason(self, finish: str) -> str:
         reason = STOP[self.reply.finish_reason(finish)]

@@ -10,10 +10,12 @@ tools with calls tools here the same way.
 
 import json
 import logging
+import re
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 log = logging.getLogger("edgemoe.server")
 
@@ -127,9 +129,17 @@ class Reply:
     """
 
     def __init__(self, tokenizer, prompt: List[int], tools: Optional[list],
-                 parse_tools: bool = True):
+                 parse_tools: bool = True, forced: bool = False,
+                 max_calls: Optional[int] = None):
+        """`forced`: the whole reply is one call a grammar forced (constrain.forced_call),
+        read here whatever the model's own parser; `max_calls`: the most calls returned
+        (1 for parallel_tool_calls: false)."""
         self.tools = tools
-        self.parser = tokenizer.tool_parser if (tools and parse_tools) else None
+        self.forced = tokenizer if forced else None
+        self.max_calls = max_calls
+        self.markers = (tokenizer.tool_call_start or "", tokenizer.tool_call_end or "")
+        self.parser = tokenizer.tool_parser if (tools and parse_tools and not forced) \
+            else None
         machine = make_text_state_machine(tokenizer) if (
             tokenizer.has_thinking or self.parser is not None) else None
         self.machine = machine.make_state(initial_state(tokenizer, prompt)) if machine \
@@ -140,6 +150,18 @@ class Reply:
         self.content, self.reasoning = [], []
 
     def feed(self, text: str, final: bool = False) -> Tuple[str, str, List[dict]]:
+        if self.forced is not None:  # nothing is certain until the call is whole
+            self.tool_text += text
+            if not final:
+                return "", "", []
+            calls = [forced_reply_call(self.tool_text, self.forced.tool_call_start,
+                                       self.forced.tool_call_end)]
+            if calls[0] is None and len(self.tools or ()) == 1:  # cut before its name
+                calls = [new_call(self.tools[0]["function"]["name"], "")]
+            self.tool_text = ""
+            calls = self._room([c for c in calls if c is not None])
+            self.calls += calls
+            return "", "", calls
         if self.machine is None:
             self.content.append(text)
             return text, "", []
@@ -151,39 +173,147 @@ class Reply:
         for state, piece in segments:
             if state == "tool":
                 self.tool_text += piece
-            elif self.state == "tool":
-                calls += self._parse()  # the call's end marker: it is complete
+            elif self.state == "tool":  # the call's end marker: it is complete
+                parsed, unparsed = self._parse()
+                calls += parsed
+                content.append(unparsed)
             if state == "reasoning":
                 reasoning.append(piece)
             elif state in ("normal", None):
                 content.append(piece)
             self.state = state
         if final and self.tool_text:
-            calls += self._parse()  # cut off before its end marker
+            parsed, unparsed = self._parse(cut=True)  # cut off before its end marker
+            calls += parsed
+            content.append(unparsed)
         content, reasoning = "".join(content), "".join(reasoning)
+        calls = self._room(calls)
         self.content.append(content)
         self.reasoning.append(reasoning)
         self.calls += calls
         return content, reasoning, calls
 
-    def _parse(self) -> List[dict]:
+    def _room(self, calls: List[dict]) -> List[dict]:
+        if self.max_calls is None:
+            return calls
+        return calls[:max(0, self.max_calls - len(self.calls))]
+
+    def _parse(self, cut: bool = False) -> Tuple[List[dict], str]:
+        """The calls in the tool text, and the text of a call that did not parse (given
+        back as content, never dropped): a call cut by max_tokens is returned as far as
+        it goes (its name, its arguments' JSON so far)."""
         text, self.tool_text = self.tool_text, ""
         if not text.strip():
-            return []
+            return [], ""
         try:
             parsed = self.parser(text, self.tools)
         except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            partial = partial_call(text) if cut else None
+            if partial is not None:
+                return [partial], ""
             log.warning("a tool call did not parse (%s: %s): %r", type(e).__name__, e,
                         text[:200])
-            return []
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c["name"],
-                              "arguments": json.dumps(c.get("arguments", {}),
-                                                      ensure_ascii=False)}}
-                for c in (parsed if isinstance(parsed, list) else [parsed])]
+            start, end = self.markers
+            return [], start + text + ("" if cut else end)
+        return [new_call(c["name"], c.get("arguments", {}))
+                for c in (parsed if isinstance(parsed, list) else [parsed])], ""
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+def new_call(name: str, arguments) -> dict:
+    """A call in OpenAI's form: its arguments a JSON string (as far as they go, for a
+    call cut by max_tokens)."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"?\s*'
+                           r'(?:,\s*"arguments"\s*:\s*(.*))?', re.DOTALL)
+
+
+def partial_call(text: str) -> Optional[dict]:
+    """A JSON call {"name": ..., "arguments": ...} cut short, as far as it goes, or None
+    when not even its name began."""
+    m = _PARTIAL_CALL.match(text)
+    if m is None:
+        return None
+    return new_call(json.loads('"' + m.group(1).rstrip("\\") + '"'), m.group(2) or "")
+
+
+def forced_reply_call(text: str, start: Optional[str], end: Optional[str]
+                      ) -> Optional[dict]:
+    """The call of a reply a grammar forced: `start`{"name": ..., "arguments": ...}`end`
+    (the markers where the model's tool format has them), whole or cut short."""
+    body = text.strip()
+    if start and body.startswith(start):
+        body = body[len(start):]
+    try:  # a whole object, whatever follows it (an end marker, or part of one)
+        call, _ = json.JSONDecoder().raw_decode(body.lstrip())
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            return new_call(call["name"], call.get("arguments", {}))
+    except json.JSONDecodeError:
+        pass
+    return partial_call(body)
+
+
+def arguments_object(call: dict) -> dict:
+    """A call's arguments as an object (Anthropic's input, Ollama's arguments): those of
+    a call cut short closed as far as they parse, else {}."""
+    text = call["function"]["arguments"]
+    try:
+        value = json.loads(text)
+        return value if isinstance(value, dict) else {}
+    except json.JSONDecodeError:
+        return close_json(text)
+
+
+def close_json(text: str) -> dict:
+    """The object a JSON text cut short begins: its open strings, arrays and objects
+    closed, after dropping what cannot end a value (a dangling key, comma or colon)."""
+    for cut in range(len(text), max(-1, len(text) - 64), -1):
+        head = text[:cut].rstrip().rstrip(",:").rstrip()
+        closers, in_string, escaped = [], False, False
+        for ch in head:
+            if in_string:
+                escaped = ch == "\\" and not escaped
+                in_string = escaped or ch != '"'
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                closers.append("}" if ch == "{" else "]")
+            elif ch in "}]" and closers:
+                closers.pop()
+        tail = ('"' if in_string and not escaped else "") + "".join(reversed(closers))
+        try:
+            value = json.loads(head + tail)
+            return value if isinstance(value, dict) else {}
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+class _KeepSpaceBPE(BPEStreamingDetokenizer):
+    """mlx-lm's byte-level detokenizer without its trim of the first leading space."""
+
+    def _maybe_trim_space(self, current_text):
+        return current_text
+
+
+def untrimmed_detokenizer(tokenizer):
+    """A streaming detokenizer whose text is exactly its tokens' (a completion's first
+    token keeps its leading space: prompt + completion is the text the model wrote)."""
+    detokenizer = tokenizer.detokenizer
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        keep = _KeepSpaceBPE.__new__(_KeepSpaceBPE)
+        keep.__dict__.update(detokenizer.__dict__)
+        return keep
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        detokenizer.trim_space = False
+    return detokenizer
 
 
 def token_pieces(tokenizer, ids: List[int]) -> List[Tuple[str, List[int]]]:

@@ -76,16 +76,55 @@ class Grammar:
         return self.matcher.is_stopped()
 
 
+MAX_OPEN_PROPERTIES = 16  # the keys a call may give an object whose schema lists none
+
+
 def tool_call_grammar(start: str, end: str, tools: list, name: Optional[str]) -> str:
-    """A Lark grammar for one JSON tool call between the parser's markers, `start`
-    {"name": ..., "arguments": {...}} `end`, of the tool `name` or of any of `tools`."""
+    """A Lark grammar for one JSON tool call, {"name": ..., "arguments": {...}}, of the
+    tool `name` or of any of `tools`, between the tool parser's markers `start` and `end`
+    (none where the model has no JSON tool format: the reply is the call alone).
+    Parameter schemas are closed (generation_schema), so the call always ends."""
     calls = [{"type": "object",
               "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get("parameters")
-                             or {"type": "object"}},
+                             "arguments": generation_schema(
+                                 t["function"].get("parameters") or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False}
              for t in tools if name is None or t["function"]["name"] == name]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema["x-guidance"] = JSON_STYLE
-    return (f"start: {json.dumps(start)} call {json.dumps(end)}\n"
-            f"call: %json {json.dumps(schema)}\n")
+    markers = [json.dumps(m) for m in (start, end) if m]
+    body = f"{markers[0]} call {markers[1]}" if len(markers) == 2 else "call"
+    return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
+
+
+_SCHEMAS = ("items", "not", "additionalProperties", "contains", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def generation_schema(schema):
+    """`schema` as generation follows it: an object that lists its properties and says
+    nothing of others takes no others (`additionalProperties: false`, as OpenAI's strict
+    mode has it), and one that lists none takes at most MAX_OPEN_PROPERTIES keys. JSON
+    Schema's default (any other key) lets a grammar go on adding keys until max_tokens,
+    which ordinary tool schemas (LangChain's, MCP's) leave open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = generation_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [generation_schema(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: generation_schema(s) for k, s in out[key].items()}
+    is_object = out.get("type") == "object" or (
+        isinstance(out.get("type"), list) and "object" in out["type"]) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        if out.get("properties"):
+            out["additionalProperties"] = False
+        else:
+            out.setdefault("maxProperties", MAX_OPEN_PROPERTIES)
+    return out

@@ -1,7 +1,8 @@
 """The HTTP side of the server: three APIs over one engine.
 
 - OpenAI's (and mlx_lm.server's): `POST /v1/chat/completions`, `POST /v1/completions`,
-  `GET /v1/models`, `GET /v1/models/{id}` (edgemoe.serving.openai);
+  `GET /v1/models`, `GET /v1/models/{id}` (edgemoe.serving.openai), and its Responses
+  API, `POST /v1/responses` (edgemoe.serving.responses);
 - Anthropic's Messages: `POST /v1/messages`, `POST /v1/messages/count_tokens`
   (edgemoe.serving.anthropic);
 - Ollama's: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
@@ -26,6 +27,7 @@ import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -90,8 +92,9 @@ def field(body: dict, name: str, types, default=None, lo=None, hi=None, where: s
 
 
 def refuse_unknown(body: dict, known, what: str, where: str = ""):
-    """A 400 naming the first field this server does not implement: never a silent 200."""
-    unknown = sorted(k for k in body if k not in known)
+    """A 400 naming the first field this server does not implement: never a silent 200.
+    A field sent as null is absent (clients built on typed models send every field)."""
+    unknown = sorted(k for k in body if k not in known and body[k] is not None)
     if unknown:
         raise BadRequest(f"'{where}{unknown[0]}' is not supported by {what} on this server "
                          f"(supported: {', '.join(sorted(known))})", where + unknown[0])
@@ -128,6 +131,9 @@ class Server:
         self.engine = engine
         self.send_timeout_s = send_timeout_s
         self.sending: Dict[Job, Tuple[float, asyncio.Queue]] = {}  # chunks not yet taken
+        self.streams: Dict[Job, asyncio.Queue] = {}  # the streamed requests in flight
+        self.web_origins: List[str] = []  # --cors-origin: pages that may call (make_app)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's (lifespan)
         self.allowed_hosts = allowed_hosts
         self.vocab_size = vocab_size
         # a local folder is shown by its name alone: clients never see the server's folders
@@ -296,6 +302,7 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(event):
+            event.setdefault("at", time.perf_counter())  # when it was made (durations)
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop has closed: the server is stopping
@@ -341,6 +348,7 @@ class Server:
         stops reading for send_timeout_s, or goes away, cancels the job."""
         finished = False
         loop = asyncio.get_running_loop()
+        self.streams[job] = events
         try:
             while True:
                 event = await events.get()
@@ -353,6 +361,7 @@ class Server:
                     return
         finally:  # the client went away (cancelled task or closed generator)
             self.sending.pop(job, None)
+            self.streams.pop(job, None)
             if not finished:
                 log.info("request %s: client disconnected mid-stream", job.id)
                 self.engine.cancel(job)
@@ -374,22 +383,43 @@ class Server:
                         f"cancelled: the client read nothing for {self.send_timeout_s:g} s")})
 
     # -- requests ----------------------------------------------------------------------
+    def close_streams(self, message: str = "the server is shutting down"):
+        """End every stream in flight with an error event (each in its API's form) and
+        cancel its request: a client sees why its stream ended, not a cut connection.
+        Run on the event loop (server.py's shutdown schedules it there)."""
+        for job, events in list(self.streams.items()):
+            self.engine.cancel(job)
+            events.put_nowait({"type": "error", "message": message})
+
     def refused(self, request: Request) -> Optional[JSONResponse]:
-        """A response for a request from where none may come, or None."""
+        """A response for a request from where none may come, or None: another Host
+        (DNS rebinding), or a browser page of another origin (its Origin header), which
+        may send a body of any content type without asking first."""
         host = request.headers.get("host", "")
         name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:host.find("]")]
         if self.allowed_hosts is not None and name not in self.allowed_hosts:
             return error_response(f"Host {host!r} is not a name of this server (allowed: "
                                   f"{', '.join(self.allowed_hosts)}; see --allowed-host)", 400)
+        origin = request.headers.get("origin")
+        if origin is not None and not self.origin_allowed(origin):
+            return error_response(f"a web page of origin {origin!r} may not call this "
+                                  f"server (allowed: this machine's pages and "
+                                  f"--cors-origin)", 403)
         return None
 
+    def origin_allowed(self, origin: str) -> bool:
+        """A page of this machine (a local host name, or one --allowed-host names), or
+        an origin given by --cors-origin."""
+        if origin in self.web_origins or "*" in self.web_origins:
+            return True
+        host = urlsplit(origin).hostname if "://" in origin else None
+        return host is not None and (host in LOCAL_HOSTS or host in (self.allowed_hosts
+                                                                    or ()))
+
     async def body(self, request: Request) -> Any:
-        """The JSON body (BadRequest otherwise): JSON only (a web page cannot send that
-        without the browser asking first), and at most MAX_BODY_BYTES."""
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise BadRequest(f"the request body must be JSON sent as Content-Type: "
-                             f"application/json, got {kind!r}", status=415)
+        """The JSON body (BadRequest otherwise), at most MAX_BODY_BYTES, whatever its
+        declared content type (`curl -d` sends a form's), as Ollama and mlx_lm.server
+        take it; web pages are kept out by their Origin (`refused`)."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise BadRequest(f"the request body is {declared} bytes; at most "
@@ -469,9 +499,13 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
     from .anthropic import AnthropicAPI
     from .ollama import OllamaAPI
     from .openai import OpenAIAPI
+    from .responses import ResponsesAPI
+
+    server.web_origins = list(cors_origins or [])
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
         watch = asyncio.create_task(server.watch_sends())
         yield
         watch.cancel()
@@ -480,7 +514,8 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
         await asyncio.to_thread(server.engine.stop)
 
     class CheckHost:
-        """Refuses requests whose Host header is not this server's, before any route."""
+        """Refuses requests whose Host header is not this server's, or that a web page of
+        another origin sends, before any route."""
 
         def __init__(self, app):
             self.app = app
@@ -494,7 +529,8 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
 
     routes = [Route("/health", server.health, methods=["GET"]),
               Route("/metrics", server.metrics, methods=["GET"])]
-    for api in (OpenAIAPI(server), AnthropicAPI(server), OllamaAPI(server)):
+    for api in (OpenAIAPI(server), ResponsesAPI(server), AnthropicAPI(server),
+                OllamaAPI(server)):
         routes += api.routes()
     middleware = [Middleware(CheckHost)]
     if cors_origins:

@@ -6,8 +6,10 @@ Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9) where a re
 gives none and the server sets none (--temp, --top-p, --top-k, --min-p): apps written for
 Ollama rely on them. Ollama's resource options (threads,
 GPU layers, batch size, mmap) have no meaning here, where the expert budget decides
-memory; they are accepted and do nothing. Any other option this server does not
-implement is a 400 naming it.
+memory; they are accepted and do nothing. Sampling options this server does not implement
+are accepted at their neutral value (mirostat 0, tfs_z 1, typical_p 1), where they change
+nothing, and refused with a 400 naming them otherwise; so is any other unknown option.
+A body is read as JSON whatever its content type (`curl -d` sends a form's).
 """
 
 import json
@@ -20,7 +22,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces
+from .chat import (BadRequest, Reply, arguments_object, check_tools, render, text_of,
+                   token_pieces)
 from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, field, public, refuse_unknown,
                    stop_strings)
 
@@ -29,7 +32,11 @@ SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "st
             "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
             "num_ctx"}
 RESOURCES = {"num_thread", "num_gpu", "main_gpu", "num_batch", "use_mmap", "use_mlock",
-             "numa", "low_vram", "num_keep"}
+             "numa", "low_vram", "num_keep", "f16_kv", "logits_all", "vocab_only",
+             "embedding_only",
+             # Ollama itself ignores it now; mirostat's own knobs do nothing without it
+             "penalize_newline", "mirostat_tau", "mirostat_eta"}
+NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}  # sampling not implemented here
 COMMON = {"model", "stream", "format", "options", "keep_alive", "think", "logprobs",
           "top_logprobs"}
 CHAT = COMMON | {"messages", "tools"}
@@ -113,7 +120,14 @@ class OllamaAPI:
     def _options(self, body: dict) -> dict:
         s = self.server
         options = field(body, "options", dict, {})
-        refuse_unknown(options, SAMPLING | RESOURCES, "Ollama's options", "options.")
+        refuse_unknown(options, SAMPLING | RESOURCES | set(NEUTRAL), "Ollama's options",
+                       "options.")
+        for name, neutral in NEUTRAL.items():
+            value = field(options, name, NUMBER, neutral, where="options.")
+            if value != neutral:
+                raise BadRequest(f"'options.{name}' {value} is not supported (only its "
+                                 f"neutral value {neutral}, which changes nothing)",
+                                 "options." + name)
         o = {**DEFAULTS, **s.sampling_defaults,
              **{k: v for k, v in options.items() if v is not None}}
         num_ctx = field(o, "num_ctx", int, s.context_length, lo=1, where="options.")
@@ -218,8 +232,9 @@ class OllamaAPI:
         refuse_unknown(body, CHAT, "/api/chat")
         model = s.model_name(body, required=True)
         tools = check_tools(body.get("tools"))
-        if tools and s.tokenizer.tool_parser is None:
-            raise BadRequest(f"the model {self._name()!r} does not support tools", "tools")
+        if tools and s.tokenizer.tool_parser is None:  # (Ollama has no forced calls)
+            raise BadRequest(f"the model {self._name()!r} does not support tools: its chat "
+                             f"template has no tool-call format mlx-lm can read", "tools")
         messages = self._messages(body)
         if not messages:  # Ollama's way to load a model, which is loaded
             return None, loaded(model, chat=True), None
@@ -268,8 +283,7 @@ class Lines:
 
     def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply]):
         self.server, self.job, self.opts, self.reply = server, job, opts, reply
-        self.started = time.perf_counter()
-        self.first: Optional[float] = None
+        self.first: Optional[float] = None  # when the first token was made
 
     def _piece(self, content: str, reasoning: str, calls: List[dict],
                events: List[dict]) -> dict:
@@ -281,7 +295,7 @@ class Lines:
             if calls:
                 message["tool_calls"] = [{"function": {
                     "name": c["function"]["name"],
-                    "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+                    "arguments": arguments_object(c)}} for c in calls]
             out["message"] = message
         else:
             out["response"] = content
@@ -306,20 +320,23 @@ class Lines:
         return out
 
     def _done(self, out: dict, last: dict) -> dict:
-        end = time.perf_counter()
+        """The last piece, with Ollama's counts and durations (ns): the prompt's from the
+        request's arrival to its first token, the reply's from there to its end, as the
+        engine made them (clients divide eval_count by eval_duration)."""
+        end = last.get("at") or time.perf_counter()
         first = self.first or end
         ns = 1_000_000_000
         out.update(done=True, done_reason=self.reply.finish_reason(last["finish_reason"])
                    .replace("tool_calls", "stop"),
-                   total_duration=int((end - self.started) * ns), load_duration=0,
+                   total_duration=int((end - self.job.received) * ns), load_duration=0,
                    prompt_eval_count=last["prompt_tokens"] - last["cached_tokens"],
-                   prompt_eval_duration=int((first - self.started) * ns),
+                   prompt_eval_duration=int((first - self.job.received) * ns),
                    eval_count=last["completion_tokens"],
                    eval_duration=int((end - first) * ns))
         return out
 
     def whole(self, events: List[dict], last: dict) -> dict:
-        self.first = self.first or time.perf_counter()
+        self.first = events[0].get("at") if events else None
         text = "".join(e["text"] for e in events)
         return self._done(self._piece(*self.reply.feed(text, final=True), events), last)
 
@@ -328,7 +345,7 @@ class Lines:
             yield json.dumps({"error": public(event["message"])}) + "\n"
             return
         if event["type"] == "token":
-            self.first = self.first or time.perf_counter()
+            self.first = self.first or event.get("at") or time.perf_counter()
             content, reasoning, calls = self.reply.feed(event["text"])
             if content or reasoning or calls or self.job.want_logprobs:
                 yield json.dumps(self._piece(content, reasoning, calls, [event]),

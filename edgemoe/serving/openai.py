@@ -1,10 +1,17 @@
 """OpenAI's API (and mlx_lm.server's extensions of it): chat completions, completions, models.
 
-Every field OpenAI defines is implemented or refused with a 400 naming it; mlx_lm.server's
-extra fields (top_k, min_p, repetition_penalty and the penalties' context sizes,
-chat_template_kwargs, role_mapping, num_draft_tokens) are taken as it takes them.
+Every field OpenAI defines is implemented, accepted where it cannot change the result here
+(docs/server-fields.md has the table), or refused with a 400 naming it; a field sent as
+null is absent. mlx_lm.server's extra fields (top_k, min_p, repetition_penalty and the
+penalties' context sizes, chat_template_kwargs, role_mapping, num_draft_tokens) are taken
+as it takes them.
+
+Tools work on any model: a forced call (tool_choice "required" or a named function) is
+decoded under a grammar and read here whatever the model's tool format; `auto` needs the
+tool parser mlx-lm infers from the chat template; `none` needs nothing.
 """
 
+import asyncio
 from typing import Any, Dict, List, Optional
 
 from starlette.requests import Request
@@ -12,20 +19,26 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .chat import BadRequest, Reply, check_tools, render, text_of, token_pieces, \
-    tool_call_message
-from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, error_response, field, public,
-                   refuse_unknown, sse, stop_strings)
+from .chat import (BadRequest, Reply, check_tools, render, text_of, token_pieces,
+                   tool_call_message, untrimmed_detokenizer)
+from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, error_response,
+                   event_stream, field, public, refuse_unknown, sse, stop_strings)
 
+# fields that cannot change a result here: who asks (user, safety_identifier), billing and
+# routing on OpenAI's side (service_tier, prompt_cache_key, store, metadata)
+NO_EFFECT = {"user", "service_tier", "prompt_cache_key", "safety_identifier", "metadata",
+             "store"}
 COMMON = {"model", "stream", "stream_options", "n", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "max_tokens", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "repetition_context_size", "presence_context_size",
-          "frequency_context_size", "logit_bias", "logprobs", "top_logprobs", "user", "num_draft_tokens"}
+          "frequency_context_size", "logit_bias", "logprobs", "top_logprobs",
+          "num_draft_tokens"} | NO_EFFECT
 CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
                  "parallel_tool_calls", "response_format", "chat_template_kwargs",
-                 "role_mapping", "metadata", "store"}
+                 "role_mapping", "reasoning_effort", "modalities"}
 COMPLETIONS = COMMON | {"prompt", "echo", "best_of"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_PROMPTS = 64  # prompts of one batched completions request
 
 
 class OpenAIAPI:
@@ -80,7 +93,8 @@ class OpenAIAPI:
         if stream_options and not stream:
             raise BadRequest("'stream_options' is only allowed with 'stream': true",
                              "stream_options")
-        refuse_unknown(stream_options, {"include_usage"}, "stream_options",
+        refuse_unknown(stream_options, {"include_usage", "include_obfuscation"},
+                       "stream_options",
                        "stream_options.")
         return dict(
             stream=stream, include_usage=bool(stream_options.get("include_usage")),
@@ -94,7 +108,8 @@ class OpenAIAPI:
                           seed=field(body, "seed", int, lo=0, hi=2**63 - 1),
                           stop=stop_strings(body.get("stop")), penalties=penalties,
                           logit_bias=s.logit_bias(body.get("logit_bias"))),
-            max_tokens=field(body, name, int, None, lo=1), max_tokens_name=name,
+            max_tokens=field(body, name, int, None, lo=0 if not chat else 1),
+            max_tokens_name=name,
             num_draft_tokens=s.draft_tokens_field(body))
 
     def _messages(self, body: dict) -> List[dict]:
@@ -137,13 +152,14 @@ class OpenAIAPI:
 
     def _grammar(self, body: dict, tools: Optional[list]):
         """The grammar a response_format or a forced tool choice asks for, or None; and
-        whether tool calls are parsed."""
+        how the reply's tool calls are read: "forced" (the grammar's one call), "parse"
+        (the model's tool parser) or None (not at all)."""
         s = self.server
         from .constrain import Grammar, GrammarError
 
         choice = body.get("tool_choice")
         fmt = field(body, "response_format", dict)
-        grammar, parse = None, bool(tools)
+        grammar, parse = None, "parse" if tools else None
         if fmt is not None:
             kind = fmt.get("type")
             try:
@@ -164,9 +180,11 @@ class OpenAIAPI:
                 raise BadRequest(f"'response_format' schema: {e}", "response_format") \
                     from None
         if choice in (None, "auto"):
+            if tools and s.tokenizer.tool_parser is None:
+                raise BadRequest(no_tool_format(s.tokenizer), "tools")
             return grammar, parse
         if choice == "none":
-            return grammar, False
+            return grammar, None
         name = None
         if isinstance(choice, dict):
             fn = choice.get("function")
@@ -188,7 +206,7 @@ class OpenAIAPI:
         if grammar is not None:
             raise BadRequest("'response_format' and a forced 'tool_choice' cannot be "
                              "combined", "response_format")
-        return forced_call(s, tools, name), True
+        return forced_call(s, tools, name), "forced"
 
     def parse_chat(self, body: dict):
         s = self.server
@@ -198,27 +216,27 @@ class OpenAIAPI:
         top = field(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
         if top and not logprobs:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if field(body, "parallel_tool_calls", bool, True) is False:
-            raise BadRequest("'parallel_tool_calls': false is not supported (the tool "
-                             "parser returns every call the model makes)",
-                             "parallel_tool_calls")
+        parallel = field(body, "parallel_tool_calls", bool, True)
+        check_reasoning_effort(s, body)
+        modalities = field(body, "modalities", list, ["text"])
+        if modalities != ["text"]:
+            raise BadRequest(f"'modalities' must be [\"text\"] (this model writes text), "
+                             f"got {modalities}", "modalities")
         messages = self._messages(body)
         tools = check_tools(body.get("tools"))
-        if tools and s.tokenizer.tool_parser is None:
-            raise BadRequest("this model's tokenizer has no tool-call parser (mlx-lm "
-                             "infers one from the chat template), so its calls could not "
-                             "be returned", "tools")
-        grammar, parse = self._grammar(body, tools)
+        grammar, reading = self._grammar(body, tools)
         template_args = {**s.template_args,
                          **field(body, "chat_template_kwargs", dict, {})}
-        prompt = render(s.tokenizer, messages, tools if parse or grammar else None,
+        prompt = render(s.tokenizer, messages, tools if reading else None,
                         template_args, field(body, "role_mapping", dict))
         job = s.job(prompt, max_tokens=opts["max_tokens"],
                     max_tokens_name=opts["max_tokens_name"], prompt_param="messages",
                     grammar=grammar, id_prefix="chatcmpl-", want_logprobs=logprobs,
                     top_logprobs=top, num_draft_tokens=opts["num_draft_tokens"],
                     **opts["sampling"])
-        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=parse)
+        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
+                                forced=reading == "forced",
+                                max_calls=None if parallel else 1)
 
     def parse_completion(self, body: dict):
         s = self.server
@@ -236,64 +254,192 @@ class OpenAIAPI:
                                  f"got {logprobs}", "logprobs")
             top, logprobs = max(top, logprobs), True
         opts["echo"] = field(body, "echo", bool, False)
-        prompt = s.text_tokens(body["prompt"])
-        job = s.job(prompt, max_tokens=opts["max_tokens"],
-                    max_tokens_name=opts["max_tokens_name"], prompt_param="prompt",
-                    id_prefix="cmpl-", want_logprobs=logprobs, top_logprobs=top,
-                    prompt_logprobs=opts["echo"] and logprobs,
-                    use_prompt_cache=not (opts["echo"] and logprobs),
-                    num_draft_tokens=opts["num_draft_tokens"], **opts["sampling"])
-        return job, opts, None
+        # max_tokens 0 scores the prompt alone (with echo and logprobs: what an evaluation
+        # harness's loglikelihood asks); the engine decodes one token, which is not shown
+        opts["score_only"] = opts["max_tokens"] == 0
+        jobs = []
+        for prompt in self._prompts(body["prompt"]):
+            job = s.job(prompt, max_tokens=1 if opts["score_only"] else opts["max_tokens"],
+                        max_tokens_name=opts["max_tokens_name"], prompt_param="prompt",
+                        id_prefix="cmpl-", want_logprobs=logprobs, top_logprobs=top,
+                        prompt_logprobs=opts["echo"] and logprobs,
+                        use_prompt_cache=not (opts["echo"] and logprobs),
+                        num_draft_tokens=opts["num_draft_tokens"], **opts["sampling"])
+            job.detokenizer = untrimmed_detokenizer(s.tokenizer)  # text == its tokens
+            jobs.append(job)
+        if len(jobs) > 1:
+            raise Batched(jobs, opts)
+        return jobs[0], opts, None
+
+    def _prompts(self, prompt) -> List[List[int]]:
+        """OpenAI's prompt forms: a string, a list of strings, a list of token ids, or a
+        list of lists of token ids; each one prompt (of one choice)."""
+        s = self.server
+        batch = isinstance(prompt, list) and prompt and all(
+            isinstance(p, (str, list)) for p in prompt)
+        if not batch:
+            return [s.text_tokens(prompt)]
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} "
+                             f"are taken in one request", "prompt")
+        return [s.text_tokens(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
 
     async def chat(self, request: Request):
-        return await self._complete(request, self.parse_chat)
+        return await self.server.respond(request, self.parse_chat, self._view, _error)
 
     async def completions(self, request: Request):
-        return await self._complete(request, self.parse_completion)
+        try:
+            return await self.server.respond(request, self.parse_completion, self._view,
+                                             _error)
+        except Batched as batch:  # several prompts: a choice each, decoded together
+            return await self._batch(request, batch.jobs, batch.opts)
 
-    async def _complete(self, request: Request, parse):
-        return await self.server.respond(
-            request, parse, lambda job, opts, reply: View(self.server, job, opts, reply),
-            lambda message, status, param: error_response(
-                message, status, param,
-                "invalid_request_error" if status < 500 else "server_error"))
+    def _view(self, job, opts, reply):
+        return View(self.server, job, opts, reply)
+
+    async def _batch(self, request: Request, jobs: list, opts: dict):
+        s = self.server
+        queues = []
+        try:
+            for job in jobs:
+                queues.append(await s.submit(job))
+        except BadRequest as e:
+            for job in jobs[:len(queues)]:
+                s.engine.cancel(job)
+            return _error(e.message, e.status, e.param)
+        views = [View(s, job, opts, None, index=i, alone=False)
+                 for i, job in enumerate(jobs)]
+        if opts["stream"]:
+            return event_stream(self._merged(jobs, queues, views, opts))
+        try:
+            results = await asyncio.gather(*(s.collect(request, job, events)
+                                             for job, events in zip(jobs, queues)))
+        except ClientGone:
+            for job in jobs:
+                s.engine.cancel(job)
+            return _error("client disconnected", 499, None)
+        failed = [last for _, last in results if last["type"] == "error"]
+        if failed:
+            return _error(public(failed[0]["message"]), 500, None)
+        out = [view.whole(tokens, last) for view, (tokens, last) in zip(views, results)]
+        whole = out[0]
+        whole["choices"] = [o["choices"][0] for o in out]
+        whole["usage"] = _summed([o["usage"] for o in out])
+        return JSONResponse(whole)
+
+    async def _merged(self, jobs: list, queues: list, views: list, opts: dict):
+        """The streams of several prompts as one, each chunk with its choice's index."""
+        s = self.server
+        merged: asyncio.Queue = asyncio.Queue()
+        usages = []
+
+        async def pump(job, events, view):
+            try:
+                async for chunk in s.stream(job, events, view.chunks):
+                    await merged.put(chunk)
+            finally:
+                usages.append(view.usage)
+                await merged.put(None)
+
+        tasks = [asyncio.create_task(pump(*a)) for a in zip(jobs, queues, views)]
+        try:
+            left = len(tasks)
+            while left:
+                chunk = await merged.get()
+                if chunk is None:
+                    left -= 1
+                else:
+                    yield chunk
+            if opts["include_usage"] and all(usages):
+                tail = views[0].base(chunk=True)
+                tail.update(choices=[], usage=_summed(usages))
+                yield sse(tail)
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+class Batched(Exception):
+    """A completions request of several prompts (parse_completion's answer, which
+    Server.respond, made for one job, passes up)."""
+
+    def __init__(self, jobs: list, opts: dict):
+        super().__init__(f"{len(jobs)} prompts")
+        self.jobs, self.opts = jobs, opts
+
+
+def _error(message: str, status: int, param: Optional[str]):
+    return error_response(message, status, param,
+                          "invalid_request_error" if status < 500 else "server_error")
+
+
+def _summed(usages: List[dict]) -> dict:
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {**{k: sum(u[k] for u in usages) for k in keys},
+            "prompt_tokens_details": {"cached_tokens": sum(
+                u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
 
 
 def forced_call(server: Server, tools: list, name: Optional[str]):
-    """The grammar of one call of tool `name` (or of any of `tools`), as the model's tool
-    parser reads it: mlx-lm's JSON tool calls (json_tools) only."""
+    """The grammar of one call of tool `name` (or of any of `tools`): between the tool
+    parser's markers where the model writes JSON calls (mlx-lm's json_tools), else the
+    call's JSON alone; either way the reply is read as that call (Reply(forced=True)),
+    with or without a parser."""
     from .constrain import Grammar, GrammarError, tool_call_grammar
 
     tok = server.tokenizer
-    if not tok.tool_parser.__module__.endswith(".json_tools"):
-        raise BadRequest(f"a forced tool call is supported for models whose tool calls "
-                         f"are JSON (mlx-lm's json_tools parser); this model's parser is "
-                         f"{tok.tool_parser.__module__.rsplit('.', 1)[-1]}", "tool_choice")
+    json_calls = tok.tool_parser is not None and \
+        tok.tool_parser.__module__.endswith(".json_tools")
+    start, end = (tok.tool_call_start, tok.tool_call_end) if json_calls else ("", "")
     try:
-        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(
-            tok.tool_call_start, tok.tool_call_end, tools, name))
+        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(start, end, tools,
+                                                                       name))
     except GrammarError as e:
         raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
 
 
-class View:
-    """One request's events as OpenAI's responses: whole, or as server-sent chunks."""
+def no_tool_format(tokenizer) -> str:
+    return ("this model's chat template has no tool-call format mlx-lm can read (no "
+            "tool parser), so calls it wrote on its own could not be returned: force one "
+            "(tool_choice \"required\" or a named function), send tool_choice \"none\", or "
+            "start the server with a --chat-template that has tools")
 
-    def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply]):
+
+def check_reasoning_effort(server: Server, body: dict, name: str = "reasoning_effort"):
+    """Accepted for a model that does not reason (it changes nothing); a reasoning
+    model's thinking is switched by chat_template_kwargs (enable_thinking) instead."""
+    effort = body.get(name)
+    if effort is not None and server.tokenizer.has_thinking:
+        raise BadRequest(f"'{name}' is not supported: this model's thinking is switched by "
+                         f"chat_template_kwargs {{\"enable_thinking\": false}}", name)
+
+
+class View:
+    """One request's events as OpenAI's responses: whole, or as server-sent chunks.
+    `index`: its choice's (one of several prompts); `alone`: the stream is its own (it
+    ends with the usage chunk and [DONE]), not one of several merged."""
+
+    def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply],
+                 index: int = 0, alone: bool = True):
         self.server, self.job, self.opts, self.reply = server, job, opts, reply
         self.chat = reply is not None
+        self.index, self.alone = index, alone
         self.started = False
+        self.usage: Optional[dict] = None  # once done
 
-    def _base(self, chunk: bool) -> dict:
+    def base(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
             else "text_completion"
         return {"id": self.job.id, "object": kind, "created": self.server.created,
                 "model": self.opts["model"], "system_fingerprint": f"edgemoe-{__version__}"}
 
     def _usage(self, last: dict) -> dict:
-        p, c = last["prompt_tokens"], last["completion_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": last["cached_tokens"]}}
+        p = last["prompt_tokens"]
+        c = 0 if self.opts.get("score_only") else last["completion_tokens"]
+        self.usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                      "prompt_tokens_details": {"cached_tokens": last["cached_tokens"]}}
+        return self.usage
 
     def _entries(self, events: List[dict]) -> List[dict]:
         """Chat logprobs entries (also mlx_lm.server's completions form, with ids)."""
@@ -329,23 +475,35 @@ class View:
                 "text_offset": offsets, "content": entries}
 
     def _prompt_entries(self, last: dict) -> List[dict]:
+        """The prompt's tokens as logprobs entries: each one's logprob given the tokens
+        before it (the first has none) and, asked for, the most likely tokens there."""
         scores = last.get("prompt_logprobs") or []
-        pieces = token_pieces(self.server.tokenizer, self.job.prompt)
-        return [{"id": t, "token": text, "logprob": lp, "bytes": data, "top_logprobs": []}
-                for t, (text, data), lp in zip(self.job.prompt, pieces, scores)]
+        tops = last.get("prompt_top") or [None] * len(scores)
+        events = [{"token": t, "logprob": lp, "top": top}
+                  for t, lp, top in zip(self.job.prompt, scores, tops)]
+        return self._entries(events)
 
     def _echo(self) -> str:
-        return self.server.tokenizer.decode(self.job.prompt) if self.opts.get("echo") \
-            else ""
+        """The prompt's text, exactly its tokens' bytes (no space trimmed)."""
+        if not self.opts.get("echo"):
+            return ""
+        pieces = token_pieces(self.server.tokenizer, self.job.prompt)
+        return b"".join(bytes(data) for _, data in pieces).decode("utf-8", "replace")
+
+    def _shown(self, events: List[dict]) -> List[dict]:
+        return [] if self.opts.get("score_only") else events
 
     def whole(self, events: List[dict], last: dict) -> dict:
-        out = self._base(chunk=False)
+        out = self.base(chunk=False)
+        events = self._shown(events)
         text = "".join(e["text"] for e in events)
-        choice: Dict[str, Any] = {"index": 0, "finish_reason": last["finish_reason"],
-                                  "logprobs": None}
+        choice: Dict[str, Any] = {"index": self.index,
+                                  "finish_reason": last["finish_reason"], "logprobs": None}
         if self.chat:
             content, reasoning, calls = self.reply.feed(text, final=True)
-            message: Dict[str, Any] = {"role": "assistant", "content": content or None}
+            # "" for an empty reply, as OpenAI's; null beside tool calls, as OpenAI's
+            message: Dict[str, Any] = {"role": "assistant",
+                                       "content": content if content or not calls else None}
             if reasoning:
                 message["reasoning"] = reasoning
             if calls:
@@ -357,6 +515,8 @@ class View:
         else:
             echo = self._echo()
             choice["text"] = echo + text
+            if self.opts.get("score_only"):
+                choice["finish_reason"] = "length"
             if self.job.want_logprobs:
                 prompt = self._prompt_entries(last) if self.opts["echo"] else None
                 choice["logprobs"] = self._legacy(self._entries(events),
@@ -376,19 +536,23 @@ class View:
             yield sse(self._chunk({"text": self._echo()}))
         self.started = True
         if event["type"] == "token":
-            yield from self._token_chunks(event)
+            if not self.opts.get("score_only"):
+                yield from self._token_chunks(event)
             return
-        finish = event["finish_reason"]
+        finish = "length" if self.opts.get("score_only") else event["finish_reason"]
         if self.chat:
             content, reasoning, calls = self.reply.feed("", final=True)
             if content or reasoning or calls:
                 yield sse(self._chunk(self._delta(content, reasoning, calls)))
             finish = self.reply.finish_reason(finish)
         yield sse(self._chunk({} if self.chat else {"text": ""}, finish))
+        usage = self._usage(event)
+        if not self.alone:
+            return
         if self.opts["include_usage"]:
-            usage = self._base(chunk=True)
-            usage.update(choices=[], usage=self._usage(event))
-            yield sse(usage)
+            tail = self.base(chunk=True)
+            tail.update(choices=[], usage=usage)
+            yield sse(tail)
         yield "data: [DONE]\n\n"
 
     def _token_chunks(self, event: dict):
@@ -416,8 +580,9 @@ class View:
         return delta
 
     def _chunk(self, part: dict, finish: Optional[str] = None, logprobs=None) -> dict:
-        out = self._base(chunk=True)
-        choice: Dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        out = self.base(chunk=True)
+        choice: Dict[str, Any] = {"index": self.index, "finish_reason": finish,
+                                  "logprobs": logprobs}
         if self.chat:
             choice["delta"] = part
         else:

@@ -1,0 +1,336 @@
+"""OpenAI's Responses API: `POST /v1/responses` (whole, or the stream of events OpenAI's SDK
+reads: response.created, response.output_text.delta, response.completed, ...), so that
+clients and agents that speak it (openai-agents by default, newer OpenAI clients, coding
+agents) connect unchanged.
+
+A request becomes a chat-completions request and runs as one: `input` (a string, or a list
+of messages, function calls and their outputs) and `instructions` are the chat template's
+messages, `tools` and `tool_choice` its tools (a forced call decoded under a grammar, as
+edgemoe.serving.openai does it), `text.format` its response_format. The reply's text and
+tool calls become output items. Nothing is stored: a field that needs a stored response
+(previous_response_id, conversation, background) is a 400 naming it, as is any other field
+this server does not implement.
+"""
+
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .chat import BadRequest, Reply, check_tools, render, text_of, tool_call_message
+from .http import NUMBER, Server, field, public, refuse_unknown, sse
+from .openai import NO_EFFECT, OpenAIAPI, check_reasoning_effort
+
+FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+          "tools", "tool_choice", "parallel_tool_calls", "stream", "stream_options", "text",
+          "reasoning", "truncation", "include", "max_tool_calls"} | NO_EFFECT
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def error(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"
+                                   if status < 500 else "server_error", "param": param,
+                                   "code": None}}, status_code=status)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class ResponsesAPI:
+    def __init__(self, server: Server):
+        self.server = server
+        self.chat = OpenAIAPI(server)
+
+    def routes(self):
+        return [Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/responses", self.responses, methods=["POST"])]
+
+    async def responses(self, request: Request):
+        return await self.server.respond(
+            request, self.parse, lambda job, opts, reply: ResponseView(job, opts, reply),
+            error)
+
+    # -- requests ------------------------------------------------------------------------
+    def _messages(self, body: dict) -> List[dict]:
+        """`instructions` and `input` as the chat template's messages."""
+        out: List[dict] = []
+        instructions = field(body, "instructions", str)
+        if instructions:
+            out.append({"role": "system", "content": instructions})
+        items = body.get("input")
+        if items is None:
+            raise BadRequest("'input' is required", "input")
+        if isinstance(items, str):
+            return out + [{"role": "user", "content": items}]
+        if not isinstance(items, list) or not items:
+            raise BadRequest("'input' must be a string or a non-empty array of items", "input")
+        for i, item in enumerate(items):
+            where = f"input[{i}]"
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "message" and item.get("role") in ROLES:
+                refuse_unknown(item, {"type", "role", "content", "id", "status"}, "input",
+                               where + ".")
+                out.append({"role": ROLES[item["role"]],
+                            "content": text_of(_parts(item.get("content"), where), where)})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"),
+                                     "arguments": item.get("arguments") or "{}"}}
+                calls = tool_call_message([call], where)
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"] += calls  # calls of one turn: one message
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                out.append({"role": "tool", "tool_call_id": str(item.get("call_id")),
+                            "content": text_of(_parts(output, where), where)})
+            elif kind == "reasoning":
+                continue  # a previous turn's reasoning: chat templates drop it too
+            else:
+                raise BadRequest(f"{where}: a {kind!r} item is not supported (messages of "
+                                 f"text, function_call, function_call_output)", "input")
+        return out
+
+    def _tools(self, body: dict) -> Optional[list]:
+        tools = body.get("tools")
+        if tools is None:
+            return None
+        if not isinstance(tools, list):
+            raise BadRequest("'tools' must be an array", "tools")
+        out = []
+        for i, t in enumerate(tools):
+            if not (isinstance(t, dict) and t.get("type") == "function"):
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise BadRequest(f"'tools[{i}]': {kind!r} tools are not supported here "
+                                 f"(function tools are)", "tools")
+            refuse_unknown(t, {"type", "name", "description", "parameters", "strict"},
+                           "tools", f"tools[{i}].")
+            out.append({"type": "function", "function": {
+                "name": t.get("name"), "description": t.get("description") or "",
+                "parameters": t.get("parameters") or {"type": "object"}}})
+        return check_tools(out)
+
+    @staticmethod
+    def _chat_shape(body: dict) -> dict:
+        """tool_choice and text.format in chat completions' form (tool_choice, response_format)."""
+        shaped: Dict[str, Any] = {}
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise BadRequest("'tool_choice' must be none, auto, required or "
+                                 "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        shaped["tool_choice"] = choice
+        text = field(body, "text", dict, {})
+        refuse_unknown(text, {"format", "verbosity"}, "text", "text.")
+        if text.get("verbosity") not in (None, "medium"):
+            raise BadRequest("'text.verbosity' is not supported (only \"medium\")",
+                             "text.verbosity")
+        fmt = field(text, "format", dict, None, where="text.")
+        if fmt is not None:
+            if fmt.get("type") == "json_schema":
+                fmt = {"type": "json_schema", "json_schema": {
+                    "name": fmt.get("name"), "schema": fmt.get("schema")}}
+            shaped["response_format"] = fmt
+        return shaped
+
+    def parse(self, body: dict):
+        s = self.server
+        refuse_unknown(body, FIELDS, "the Responses API")
+        model = s.model_name(body)
+        stream = field(body, "stream", bool, False)
+        stream_options = field(body, "stream_options", dict, {})
+        refuse_unknown(stream_options, {"include_obfuscation"}, "stream_options",
+                       "stream_options.")
+        reasoning = field(body, "reasoning", dict, {})
+        check_reasoning_effort(s, reasoning, "effort")
+        if field(body, "truncation", str, "disabled") != "disabled":
+            raise BadRequest("'truncation' must be \"disabled\" (a prompt longer than the "
+                             "context is refused, not cut)", "truncation")
+        include = field(body, "include", list, [])
+        if include:
+            raise BadRequest(f"'include' {include[0]!r} is not supported", "include")
+        max_calls = field(body, "max_tool_calls", int, None, lo=1)
+        parallel = field(body, "parallel_tool_calls", bool, True)
+        messages = self._messages(body)
+        tools = self._tools(body)
+        grammar, reading = self.chat._grammar(self._chat_shape(body), tools)
+        prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
+        d = s.sampling_defaults
+        temperature = field(body, "temperature", NUMBER, d.get("temperature", 0.0), lo=0,
+                            hi=2)
+        top_p = field(body, "top_p", NUMBER, d.get("top_p", 1.0), lo=0, hi=1)
+        job = s.job(prompt, max_tokens=field(body, "max_output_tokens", int, None, lo=1),
+                    max_tokens_name="max_output_tokens", prompt_param="input",
+                    temperature=temperature, top_p=top_p, top_k=d.get("top_k", 0),
+                    min_p=d.get("min_p", 0.0), grammar=grammar, id_prefix="resp_")
+        limit = 1 if not parallel else max_calls
+        opts = {"model": model, "stream": stream, "echo": {
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": temperature, "top_p": top_p,
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": parallel, "metadata": body.get("metadata") or {},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "user": body.get("user"), "store": False, "truncation": "disabled",
+            "previous_response_id": None, "reasoning": None, "service_tier": "default"}}
+        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
+                                forced=reading == "forced", max_calls=limit)
+
+
+def _parts(content, where: str):
+    """A Responses message's content parts (input_text, output_text) as text parts."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise BadRequest(f"{where}.content[{j}]: {kind!r} parts are not supported "
+                             f"(input_text, output_text)", "input")
+    return parts
+
+
+class ResponseView:
+    """One request's events as a Response, or as the SDK's stream of response events."""
+
+    def __init__(self, job, opts: dict, reply: Reply):
+        self.job, self.opts, self.reply = job, opts, reply
+        self.created = int(time.time())
+        self.sequence = 0
+        self.output: List[dict] = []  # the items so far
+        self.message: Optional[dict] = None  # the open message item (streamed)
+        self.reasoning: List[str] = []
+
+    # -- the response ------------------------------------------------------------------
+    def _response(self, status: str, last: Optional[dict] = None) -> dict:
+        out = {"id": self.job.id, "object": "response", "created_at": self.created,
+               "status": status, "model": self.opts["model"], "output": list(self.output),
+               "error": None, "incomplete_details": None, "usage": None,
+               **self.opts["echo"]}
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if last is not None:
+            p, c = last["prompt_tokens"], last["completion_tokens"]
+            out["usage"] = {"input_tokens": p,
+                            "input_tokens_details": {"cached_tokens": last["cached_tokens"]},
+                            "output_tokens": c,
+                            "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": p + c}
+        return out
+
+    def _status(self, last: dict) -> str:
+        return "incomplete" if last["finish_reason"] == "length" else "completed"
+
+    @staticmethod
+    def _text_item(text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [],
+                             "logprobs": []}]}
+
+    @staticmethod
+    def _call_item(call: dict) -> dict:
+        return {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                "status": "completed"}
+
+    def _reasoning_item(self, text: str) -> dict:
+        return {"type": "reasoning", "id": _id("rs"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
+    def whole(self, events: List[dict], last: dict) -> dict:
+        content, reasoning, calls = self.reply.feed("".join(e["text"] for e in events),
+                                                    final=True)
+        if reasoning:
+            self.output.append(self._reasoning_item(reasoning))
+        if content or not calls:
+            self.output.append(self._text_item(content))
+        self.output += [self._call_item(c) for c in calls]
+        return self._response(self._status(last), last)
+
+    # -- streaming -----------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> str:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse(event, kind)
+
+    def chunks(self, event: dict):
+        if event["type"] == "error":
+            yield self._event("error", code="server_error",
+                              message=public(event["message"]), param=None)
+            return
+        if self.sequence == 0:
+            yield self._event("response.created", response=self._response("in_progress"))
+            yield self._event("response.in_progress",
+                              response=self._response("in_progress"))
+        if event["type"] == "token":
+            yield from self._pieces(*self.reply.feed(event["text"]))
+            return
+        yield from self._pieces(*self.reply.feed("", final=True))
+        if not self.output and self.message is None:  # an empty reply: an empty message
+            yield from self._open_message()
+        yield from self._close_message()
+        if self.reasoning:
+            item = self._reasoning_item("".join(self.reasoning))
+            index = len(self.output)
+            self.output.append(item)
+            yield self._event("response.output_item.added", output_index=index, item=item)
+            yield self._event("response.output_item.done", output_index=index, item=item)
+        status = self._status(event)
+        yield self._event(f"response.{status}", response=self._response(status, event))
+
+    def _pieces(self, content: str, reasoning: str, calls: List[dict]):
+        if reasoning:
+            self.reasoning.append(reasoning)
+        if content:
+            if self.message is None:
+                yield from self._open_message()
+            self.message["content"][0]["text"] += content
+            yield self._event("response.output_text.delta", item_id=self.message["id"],
+                              output_index=len(self.output), content_index=0,
+                              delta=content, logprobs=[])
+        for call in calls:
+            yield from self._close_message()
+            item = self._call_item(call)
+            index = len(self.output)
+            yield self._event("response.output_item.added", output_index=index,
+                              item={**item, "arguments": "", "status": "in_progress"})
+            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=index, delta=item["arguments"])
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"],
+                              arguments=item["arguments"])
+            self.output.append(item)
+            yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _open_message(self):
+        self.message = self._text_item("", "in_progress")
+        self.message["content"] = []
+        index = len(self.output)
+        yield self._event("response.output_item.added", output_index=index,
+                          item=self.message)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.message = {**self.message, "content": [part]}
+        yield self._event("response.content_part.added", item_id=self.message["id"],
+                          output_index=index, content_index=0, part=part)
+
+    def _close_message(self):
+        if self.message is None:
+            return
+        index = len(self.output)
+        item, self.message = {**self.message, "status": "completed"}, None
+        part = item["content"][0]
+        yield self._event("response.output_text.done", item_id=item["id"],
+                          output_index=index, content_index=0, text=part["text"],
+                          logprobs=[])
+        yield self._event("response.content_part.done", item_id=item["id"],
+                          output_index=index, content_index=0, part=part)
+        self.output.append(item)
+        yield self._event("response.output_item.done", output_index=index, item=item)
