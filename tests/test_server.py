@@ -509,14 +509,21 @@ def test_a_request_whose_sampling_fails_fails_alone(packs):
         engine.stop()
 
 
-def test_only_json_from_this_servers_own_names_is_taken(server):
-    """A web page can post text/plain or forms without asking, and DNS rebinding sends
-    another Host: both are refused; a JSON body from a local name is served."""
+def test_only_requests_from_this_servers_own_names_and_pages_are_taken(server):
+    """A JSON body is read whatever its content type (`curl -d` sends a form's), but a web
+    page of another origin, which can post forms without asking, is refused by its Origin,
+    and DNS rebinding, which sends another Host, by its Host; a local name is served."""
     body = json.dumps({"prompt": "x", "max_tokens": 2})
     for kind in ("text/plain", "application/x-www-form-urlencoded"):
         r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
                        headers={"content-type": kind})
-        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
+                       headers={"content-type": kind, "origin": "https://evil.example"})
+        assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
+                   headers={"origin": "http://localhost:3000"})
+    assert r.status_code == 200
     r = httpx.post(f"{server}/v1/completions", content=body, timeout=TIMEOUT,
                    headers={"content-type": "application/json", "host": "evil.example:80"})
     assert r.status_code == 400 and "evil.example" in r.json()["error"]["message"]
