@@ -202,7 +202,7 @@ def probe_stretch(pack: Pack, profile: Profile, readers: int, io: str) -> dict:
     rec = pack.layers[0].expert_bytes
     here = measure_reads(pack.files[0], rec, reads=max(16, min(96, int(2e9 // rec))),
                          threads=readers, direct=io == "direct")
-    there = profile.read_s(rec, readers) / readers  # wall per record, `readers` in flight
+    there = profile.read_s(rec, readers)  # wall per record, `readers` in flight
     return {"here_s_per_record": here["s_per_record"], "here_gbps": here["gbps"],
             "profile_s_per_record": there, "stretch": here["s_per_record"] / there}
 
@@ -271,7 +271,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         true = np.unique(routed[calls[c], p + 1])
         keep = true[rng.random(len(true)) < cfg.recall]
         others = np.setdiff1d(np.arange(num_experts), true)
-        wrong = rng.choice(others, len(true) - len(keep), replace=False)
+        wrong = rng.choice(others, min(len(true) - len(keep), len(others)), replace=False)
         store.prefetch(p + 1, np.concatenate([keep, wrong]), 0, advisory=True)
 
     def preroute(c, p):  # the next token's experts of the next layer: the routing itself

@@ -1,0 +1,298 @@
+"""The twin of the streaming pipeline: forecast decode tok/s and prefill time as on a Mac.
+
+    python scripts/bench_twin.py --shape qwen3-30b-a3b --profile m4-pro-24gb \\
+        --budget 10%,25% --mode native,prerouted --trace DIR_OR_NPZ[,..] [--json OUT]
+    python scripts/bench_twin.py --measure this-machine.json        # this machine's profile
+    python scripts/bench_twin.py --validate --json OUT [--rounds 2]  # twin vs real runs here
+
+The real ExpertStore, reader threads, slots and cache policy read real-size records from
+a shape pack on this disk (written once under --packs, a few physical layers: see
+edgemoe.twin.shapes), driven by the trace's routing mapped onto the shape; the model's
+compute is replaced by timed waits from the profile, stretched by this disk's speed over
+the profile's SSD (edgemoe.twin.engine). Every figure printed for a Mac profile is a
+FORECAST of an unvalidated model until --validate has compared the twin with real runs.
+--trace takes teacher-forced traces (scripts/routing_stats.py record); switching models'
+traces is that one argument. Each trace runs in a fresh store (a cold start per passage)
+and the rows sum them, as edgemoe.cache_sim does.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgemoe.streaming.trace import load_trace  # noqa: E402
+from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
+from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
+from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
+                                 write_shape_pack)
+
+DEFAULT_PACKS = Path(os.environ.get("EDGEMOE_TWIN_PACKS", "/work/runs/twin/packs"))
+DEFAULT_TRACES = ROOT / "tests" / "data" / "reference_traces"  # greedy: only a fallback
+
+
+def trace_files(spec: str):
+    files = []
+    for part in spec.split(","):
+        p = Path(part)
+        files += sorted(p.glob("*.npz")) if p.is_dir() else [p]
+    if not files:
+        raise SystemExit(f"bench_twin: no .npz traces in {spec}")
+    return files
+
+
+def shape_pack(shape, packs: Path, physical=None):
+    folder = packs / shape.name
+    if not (folder / "twin.json").exists():
+        print(f"writing the {shape.name} shape pack to {folder} ...", file=sys.stderr)
+        write_shape_pack(shape, folder, physical)
+    return open_shape_pack(folder, shape)
+
+
+def exact_limit(mapped, budget, compute: Compute, shape, profile, readers) -> dict:
+    """max(compute, Belady's decode bytes / the profile's read rate), per decode token."""
+    from edgemoe.cache_sim import simulate
+    r = simulate(mapped, budget, "belady")
+    per_token = r.decode_bytes_read / max(r.decode_tokens, 1)
+    rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
+    comp = (shape.layers * (compute.resident_layer_s(1) + compute.experts_s(shape.top_k,
+                                                                            shape.top_k))
+            + compute.head_s)
+    return {"belady_bytes_per_token": per_token, "compute_ms_per_token": 1000 * comp,
+            "read_ms_per_token": 1000 * per_token / rate,
+            "limit_tok_s": 1 / max(comp, per_token / rate)}
+
+
+def run_rows(args):
+    profile = load_profile(args.profile)
+    rows = []
+    traces = [load_trace(f) for f in trace_files(args.trace)]
+    for shape_name in args.shape.split(","):
+        shape = get_shape(shape_name)
+        pack = shape_pack(shape, Path(args.packs), args.physical_layers)
+        compute = Compute.from_profile(profile, shape)
+        mapped = [map_trace(t, shape, seed=args.seed) for t in traces]
+        for budget in args.budget.split(","):
+            limit = None
+            if args.limit:
+                parts = [exact_limit(m, budget, compute, shape, profile, args.readers)
+                         for m in mapped]
+                limit = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
+            for mode in args.mode.split(","):
+                cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
+                                 readers=args.readers, stretch=args.stretch, recall=args.recall,
+                                 seed=args.seed)
+                results = [run_twin(pack, m, compute, profile, cfg) for m in mapped]
+                rows.append(summarize(shape, profile, budget, mode, results, limit))
+                print_row(rows[-1])
+    return rows
+
+
+def summarize(shape, profile, budget, mode, results, limit=None) -> dict:
+    dec_tokens = sum(r.decode_tokens for r in results)
+    dec_forecast_s = sum(r.twin_decode_s / r.stretch for r in results)
+    row = {"label": "forecast" if profile.name != "this-machine" else "twin (this machine)",
+           "shape": shape.name if shape else None, "profile": profile.name, "budget": budget,
+           "mode": mode, "forecast_decode_tok_s": dec_tokens / dec_forecast_s,
+           "forecast_prefill_s_per_passage": float(np.mean([r.forecast_prefill_s for r in results])),
+           "prefill_tokens_per_passage": float(np.mean([r.prefill_tokens for r in results])),
+           "decode_bytes_per_token": sum(r.decode_bytes for r in results) / dec_tokens,
+           "decode_bytes": sum(r.decode_bytes for r in results),
+           "blocked_ms_per_token": float(np.mean([r.blocked_ms_per_token for r in results])),
+           "compute_ms_per_token": float(np.mean([r.compute_ms_per_token for r in results])),
+           "host_syncs_per_token": float(np.mean([r.host_syncs_per_token for r in results])),
+           "hit_rate": float(np.mean([r.hit_rate for r in results])),
+           "slots_per_layer": results[0].slots_per_layer,
+           "stretch": [r.stretch for r in results],
+           "read_gbps_here_during_runs": [r.read_gbps_during_run for r in results],
+           "compute_method": results[0].compute_method, "traces": len(results),
+           "notes": sorted({n for r in results for n in r.notes if not n.startswith("waits")})}
+    if limit:
+        row["exact_limit"] = limit
+    return row
+
+
+def print_row(r):
+    lim = r.get("exact_limit", {}).get("limit_tok_s")
+    print(f"{r['label']:>9} {r['shape'] or '-':>16} {r['profile']:>13} {r['budget']:>5} "
+          f"{r['mode']:>9}  {r['forecast_decode_tok_s']:7.1f} tok/s"
+          + (f" (exact limit {lim:6.1f})" if lim else "")
+          + f"  {r['decode_bytes_per_token'] / 1e6:7.2f} MB/tok  blocked "
+          f"{r['blocked_ms_per_token']:6.2f} ms  compute {r['compute_ms_per_token']:6.2f} ms  "
+          f"prefill {r['forecast_prefill_s_per_passage']:.2f} s  stretch "
+          f"{np.mean(r['stretch']):.2f}", flush=True)
+
+
+# -- validation: the twin with this machine's profile against real runs here --
+
+BENCH = ROOT / "scripts" / "bench_stream.py"
+
+
+def real_run(kind, pack, args, trace: Path) -> dict:
+    """One real end-to-end run in its own process (bench_stream's worker), its routing
+    and prefetches traced."""
+    cmd = [sys.executable, str(BENCH), "--worker", kind, "--path", str(pack),
+           "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
+           "--io", args.io, "--text", args.text, "--forced", "--trace", str(trace),
+           "--cache-policy", args.policy, "--readers", str(args.readers)]
+    if "prerouted" in kind or "heads" in kind:
+        cmd += ["--prerouter", str(Path(pack) / "prerouter")]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def drop_cache(folder: Path):
+    for f in Path(folder).glob("*"):
+        if f.suffix in (".bin", ".safetensors"):
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
+    from edgemoe.format.pack import Pack
+    pack = Pack.open(pack_path)
+    budget, routing = kind.split(":")[:2]
+    mode = "native" if routing == "native" else routing.replace("-heads", "")
+    mode = "prerouted" if mode.startswith("prerouted") else mode
+    cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
+                     readers=args.readers, stretch=1.0)
+    return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
+
+
+def validate(args):
+    """Real runs here (each in its own process, rounds alternating), then the twin of each
+    from its own trace, with this machine's profile and compute calibrated on the 100%
+    native run of the same model (less the twin's own overhead at 100%)."""
+    profile = load_profile(args.profile)
+    models = [m for m in args.models.split(",") if m]
+    kinds = [k for k in args.kinds.split(",") if k]
+    out = Path(args.json).with_suffix("")
+    (out / "traces").mkdir(parents=True, exist_ok=True)
+    measured = {}
+    for rnd in range(args.rounds):
+        for model in models:
+            for kind in kinds:
+                trace = out / "traces" / f"{Path(model).name}_{kind.replace(':', '_')}_{rnd}.npz"
+                if args.io == "direct":
+                    drop_cache(Path(model))
+                r = real_run(kind, model, args, trace)
+                measured.setdefault((model, kind), []).append((r, trace))
+                print(f"round {rnd} {Path(model).name} {kind}: {r['decode_tps']:.1f} tok/s, "
+                      f"{r.get('expert_bytes_read_per_token', 0) / 1e3:.1f} KB/token", flush=True)
+    rows = []
+    for model in models:
+        base = measured.get((model, "1.0:native"))
+        if not base:
+            raise SystemExit("--validate needs 1.0:native in --kinds (the calibration run)")
+        t100 = float(np.median([1 / r["decode_tps"] for r, _ in base]))
+        p100 = float(np.median([1 / r["prompt_tps"] for r, _ in base]))
+        zero = Compute(lambda t: 0.0, lambda n, e: 0.0, 0.0,
+                       profile.value("host_sync_us") * 1e-6, "zero")
+        own = twin_of_run(model, base[0][1], "1.0:native", zero, profile, args)
+        own_dec = own.twin_decode_s / max(own.decode_tokens, 1)
+        own_pre = own.twin_prefill_s / max(own.prefill_tokens, 1)
+        from edgemoe.format.pack import Pack
+        pk = Pack.open(model)
+        compute = Compute.calibrated(max(t100 - own_dec, 0.0), max(p100 - own_pre, 0.0),
+                                     len(pk.layers), pk.top_k,
+                                     profile.value("host_sync_us") * 1e-6)
+        for kind in kinds:
+            for r, trace in measured[(model, kind)]:
+                t = twin_of_run(model, trace, kind, compute, profile, args)
+                n = max(t.decode_tokens, 1)
+                rows.append({
+                    "config": f"{Path(model).name} {kind}",
+                    "calibration_row": kind == "1.0:native",
+                    "measured_tok_s": r["decode_tps"],
+                    "predicted_tok_s": t.forecast_decode_tok_s,
+                    "measured_ttft_s": args.prompt_len / r["prompt_tps"],
+                    "predicted_ttft_s": t.forecast_prefill_s,
+                    "measured_bytes": r.get("expert_bytes_read_per_token", 0.0) * n,
+                    "predicted_bytes": t.decode_bytes,
+                    "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
+                    "predicted_bytes_per_token": t.decode_bytes_per_token})
+                print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
+        row["bytes_error"] = (row["predicted_bytes"] / row["measured_bytes"] - 1
+                              if row["measured_bytes"] else 0.0)
+    result = {"validation": rows, "profile": profile.to_json(),
+              "method": "twin of each real run from its own routing trace; compute calibrated "
+                        "on the 1.0:native run (marked calibration_row: not a test)",
+              "command": " ".join(sys.argv)}
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--profile", default="m4-pro-24gb",
+                   help="a profile of edgemoe/twin/profiles.json or a profile .json")
+    p.add_argument("--budget", default="10%,25%")
+    p.add_argument("--mode", default="native", help="comma-separated: native,advisory,prerouted")
+    p.add_argument("--trace", default=str(DEFAULT_TRACES),
+                   help="teacher-forced traces: .npz files or folders, comma-separated")
+    p.add_argument("--policy", default="lfu")
+    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--io", default="direct", choices=("direct", "buffered"))
+    p.add_argument("--stretch", type=float, default=None,
+                   help="Wait stretch (default: this disk's time per record over the profile's)")
+    p.add_argument("--recall", type=float, default=0.8,
+                   help="advisory's synthetic predictor (next layer, same token), where the "
+                        "traces recorded no prefetches")
+    p.add_argument("--limit", action="store_true",
+                   help="Also the exact-mode limit: max(compute, Belady bytes / read rate)")
+    p.add_argument("--packs", default=str(DEFAULT_PACKS), help="Where shape packs are written")
+    p.add_argument("--physical-layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--measure", default=None, metavar="OUT.json",
+                   help="Measure this machine's profile (reads from --read-file) and write it")
+    p.add_argument("--read-file", default=None, help="A large file to read for --measure")
+    p.add_argument("--validate", action="store_true")
+    p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "reference"),
+                   help="--validate: edgemoe packs, comma-separated")
+    p.add_argument("--kinds", default="1.0:native,0.25:native,0.1:native,0.25:advisory,"
+                                      "0.1:advisory,0.25:prerouted,0.1:prerouted",
+                   help="--validate: bench_stream worker configs (budget:routing)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode", type=int, default=256)
+    p.add_argument("--text", default="/work/runs/fine/heldout_stdlib.txt")
+    args = p.parse_args(argv)
+    if args.measure:
+        if not args.read_file:
+            raise SystemExit("--measure needs --read-file (a file of a few GB, e.g. a shape "
+                             "pack's experts.bin)")
+        prof = measure_this_machine(Path(args.read_file))
+        Path(args.measure).write_text(json.dumps(prof.to_json(), indent=1))
+        print(json.dumps({k: v["value"] for k, v in prof.figures.items()}, indent=1))
+        return
+    if args.validate:
+        if args.profile == "m4-pro-24gb":
+            args.profile = "this-machine.json"
+        if not Path(args.profile).exists():
+            raise SystemExit(f"--validate: {args.profile}: measure it first (--measure)")
+        if not args.json:
+            raise SystemExit("--validate needs --json OUT")
+        return validate(args)
+    rows = run_rows(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)},
+                                              indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The twin (edgemoe.twin): profiles are cited data, a replay reads what cache_sim says, and
+the wait model scales as the profile says. Tiny shapes: the whole file runs in seconds."""
+
+import json
+
+import numpy as np
+import pytest
+
+from edgemoe.cache_sim import simulate
+from edgemoe.twin.engine import Compute, TwinConfig, Waiter, run_twin
+from edgemoe.twin.profiles import KINDS, Profile, all_profiles, load_profile
+from edgemoe.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
+                                 write_shape_pack)
+
+NAMED = ("m4-pro-24gb", "m4-max-128gb", "m3-max-48gb", "m4-air-24gb")
+
+
+def synthetic_trace(layers=3, experts=16, k=2, prompt=24, decode=40, seed=0):
+    """Skewed routing (a few hot experts), a prompt call then one call per decoded token."""
+    rng = np.random.default_rng(seed)
+    p = 1 / np.arange(1, experts + 1) ** 1.1
+    p /= p.sum()
+    n = prompt + decode
+    routed = np.stack([[rng.choice(experts, k, replace=False, p=p) for _ in range(layers)]
+                       for _ in range(n)]).astype(np.int32)
+    return {"layers": np.arange(layers, dtype=np.int32), "routed": routed,
+            "decode": np.array([False] * prompt + [True] * decode),
+            "calls": np.array([prompt] + [1] * decode, dtype=np.int32),
+            "expert_bytes": np.full(layers, 1, dtype=np.int64),
+            "num_experts": np.full(layers, experts, dtype=np.int32)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    shape = tiny_shape(layers=3, experts=16, top_k=2)
+    folder = write_shape_pack(shape, tmp_path_factory.mktemp("twin") / "pack", 2)
+    return shape, open_shape_pack(folder, shape)
+
+
+def zero_compute(sync_s=0.0):
+    return Compute(lambda t: 0.0, lambda n, e: 0.0, 0.0, sync_s, "zero")
+
+
+def test_profiles_load_and_every_figure_has_a_source():
+    profiles = all_profiles()
+    for name in NAMED:
+        assert name in profiles
+    for p in profiles.values():
+        for key, fig in p.figures.items():
+            assert fig["source"].strip(), (p.name, key)
+            assert fig["kind"] in KINDS, (p.name, key)
+            if fig["kind"] == "unsourced":
+                assert "unsourced" in fig["source"], (p.name, key)
+    assert load_profile("m4-pro-24gb").ssd_gbps > 1
+
+
+def test_a_profile_without_a_source_is_refused(tmp_path):
+    d = json.loads(json.dumps(load_profile("m4-pro-24gb").to_json()))
+    d["figures"]["int4_gbps"]["source"] = ""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="int4_gbps"):
+        load_profile(str(path))
+
+
+def test_shapes_have_the_published_record_sizes():
+    assert SHAPES["qwen3-30b-a3b"].record_bytes == 2654208  # 2.53 MiB (shared/GUIDE.md)
+    assert 1.6e9 < SHAPES["qwen3-30b-a3b"].active_bytes_per_token < 1.8e9
+    assert 20e6 < SHAPES["deepseek-v3"].record_bytes < 26e6
+
+
+@pytest.mark.parametrize("policy,budget", [("lfu", "25%"), ("lru", "50%"), ("lfu", "13%")])
+def test_replay_reads_exactly_the_bytes_cache_sim_says(tiny, policy, budget):
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(), shape)
+    r = run_twin(pack, trace, zero_compute(), load_profile("m4-pro-24gb"),
+                 TwinConfig(budget=budget, policy=policy, io="buffered", stretch=1.0))
+    sim = simulate(trace, budget, policy)
+    assert r.total_bytes == sim.bytes_read
+    assert r.decode_bytes == sim.decode_bytes_read
+    assert r.total_bytes > 0
+
+
+def test_map_trace_keeps_top_k_distinct_and_in_range():
+    trace = synthetic_trace(layers=2, experts=16, k=2)
+    wide = tiny_shape(layers=5, experts=64, top_k=8)
+    m = map_trace(trace, wide)
+    assert m["routed"].shape == (64, 5, 8)
+    assert m["routed"].max() < 64
+    assert all(len(set(row)) == 8 for row in m["routed"].reshape(-1, 8).tolist())
+    # layer l takes trace layer l mod 2: equal trace rows give equal mapped rows
+    same = tiny_shape(layers=2, experts=16, top_k=2)
+    one = map_trace(trace, same)
+    counts = lambda a: np.sort(np.bincount(a.reshape(-1), minlength=16))  # noqa: E731
+    assert (counts(one["routed"][:, 0]) == counts(trace["routed"][:, 0])).all()
+
+
+def test_waits_scale_with_the_compute_figure_and_the_stretch():
+    p = load_profile("m4-pro-24gb")
+    shape = SHAPES["qwen3-30b-a3b"]
+    c1 = Compute.from_profile(p, shape)
+    slow = Profile(p.name, p.chip, json.loads(json.dumps(p.figures)))
+    slow.figures["int4_gbps"]["value"] = p.value("int4_gbps") / 2
+    c2 = Compute.from_profile(slow, shape)
+    assert c2.experts_s(8, 8) == pytest.approx(2 * c1.experts_s(8, 8))
+    assert c2.resident_layer_s(1) == pytest.approx(2 * c1.resident_layer_s(1))
+    assert c2.head_s == pytest.approx(2 * c1.head_s)
+    for stretch in (1.0, 3.0):
+        w = Waiter(stretch, python_factor=1.0)
+        w.wait(0.002)
+        w.wait(0.003)
+        assert w.asked == pytest.approx(0.005 * stretch)
+        assert w.slept >= 0.005 * stretch * 0.95
+
+
+def test_twin_compute_per_token_follows_the_profile(tiny):
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=12), shape)
+    prof = load_profile("m4-pro-24gb")
+    base = Compute(lambda t: 1e-3, lambda n, e: 1e-3 * n / 2, 0.0, 0.0, "test")
+    runs = {}
+    for name, compute, stretch in (("base", base, 1.0), ("double", base.scaled(2.0), 1.0),
+                                   ("stretched", base, 2.0)):
+        cfg = TwinConfig(budget="100%", io="buffered", stretch=stretch, dilate_python=False)
+        runs[name] = run_twin(pack, trace, compute, prof, cfg)
+    per_token = 3 * (1e-3 + 1e-3) * 1000  # ms: 3 layers x (resident + 2 experts)
+    assert runs["base"].compute_ms_per_token == pytest.approx(per_token, rel=1e-6)
+    assert runs["double"].compute_ms_per_token == pytest.approx(2 * per_token, rel=1e-6)
+    # stretched: the twin waits twice as long, and the forecast divides it back out
+    assert runs["stretched"].compute_ms_per_token == pytest.approx(per_token, rel=1e-6)
+    assert runs["stretched"].twin_decode_s > 1.6 * runs["base"].twin_decode_s
+    # forecast tok/s: at most what compute alone allows
+    assert runs["base"].forecast_decode_tok_s <= 1000 / per_token * 1.01
+
+
+def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=10), shape)
+    prof = load_profile("m4-pro-24gb")
+    syncs = {m: run_twin(pack, trace, zero_compute(), prof,
+                         TwinConfig(budget="50%", mode=m, io="buffered", stretch=1.0)
+                         ).host_syncs_per_token for m in ("native", "advisory", "prerouted")}
+    assert syncs["native"] == pytest.approx(2 * 3)
+    assert syncs["advisory"] == pytest.approx(2 * 3)
+    assert syncs["prerouted"] < syncs["native"]
