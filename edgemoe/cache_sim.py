@@ -1,10 +1,12 @@
 """Replay routing traces through the expert cache policies, against Belady's optimum.
 
-    python -m edgemoe.cache_sim TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
+    python -m edgemoe.cache_sim replay TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
         [--policies lru,lfu,lfuda,s3fifo,learned] [--prefetch] [--png hit_rate.png] [--json out.json]
     python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out cache_policy.npz
     python -m edgemoe.cache_sim split TRACE [TRACE ...] --budget 0.1,0.25 [--policy lfu]
     python -m edgemoe.cache_sim windows TRACE [TRACE ...] --budget 0.1,0.25 --window 1,2,4,8
+
+Each subcommand has its own --help; `replay` is the default (`cache_sim TRACE --budget 0.1`).
 
 The replay runs the store's own slot state machine (edgemoe.streaming.slots.LayerSlots)
 over a memory that holds nothing and a reader that finishes each fill as it is
@@ -540,35 +542,97 @@ def print_table(results: List[Result]):
               f"{r.decode_hit_rate:>10.1%} {per_token:>21.3f} {gap:>10}")
 
 
-@tool("cache_sim")
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train-learned"]:
-        return main_train(argv[1:])
-    if argv[:1] == ["split"]:
-        return main_split(argv[1:])
-    if argv[:1] == ["windows"]:
-        return main_windows(argv[1:])
-    p = argparse.ArgumentParser(description="Replay routing traces through expert cache "
-                                            "policies and Belady's optimum.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("traces", nargs="+", help=".npz traces from `edgemoe.generate --trace`")
-    p.add_argument("--budget", default="0.1,0.25,0.5",
-                   help="Comma-separated expert budgets: fractions, percentages or sizes")
-    p.add_argument("--policies", default=None,
-                   help=f"Comma-separated, of {', '.join(POLICIES)}, belady "
-                        f"(default: all; learned only if its weights exist)")
-    p.add_argument("--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
-    p.add_argument("--num-experts", type=int, default=None,
-                   help="Experts per layer (default: as the traces record)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="Also replay the prefetches the traces recorded (advisory or "
-                        "prerouted runs); Belady is then left out")
-    p.add_argument("--png", default=None, help="Plot decode hit rate against budget here "
-                                               "(needs matplotlib: pip install 'edgemoe[bench]')")
+SUBCOMMANDS = ("replay", "split", "windows", "train-learned")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m edgemoe.cache_sim COMMAND ...`: one subcommand per question, each with
+    its own --help. Without a subcommand the arguments are `replay`'s, as they were before
+    there were subcommands (`cache_sim TRACE.npz --budget 0.1`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m edgemoe.cache_sim",
+        description="Replay routing traces (edgemoe.generate --trace) through the store's "
+                    "expert slots: cache policies against Belady's optimum, a budget split "
+                    "across layers, speculative windows; fit the learned policy.",
+        epilog="Without a subcommand, replay: python -m edgemoe.cache_sim TRACE.npz "
+               "--budget 0.1,0.25")
+    add_debug_flag(p)
+    sub = p.add_subparsers(dest="command", title="subcommands", metavar="COMMAND")
+    replay = sub.add_parser(
+        "replay", help="decode hit rates and bytes of each cache policy and Belady's optimum",
+        description="Replay routing traces through expert cache policies and Belady's "
+                    "optimum.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    replay.add_argument("traces", nargs="+", help=".npz traces from `edgemoe.generate --trace`")
+    replay.add_argument("--budget", default="0.1,0.25,0.5",
+                        help="Comma-separated expert budgets: fractions, percentages or sizes")
+    replay.add_argument("--policies", default=None,
+                        help=f"Comma-separated, of {', '.join(POLICIES)}, belady "
+                             f"(default: all; learned only if its weights exist)")
+    replay.add_argument("--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
+    replay.add_argument("--num-experts", type=int, default=None,
+                        help="Experts per layer (default: as the traces record)")
+    replay.add_argument("--prefetch", action="store_true",
+                        help="Also replay the prefetches the traces recorded (advisory or "
+                             "prerouted runs); Belady is then left out")
+    replay.add_argument("--png", default=None,
+                        help="Plot decode hit rate against budget here (needs matplotlib: "
+                             "pip install 'edgemoe[bench]')")
+    replay.add_argument("--json", default=None, help="Write the results here")
+    add_debug_flag(replay)
+    replay.set_defaults(run=main_replay)
+
+    split = sub.add_parser(
+        "split", help="would one budget shared across layers beat the even split?",
+        description="Fit a split of the slots across layers to half of the traces; replay "
+                    "the other half with it and with the even split.")
+    _replay_flags(split)
+    split.set_defaults(run=main_split)
+
+    windows = sub.add_parser(
+        "windows", help="decode bytes per token in speculative windows, every draft kept",
+        description="Decode bytes per token were the traces' decoded tokens verified in "
+                    "speculative windows, every draft kept: the best a draft can do for "
+                    "reads.")
+    _replay_flags(windows)
+    windows.add_argument("--window", default="1,2,3,4,6,8", help="tokens per window")
+    windows.set_defaults(run=main_windows)
+
+    train = sub.add_parser(
+        "train-learned", help="fit the learned cache policy's weights",
+        description="Fit the learned cache policy to Belady's next-use distances on routing "
+                    "traces.")
+    train.add_argument("traces", nargs="+")
+    train.add_argument("--out", default=str(DEFAULT_LEARNED))
+    train.add_argument("--hidden", type=int, default=16)
+    train.add_argument("--steps", type=int, default=2000)
+    add_debug_flag(train)
+    train.set_defaults(run=main_train)
+    return p
+
+
+def _replay_flags(p: argparse.ArgumentParser):
+    """The flags `split` and `windows` share."""
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--budget", default="0.1,0.25")
+    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
     p.add_argument("--json", default=None, help="Write the results here")
     add_debug_flag(p)
-    args = p.parse_args(argv)
+
+
+@tool("cache_sim")
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+        argv = ["replay"] + argv  # the invocation from before the subcommands
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        parser.exit(2)
+    return args.run(args)
+
+
+def main_replay(args):
     traces = [load_trace(t) for t in args.traces]
     if args.policies:
         policies = args.policies.split(",")
@@ -604,16 +668,7 @@ def main(argv=None):
         print(f"wrote {args.png}")
 
 
-def main_train(argv):
-    p = argparse.ArgumentParser(prog="python -m edgemoe.cache_sim train-learned",
-                                description="Fit the learned cache policy to Belady's "
-                                            "next-use distances on routing traces.")
-    p.add_argument("traces", nargs="+")
-    p.add_argument("--out", default=str(DEFAULT_LEARNED))
-    p.add_argument("--hidden", type=int, default=16)
-    p.add_argument("--steps", type=int, default=2000)
-    add_debug_flag(p)
-    args = p.parse_args(argv)
+def main_train(args):
     traces = [load_trace(t) for t in args.traces]
     model = train_learned(traces, hidden=args.hidden, steps=args.steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -621,22 +676,7 @@ def main_train(argv):
     print(f"wrote {args.out} (trained on {len(traces)} traces)")
 
 
-def replay_parser(name: str, description: str) -> argparse.ArgumentParser:
-    """A subcommand's parser, with the flags `split` and `windows` share."""
-    p = argparse.ArgumentParser(prog=f"python -m edgemoe.cache_sim {name}",
-                                description=description)
-    p.add_argument("traces", nargs="+")
-    p.add_argument("--budget", default="0.1,0.25")
-    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
-    p.add_argument("--json", default=None, help="Write the results here")
-    add_debug_flag(p)
-    return p
-
-
-def main_split(argv):
-    p = replay_parser("split", "Fit a split of the slots across layers to half of the traces; "
-                               "replay the other half with it and with the even split.")
-    args = p.parse_args(argv)
+def main_split(args):
     traces = [load_trace(t) for t in args.traces]
     rows = [compare_split(traces, b, args.policy) for b in args.budget.split(",")]
     print(f"fitted on {rows[0]['fit_traces']} traces, replayed on {rows[0]['held_out_traces']} "
@@ -652,12 +692,7 @@ def main_split(argv):
         print(f"wrote {args.json}")
 
 
-def main_windows(argv):
-    p = replay_parser("windows", "Decode bytes per token were the traces' decoded tokens "
-                                 "verified in speculative windows, every draft kept: the "
-                                 "best a draft can do for reads.")
-    p.add_argument("--window", default="1,2,3,4,6,8", help="tokens per window")
-    args = p.parse_args(argv)
+def main_windows(args):
     traces = [load_trace(t) for t in args.traces]
     windows = [int(w) for w in args.window.split(",")]
     rows = [r for b in args.budget.split(",")
