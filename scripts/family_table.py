@@ -1,4 +1,4 @@
-"""Check every MoE family of the pinned mlx-lm against mlx-lm itself; write the README table.
+"""Check every MoE family of the pinned mlx-lm against mlx-lm itself; write docs/families.md's tables.
 
 For each family (scripts/families/<family>.json) this builds a tiny int4 checkpoint with
 mlx-lm's own classes (make_family_checkpoints), converts it to a pack, trains prerouter
@@ -16,9 +16,9 @@ on the same checkpoint (a 40-token prompt, 32 greedy tokens):
   make_hf_family_checkpoints): the transformers checkpoint converted by edgemoe.convert
   streams at the minimum budget exactly as mlx-lm runs `mlx_lm.convert -q` of it.
 
-tests/test_families.py runs the same checks and fails when the README table differs.
+tests/test_families.py runs the same checks and fails when docs/families.md's tables differ.
 
-    python scripts/family_table.py [--families a,b] [--write-readme]
+    python scripts/family_table.py [--families a,b] [--write]
 """
 
 import argparse
@@ -337,8 +337,11 @@ def _markers(name: str):
     return f"<!-- {name}-table:start -->", f"<!-- {name}-table:end -->"
 
 
+TABLES_DOC = ROOT / "docs" / "families.md"  # where the generated tables live
+
+
 def readme_table(readme: Path, name: str) -> str:
-    """The README's table `name` ("family" or "quantization"), between its markers."""
+    """The document's table `name` ("family" or "quantization"), between its markers."""
     text = readme.read_text()
     start, end = _markers(name)
     return text[text.index(start) + len(start):text.index(end)].strip()
@@ -354,8 +357,8 @@ def write_readme(readme: Path, name: str, table: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", default=",".join(supported_families()))
-    parser.add_argument("--write-readme", action="store_true",
-                        help="write both tables into README.md (with every family)")
+    parser.add_argument("--write", "--write-readme", dest="write", action="store_true",
+                        help="write both tables into docs/families.md (with every family)")
     args = parser.parse_args()
     rows, quant_rows = [], []
     with tempfile.TemporaryDirectory() as work:
@@ -368,8 +371,8 @@ def main():
     tables = {"family": render_table(rows), "quantization": render_quant_table(quant_rows)}
     for name, table in tables.items():
         print(table)
-        if args.write_readme:
-            write_readme(ROOT / "README.md", name, table)
+        if args.write:
+            write_readme(TABLES_DOC, name, table)
 
 
 if __name__ == "__main__":

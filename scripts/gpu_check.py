@@ -31,7 +31,7 @@ from edgemoe.format.pack import (RESIDENT_FILE, ExpertsWriter, PackLayer, record
                           write_manifest)
 
 PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
-# stated tolerances against the CPU MLX path, as the README states them: float32 must match
+# stated tolerances against the CPU MLX path, as docs/cuda.md states them: float32 must match
 # logit for logit (max |difference| < 1e-3; logits reach ~16); bfloat16 rounds every
 # activation, so it is judged on distributions: mean KL(MLX || backend) per position < 0.01
 # nats, and the argmax agreeing with MLX's greedy token at all but one of the positions (a

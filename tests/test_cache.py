@@ -257,7 +257,7 @@ def test_lru_evicts_the_least_recent_not_the_most():
 
 
 def test_the_readmes_policy_ranking_holds_on_the_shipped_traces():
-    """README: LFU, the default, beats LRU, LFU-DA and S3-FIFO on the reference model's
+    """docs/cache.md: LFU, the default, beats LRU, LFU-DA and S3-FIFO on the reference model's
     traces, and the learned policy (fitted on other traces) leads it by at most 1 point."""
     from pathlib import Path
 

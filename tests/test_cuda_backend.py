@@ -621,7 +621,7 @@ def test_tiny_model_matches_mlx_lm(packs, checkpoints):
 
 
 def test_gpu_check_cannot_pass_vacuously():
-    """On a GPU a kernel that did not run fails the check; the bounds are the README's."""
+    """On a GPU a kernel that did not run fails the check; the bounds are docs/cuda.md's."""
     ok = {"ok": True}
     assert gpu_check.verdict([ok], [ok, ok], cuda=True)
     assert not gpu_check.verdict([ok], [{"skipped": "no Triton (...)", "ok": False}], cuda=True)
@@ -629,7 +629,7 @@ def test_gpu_check_cannot_pass_vacuously():
     assert not gpu_check.verdict([ok], [], cuda=True)
     assert not gpu_check.verdict([{"ok": False}], [ok], cuda=True)
     assert gpu_check.verdict([ok], [{"skipped": "no GPU"}], cuda=False)  # the CPU dry run
-    assert gpu_check.TOLERANCE["float32"]["max_abs_diff"] <= 1e-3  # README: within 1e-3
+    assert gpu_check.TOLERANCE["float32"]["max_abs_diff"] <= 1e-3  # docs/cuda.md: within 1e-3
     assert gpu_check.TOLERANCE["bfloat16"]["argmax_agreement"] >= 1 - 1 / gpu_check.DECODE
     assert gpu_check._kernel_wanted("cuda") is True and gpu_check._kernel_wanted("cpu") is None
 

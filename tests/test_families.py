@@ -1,5 +1,5 @@
 """Every MoE family of the pinned mlx-lm, and every expert quantization it writes, streamed
-exactly (scripts/family_table.py does the checks); the README's tables are what they find."""
+exactly (scripts/family_table.py does the checks); docs/families.md's tables are what they find."""
 
 import multiprocessing
 import os
@@ -52,12 +52,12 @@ def test_family_streams_exactly_in_every_mode(rows, family):
     assert row["hf"] is not False, "its Hugging Face layout, converted, differs from mlx-lm"
 
 
-def test_the_readme_family_table_is_what_the_tests_found(rows):
+def test_the_documented_family_table_is_what_the_tests_found(rows):
     if any(isinstance(r, Exception) for r in rows.values()):
         pytest.skip("a family failed: see its own test")
     table = family_table.render_table([rows[f] for f in FAMILIES])
-    assert family_table.readme_table(ROOT / "README.md", "family") == table, \
-        "run `python scripts/family_table.py --write-readme`"
+    assert family_table.readme_table(family_table.TABLES_DOC, "family") == table, \
+        "run `python scripts/family_table.py --write`"
 
 
 def test_every_moe_model_file_of_mlx_lm_has_a_test_config():
@@ -105,7 +105,7 @@ def test_every_expert_quantization_streams_exactly(quant_rows, name):
         assert row["manifest"] != "none", row  # the experts really are quantized that way
 
 
-def test_the_readme_quantization_table_is_what_the_tests_found(quant_rows):
+def test_the_documented_quantization_table_is_what_the_tests_found(quant_rows):
     table = family_table.render_quant_table(list(quant_rows.values()))
-    assert family_table.readme_table(ROOT / "README.md", "quantization") == table, \
-        "run `python scripts/family_table.py --write-readme`"
+    assert family_table.readme_table(family_table.TABLES_DOC, "quantization") == table, \
+        "run `python scripts/family_table.py --write`"
