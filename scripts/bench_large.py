@@ -333,7 +333,7 @@ def main():
     for r in runs:
         if r.get("budget_bytes") is not None and r["peak_memory_bytes"]:
             bound = r["budget_bytes"] + report["resident_bytes"]
-            r["bound_bytes"] = bound + 0.5e9  # the issue's: budget + resident + 0.5 GB
+            r["bound_bytes"] = bound + 0.5e9  # the bound: budget + resident + 0.5 GB
             r["within_bound"] = r["peak_memory_bytes"] <= r["bound_bytes"]
             r["beyond_runtime_bytes"] = r["peak_memory_bytes"] - runtime
             r["beyond_runtime_within_budget_resident"] = r["beyond_runtime_bytes"] <= bound

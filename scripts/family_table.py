@@ -36,7 +36,7 @@ from make_hf_family_checkpoints import HF_FAMILIES, make_hf_family  # noqa: E402
 PROMPT, DECODE = 40, 32
 # (source, routing mode, budget): each source and each mode at two budgets, each budget at
 # least once, the smallest (where slots overflow most) on both sources. The whole cross
-# product (12 loads per family) passed for every family too (session 5); these four keep
+# product (12 loads per family) passed for every family too, when it was run; these four keep
 # the suite within its time.
 CHECKS = [("pack", "native", "100%"), ("pack", "advisory", "minimum"),
           ("in place", "native", "minimum"), ("in place", "advisory", "25%")]

@@ -7,7 +7,7 @@ For every family this writes two folders under OUT:
   <family>-mlx4   the same model quantized to int4 (group 64) by `mlx_lm.convert`.
 
 The models are float32: on a CPU, MLX runs fp32 activations and scales far faster than
-bf16 (see shared/GUIDE.md); `qwen3_moe_bf16` and `qwen3_moe_fp16` are the same model saved
+bf16; `qwen3_moe_bf16` and `qwen3_moe_fp16` are the same model saved
 in half precision, as real checkpoints are.
 
     python scripts/make_test_checkpoints.py OUT [--families qwen3_moe,mixtral,...]

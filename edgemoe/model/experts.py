@@ -3,7 +3,7 @@
 It computes with mlx-lm's own expert module (same projections, same activation, same
 `gather_qmm` calls), built over the layer's slot pool instead of all experts, with the
 router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
-remapped indices gives bit-identical results (shared/GUIDE.md).
+remapped indices gives bit-identical results (tests/test_exact.py checks it per family).
 """
 
 import math

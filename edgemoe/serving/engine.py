@@ -32,9 +32,9 @@ token per row, as without a draft: speculation pays where a step is dear, and a 
 already shares each step's reads. The draft length adapts per request
 (edgemoe.model.drafts.DraftLength).
 
-MLX streams belong to the thread that made them (shared/GUIDE.md), so the model is loaded
-and run on the engine thread only; the HTTP layer talks to it through `submit` and
-`cancel`, and receives events through each job's `emit` callback.
+MLX streams belong to the thread that made them (`mx.new_stream` from another thread is a
+RuntimeError), so the model is loaded and run on the engine thread only; the HTTP layer
+talks to it through `submit` and `cancel`, and receives events through each job's `emit` callback.
 """
 
 import gc
