@@ -13,12 +13,19 @@ host i owns (round-robin, or balanced by a routing trace), and the partition in 
 
 import argparse
 import errno
+import fcntl
+import glob
 import json
+import os
+import re
+import secrets
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +42,7 @@ from .format.families import check_supported, layer_index, routed_experts, skele
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
 from .format.pack import (ALIGNMENT, EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter,
-                          PackLayer, record_layout, write_manifest)
+                          PackError, PackLayer, record_layout, write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -59,8 +66,20 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
     config = json.loads((src / "config.json").read_text())
     check_supported(config, src / "config.json")
     routed_experts(skeleton(config), src / "config.json")  # a model with none is refused now
-    check_destination(src, dst, overwrite)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with DestinationLock(dst):  # one convert per destination at a time
+        return _convert_locked(src, dst, overwrite, q_bits, q_group_size, q_mode, quantize,
+                               max_shard_bytes, host, partition)
 
+
+def _convert_locked(src: Path, dst: Path, overwrite, q_bits, q_group_size, q_mode, quantize,
+                    max_shard_bytes, host, partition) -> Path:
+    old = dst.parent / f".{dst.name}.old"
+    if old.exists() and not dst.exists() and _is_pack(old):  # an --overwrite cut mid-swap:
+        print(f"[edgemoe] restoring the pack an interrupted --overwrite moved aside: {dst}",
+              file=sys.stderr)  # the old pack is the last whole one
+        old.rename(dst)
+    check_destination(src, dst, overwrite)
     model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
     if "quantization" in config:
         q = config["quantization"]
@@ -72,23 +91,123 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
             model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
 
     owners = _partition(model, src, host, partition)
-    tmp = dst.parent / f".{dst.name}.partial"
-    _remove_ours(tmp, "an interrupted conversion's leftovers")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    for left in dst.parent.glob(f".{glob.escape(dst.name)}.partial*"):  # we hold the lock:
+        _remove_ours(left, "an interrupted conversion's leftovers")  # no one writes them
     check_disk_space(dst, model, 1.0 if host is None else 1 / host[1])
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     (tmp / OURS).touch()  # what we write, we may remove
     try:
+        save_config(config, config_path=tmp / "config.json")  # its checksum: in the manifest
         _write_pack(tmp, model, config, max_shard_bytes, owners, host)
-        save_config(config, config_path=tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         if (src / "generation_config.json").exists():
             shutil.copy(src / "generation_config.json", tmp)
+        _verify_written(tmp)
+        kept = _keep_theirs(dst, tmp) if dst.exists() else []
         _replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if kept:
+        print(f"[edgemoe] kept from the pack it replaced (convert did not write them; made "
+              f"for the old weights, check they still fit): {', '.join(kept)}",
+              file=sys.stderr)
     return dst
+
+
+def _verify_written(out: Path):
+    """Read the pack back whole against its checksums: never report success for a pack
+    that does not verify (a disk that lost a write, a concurrent writer)."""
+    from .format.pack import Pack
+    from .verify import check
+
+    class Count:
+        def update(self, n):
+            pass
+
+    try:
+        check(Pack.open(out), Count())
+    except PackError as e:
+        raise PackError(f"the pack just written does not verify, so it was not put in "
+                        f"place: {e}") from None
+
+
+# what convert writes: these names in a pack it replaces are its own; anything else
+# (trained assets: prerouter/, adapter/, cache_policy.npz, a user's notes) is not
+_WRITTEN = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+                      r"|experts\.bin|manifest\.json(\.tmp)?|config\.json|generation_config\.json"
+                      r"|tokenizer.*|special_tokens_map\.json|added_tokens\.json"
+                      r"|chat_template\.(jinja|json)|vocab\..*|merges\.txt|.*\.tiktoken"
+                      r"|sentencepiece.*\.model|spiece\.model)")
+
+
+def _keep_theirs(dst: Path, tmp: Path) -> List[str]:
+    """Carry what convert did not write from the pack it replaces into the new one
+    (hard links where the disk allows, else copies: the old pack keeps its own until
+    the swap); the names carried."""
+    kept = []
+    for entry in sorted(dst.iterdir()):
+        if _WRITTEN.fullmatch(entry.name) or (tmp / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, tmp / entry.name, symlinks=True,
+                            copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, tmp / entry.name)
+        kept.append(entry.name + ("/" if entry.is_dir() else ""))
+    return kept
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+    return dst
+
+
+class DestinationLock:
+    """An exclusive lock on a destination (`.DST.lock` beside it, flock'ed: released when
+    its process ends however it ends); a second convert to the same destination is
+    refused with one line naming the holder."""
+
+    def __init__(self, dst: Path):
+        self.path = dst.parent / f".{dst.name}.lock"
+        self.file = None
+
+    def __enter__(self):
+        while True:
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                raise FileExistsError(errno.EEXIST, f"another convert is writing this pack "
+                                                    f"({holder}); wait for it to end",
+                                      str(self.path.parent / self.path.name[1:-5])) from None
+            try:  # the file we locked is still the lock (not one a finishing holder removed)
+                if os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        self.file = f
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.file.close()  # releases the flock
 
 
 def _cast_like_mlx_lm(model, config):
@@ -275,7 +394,7 @@ def _remove_ours(path: Path, what: str):
 def _replace(tmp: Path, dst: Path):
     """Move the finished pack into place; an old DST goes only once the new one is whole."""
     old = dst.parent / f".{dst.name}.old"
-    _remove_ours(old, "the pack an interrupted --overwrite replaced")
+    _remove_ours(old, "the pack an interrupted --overwrite replaced")  # (under the lock)
     (tmp / OURS).unlink()
     if dst.exists():
         dst.rename(old)

@@ -1,6 +1,7 @@
 """Conversion: same bits as mlx_lm.convert, aligned checksummed records, safe writes."""
 
 import json
+import os
 import shutil
 import zlib
 
@@ -174,3 +175,79 @@ def test_leftovers_of_an_interrupted_run_are_reported_and_ours_only_removed(
     with pytest.raises(FileExistsError, match="not written by edgemoe.convert"):
         convert(src, tmp_path / "other")
     assert (someone / "theirs.txt").exists()
+
+
+def test_a_second_convert_to_the_same_destination_is_refused_naming_the_holder(
+        checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import error_line
+    from edgemoe.convert import DestinationLock
+
+    src, dst = checkpoints["mixtral"][0], tmp_path / "pack"
+    with DestinationLock(dst):  # another convert at work
+        line = error_line(convert_module.main, "--hf-path", src, "--mlx-path", dst)
+    assert f"pid {os.getpid()}" in line and "another convert is writing this pack" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # two processes at once: each ends with a whole pack or the one-line refusal, never
+    # a success over a broken pack
+    runs = [subprocess.Popen([sys.executable, "-m", "edgemoe.convert", "--hf-path", str(src),
+                              "--mlx-path", str(dst), "--overwrite"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        if run.returncode:
+            assert "another convert is writing this pack (pid" in err.strip().splitlines()[-1]
+        else:
+            assert "wrote" in out
+    assert any(run.returncode == 0 for run in runs)
+    from edgemoe.verify import main as verify_main
+    verify_main(["--model", str(dst)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+
+
+def test_overwrite_keeps_what_convert_did_not_write(checkpoints, tmp_path, capsys):
+    src = checkpoints["mixtral"][0]
+    dst = convert(src, tmp_path / "pack")
+    (dst / "prerouter").mkdir()
+    (dst / "prerouter" / "heads.safetensors").write_bytes(b"trained heads")
+    (dst / "adapter").mkdir()
+    (dst / "adapter" / "adapters.safetensors").write_bytes(b"trained adapter")
+    (dst / "notes.txt").write_text("my notes")
+    Pack.open(convert(src, dst, overwrite=True))
+    assert (dst / "prerouter" / "heads.safetensors").read_bytes() == b"trained heads"
+    assert (dst / "adapter" / "adapters.safetensors").read_bytes() == b"trained adapter"
+    assert (dst / "notes.txt").read_text() == "my notes"
+    err = capsys.readouterr().err
+    assert "kept from the pack it replaced" in err and "prerouter/" in err and "notes.txt" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+
+
+def test_an_overwrite_cut_mid_swap_restores_the_old_pack(checkpoints, tmp_path):
+    src = checkpoints["mixtral"][0]
+    dst = convert(src, tmp_path / "pack")
+    before = (dst / "experts.bin").read_bytes()
+    dst.rename(tmp_path / ".pack.old")  # killed between moving the old pack aside and the new in
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        convert(src, dst)  # the old pack is back in place first
+    assert (dst / "experts.bin").read_bytes() == before
+
+
+def test_a_pack_that_does_not_verify_is_never_reported_written(checkpoints, tmp_path,
+                                                               monkeypatch):
+    from edgemoe.format.pack import ExpertsWriter, PackError
+
+    write = ExpertsWriter.write
+
+    def lossy(self, parts, crc=0):  # a disk that loses a write: the checksum is of the data
+        record = write(self, parts, crc)
+        self.file.flush()
+        os.pwrite(self.file.fileno(), b"\xff", record.offset)
+        return record
+
+    monkeypatch.setattr(ExpertsWriter, "write", lossy)
+    with pytest.raises(PackError, match="does not verify, so it was not put in place"):
+        convert(checkpoints["mixtral"][0], tmp_path / "pack")
+    assert list(tmp_path.iterdir()) == []

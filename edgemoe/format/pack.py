@@ -32,6 +32,55 @@ class PackError(ValueError):
     """A pack is missing, truncated, corrupt, or of another format version."""
 
 
+MAX_MANIFEST_BYTES = 256 * 2**20
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2,
+            "bfloat16": 2, "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8,
+            "float64": 8, "complex64": 8}
+CONFIG = "config.json"
+# what decides routing and shapes: compared with what the manifest holds at load
+ROUTING_FIELDS = ("num_experts_per_tok", "num_experts", "num_local_experts",
+                  "n_routed_experts", "moe_intermediate_size", "intermediate_size",
+                  "hidden_size", "num_hidden_layers", "first_k_dense_replace",
+                  "decoder_sparse_step", "mlp_only_layers", "moe_layer_freq",
+                  "num_experts_per_token", "experts_per_token", "n_group", "topk_group",
+                  "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method",
+                  "quantization")
+
+
+def _count(value, what: str, where: str) -> int:
+    """A manifest integer: an int (not a bool), not negative."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PackError(f"{where}: {what} must be a non-negative integer, found "
+                        f"{json.dumps(value)[:40]}")
+    return value
+
+
+def config_fields(config: dict) -> dict:
+    """The config.json fields that decide routing and shapes (of the text model)."""
+    text = {**config, **(config.get("text_config") or {})}
+    return {k: text[k] for k in ROUTING_FIELDS if k in text}
+
+
+def read_json(path: Path, limit: int = MAX_MANIFEST_BYTES):
+    """A JSON file as a dict, or a one-line PackError naming it (too large, not JSON,
+    nested too deep, not an object)."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise PackError(f"{path}: {size} bytes, more than any edgemoe file of its "
+                            f"kind ({limit}); damaged")
+        value = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        if isinstance(e, PackError):
+            raise
+        why = " ".join(str(e).split())[:120] or type(e).__name__
+        raise PackError(f"{path}: not valid JSON ({why})") from None
+    if not isinstance(value, dict):
+        raise PackError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     """One tensor inside an expert record: e.g. `gate_proj.scales`."""
@@ -142,6 +191,7 @@ class Pack:
     in_place: bool = False  # an mlx-lm checkpoint read as it is, not a repacked pack
     resident_crc32: Optional[Dict[str, int]] = None  # tensor of model.safetensors -> CRC32
     shard: Optional[dict] = None  # one host's share of the experts (edgemoe.distributed)
+    config: Optional[dict] = None  # config.json's sha256 and routing fields, as written
 
     def __post_init__(self):
         self.files = self.files or [self.path / EXPERTS_FILE]
@@ -183,10 +233,7 @@ class Pack:
                 f"{path}: not an edgemoe pack (no {MANIFEST}); convert it first with "
                 f"`python -m edgemoe.convert --hf-path {path} --mlx-path DST`"
             )
-        try:
-            m = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
-            raise PackError(f"{manifest_path}: not valid JSON ({e})") from None
+        m = read_json(manifest_path)
         if m.get("format") != FORMAT:
             raise PackError(f"{manifest_path}: format is {m.get('format')!r}, expected {FORMAT!r}")
         if m.get("version") != VERSION:
@@ -207,23 +254,105 @@ class Pack:
         except KeyError as e:
             raise PackError(f"{manifest_path}: missing field {e}; convert the checkpoint "
                             f"again") from None
-        except (TypeError, ValueError, AttributeError) as e:
+        except PackError:
+            raise
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
             raise PackError(f"{manifest_path}: malformed ({e}); convert the checkpoint "
                             f"again") from None
+        _count(pack.top_k, "top_k", str(manifest_path))
+        _count(pack.experts_file_size, "experts_file_size", str(manifest_path))
+        pack._check_layouts(manifest_path)
         pack._check_records(manifest_path)
         pack._check_experts_file()
+        pack.config = pack._check_config(m.get("config"), manifest_path)
+        for f in pack.resident_files:  # a damaged header is named here, not by mx.load
+            safetensors_header(f)
         if verify:
             pack._check_checksums_present(manifest_path)
         return pack
 
+    def _check_layouts(self, manifest_path: Path):
+        """Each layer's tensors: known dtypes, shapes whose bytes are their byte counts
+        (slots are sized from the shapes, budgets from the counts), back to back without
+        overlap."""
+        for layer in self.layers:
+            end = 0
+            for t in sorted(layer.tensors, key=lambda t: t.offset):
+                where = f"{manifest_path}: layer {layer.index} tensor {t.name}"
+                if t.dtype not in ITEMSIZE:
+                    raise PackError(f"{where}: unknown dtype {t.dtype!r}")
+                shape = [_count(n, "each shape entry", where) for n in t.shape]
+                _count(t.offset, "offset", where)
+                _count(t.nbytes, "nbytes", where)
+                if int(np.prod(shape, dtype=object)) * ITEMSIZE[t.dtype] != t.nbytes:
+                    raise PackError(f"{where}: shape {list(t.shape)} of {t.dtype} takes "
+                                    f"{int(np.prod(shape, dtype=object)) * ITEMSIZE[t.dtype]}"
+                                    f" bytes, the manifest says {t.nbytes}")
+                if t.offset < end:
+                    raise PackError(f"{where}: overlaps the tensor before it (offset "
+                                    f"{t.offset}, the one before ends at {end})")
+                end = t.offset + t.nbytes
+            if end != layer.expert_bytes:
+                raise PackError(f"{manifest_path}: layer {layer.index}: its tensors end at "
+                                f"{end}, expected back to back in {layer.expert_bytes} bytes")
+
+    def _check_config(self, recorded, manifest_path: Path) -> Optional[dict]:
+        """config.json as convert wrote it: its SHA-256 the manifest's, and the fields
+        that decide routing and shapes unchanged (a pack written before the manifest
+        held them is compared at load with what the model's code routes: see
+        check_routing)."""
+        path = self.path / CONFIG
+        if recorded is None:
+            return None
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("sha256"), str):
+            raise PackError(f"{manifest_path}: malformed 'config' (expected its sha256 and "
+                            f"fields)")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise PackError(f"{path}: missing (the manifest lists its checksum)") from None
+        found = hashlib.sha256(data).hexdigest()
+        if found != recorded["sha256"]:
+            now, was = config_fields(read_json(path)), recorded.get("fields") or {}
+            changed = [f"{k} (expected {json.dumps(was.get(k))}, found {json.dumps(now.get(k))})"
+                       for k in sorted(set(now) | set(was)) if now.get(k) != was.get(k)]
+            detail = "; changed: " + ", ".join(changed[:3]) if changed else ""
+            raise PackError(f"{path}: checksum mismatch (expected {recorded['sha256'][:16]}..., "
+                            f"found {found[:16]}...){detail}; it was changed after convert: "
+                            f"restore it or convert the checkpoint again")
+        return recorded
+
+    def check_routing(self, modules: List[str], top_k: int, config_path):
+        """What the model built from config.json routes (its MoE modules, experts per
+        token) against what the pack was written for: a config.json changed after
+        convert must not run with other routing."""
+        if self.in_place:
+            return
+        if top_k != self.top_k:
+            raise PackError(f"{config_path}: routes {top_k} experts per token, the pack was "
+                            f"written for {self.top_k} (manifest top_k); restore config.json "
+                            f"or convert the checkpoint again")
+        mine = [l.module for l in self.layers]
+        if sorted(modules) != sorted(mine):
+            raise PackError(f"{config_path}: the model has MoE modules {_few(modules)}, the "
+                            f"pack holds {_few(mine)}; restore config.json or convert the "
+                            f"checkpoint again")
+
     def _check_records(self, manifest_path: Path):
         """Every record where convert puts one: aligned, of its layer's size, inside the
-        experts file (a damaged manifest is named here, not as a failed read later)."""
+        experts file, overlapping no other (a damaged manifest is named here, not as a
+        failed read or another expert's bytes later)."""
+        spans = []
         for layer in self.layers:
             for e, record in enumerate(layer.records):
                 if record is None:  # another host's expert
                     continue
                 where = f"{manifest_path}: layer {layer.index} expert {e}"
+                _count(record.offset, "record offset", where)
+                _count(record.length, "record length", where)
+                if record.crc32 is not None:
+                    _count(record.crc32, "record checksum", where)
+                spans.append((record.offset, record.offset + record.length, layer.index, e))
                 if record.offset % ALIGNMENT:
                     raise PackError(f"{where}: record offset {record.offset} is not "
                                     f"{ALIGNMENT}-byte aligned")
@@ -233,6 +362,12 @@ class Pack:
                 if record.offset + record.length > self.experts_file_size:
                     raise PackError(f"{where}: record ends at {record.offset + record.length}, "
                                     f"past the experts file's {self.experts_file_size} bytes")
+        spans.sort()
+        for (_, end, li, ei), (start, _, lj, ej) in zip(spans, spans[1:]):
+            if start < end:
+                raise PackError(f"{manifest_path}: layer {lj} expert {ej}: its record "
+                                f"(offset {start}) overlaps layer {li} expert {ei}'s (which "
+                                f"ends at {end})")
 
     def _check_checksums_present(self, manifest_path: Path):
         fix = "convert the checkpoint again, or pass --no-verify to read it unchecked"
@@ -339,18 +474,12 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
                        uncached: bool = False) -> Dict[str, int]:
     """CRC32 of every tensor's bytes in a safetensors file (of `names` only, if given),
     read in chunks; with `uncached`, each chunk's pages dropped once read."""
+    header, start = safetensors_header(path)
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise PackError(f"{path}: not a safetensors file (too short)")
-        header = json.loads(f.read(int.from_bytes(raw, "little")))
-        start = 8 + int.from_bytes(raw, "little")
-        header.pop("__metadata__", None)
         crcs = {}
-        for name, entry in header.items():
+        for name, (begin, end) in header.items():
             if names is not None and name not in names:
                 continue
-            begin, end = entry["data_offsets"]
             f.seek(start + begin)
             crc, left = 0, end - begin
             while left:
@@ -363,6 +492,63 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
                                      os.POSIX_FADV_DONTNEED)
             crcs[name] = crc
     return crcs
+
+
+def safetensors_header(path: Path) -> Tuple[Dict[str, Tuple[int, int]], int]:
+    """({tensor: (begin, end) of its bytes}, where the data starts) of a safetensors file,
+    every entry checked (inside the file, a known dtype, a shape of its size, no two
+    overlapping): a damaged header is a one-line PackError, never a huge read, a
+    recursion or a C++ exception in the loader."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise PackError(f"{path}: not a safetensors file (too short)")
+        length = int.from_bytes(raw, "little")
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise PackError(f"{path}: header of {length} bytes in a file of {size}; damaged")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError) as e:
+            why = " ".join(str(e).split())[:80] or type(e).__name__
+            raise PackError(f"{path}: damaged header (not JSON: {why})") from None
+    start = 8 + length
+    if not isinstance(header, dict):
+        raise PackError(f"{path}: damaged header (not a JSON object)")
+    header.pop("__metadata__", None)
+    spans, out = [], {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            for n in (*shape, begin, end):
+                _count(n, "an offset or shape entry", f"{path}: tensor {name}")
+        except PackError:
+            raise
+        except (TypeError, ValueError, KeyError):
+            raise PackError(f"{path}: tensor {name}: damaged header entry "
+                            f"{json.dumps(entry)[:80]}") from None
+        itemsize = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2,
+                    "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8,
+                    "I64": 8, "F64": 8, "C64": 8}.get(dtype)
+        if itemsize is None:
+            raise PackError(f"{path}: tensor {name}: unknown dtype {str(dtype)[:20]!r}")
+        if end < begin or start + end > size:
+            raise PackError(f"{path}: tensor {name}: bytes {begin}..{end} outside the "
+                            f"file's {size - start} bytes of data")
+        if int(np.prod(shape, dtype=object)) * itemsize != end - begin:
+            raise PackError(f"{path}: tensor {name}: shape {shape} of {dtype} does not take "
+                            f"its {end - begin} bytes")
+        spans.append((begin, end, name))
+        out[name] = (begin, end)
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise PackError(f"{path}: tensor {b} overlaps tensor {a}")
+    return out, start
+
+
+def _few(names: List[str]) -> str:
+    return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
 
 
 def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
@@ -388,6 +574,10 @@ def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLay
     }
     if shard is not None:
         manifest["shard"] = shard
+    config = path / CONFIG
+    if config.exists():  # written before the manifest: its checksum goes in
+        manifest["config"] = {"sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+                               "fields": config_fields(read_json(config))}
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / MANIFEST)

@@ -85,7 +85,7 @@ def load(
     if routing not in ROUTING_MODES:
         raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
     path = model_path(resolve_hub_id(path_or_hf_repo))
-    source = open_source(path, verify)
+    source = opened = open_source(path, verify)
     if verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
               f"its weights are not verified (`python -m edgemoe.verify --model {path}` "
@@ -117,7 +117,10 @@ def load(
 
         def build(args):
             model = streaming_class(model_class, store.layers)(args)
-            routed_experts(model, path / "config.json")  # a family with none is refused here
+            # a family with none is refused here; a config.json that routes otherwise than
+            # the pack was written for, too
+            opened.check_routing(*routed_experts(model, path / "config.json"),
+                                 path / "config.json")
             experts.update(install(model, store))
             return model
 
