@@ -148,3 +148,129 @@ def test_a_pack_that_cannot_fit_is_refused_before_writing(checkpoints, tmp_path,
                          "--mlx-path", tmp_path / "out")
     assert f"{tmp_path}: the pack needs " in message and "the disk has 0.00 GB free" in message
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- a pack cannot lie (issue 41) ------------------------------------------------------
+
+def test_a_tampered_config_is_named_with_the_field_it_changed(pack):
+    config = json.loads((pack / "config.json").read_text())
+    config["num_experts_per_tok"] = 8
+    (pack / "config.json").write_text(json.dumps(config))
+    message = error_line(generate.main, "--model", pack, "-m", 1)
+    assert f"{pack / 'config.json'}: checksum mismatch" in message
+    assert "num_experts_per_tok (expected 2, found 8)" in message
+
+
+def test_a_config_changed_in_a_pack_without_its_checksum_is_caught_by_its_routing(pack):
+    edit_manifest(pack, lambda m: m.pop("config"))  # as packs written before issue 41
+    Pack.open(pack)
+    config = json.loads((pack / "config.json").read_text())
+    for k in (8, 0):
+        config["num_experts_per_tok"] = k
+        (pack / "config.json").write_text(json.dumps(config))
+        message = error_line(generate.main, "--model", pack, "-m", 1)
+        # (0: the family's code takes every expert: refused all the same)
+        assert "experts per token, the pack was written for 2 (manifest top_k)" in message
+
+
+def test_records_that_overlap_or_point_before_the_file_are_refused(pack):
+    def same_bytes(m):  # expert 3 pointing at expert 2's record (with its checksum)
+        m["layers"][0]["records"][3] = list(m["layers"][0]["records"][2])
+
+    edit_manifest(pack, same_bytes)
+    message = error_line(generate.main, "--model", pack, "-m", 1)
+    assert "layer 0 expert 3: its record (offset" in message and "overlaps layer 0 expert 2" \
+        in message
+    edit_manifest(pack, lambda m: m["layers"][0]["records"][3].__setitem__(0, -16384))
+    assert "record offset must be a non-negative integer, found -16384" in error_line(
+        generate.main, "--model", pack, "-m", 1)
+
+
+def test_a_shape_inflated_past_its_byte_count_is_refused_before_any_slot(pack):
+    def inflate(m):
+        t = m["layers"][0]["tensors"][0]
+        t["shape"] = [t["shape"][0] * 100000] + t["shape"][1:]
+
+    edit_manifest(pack, inflate)
+    message = error_line(server.main, "--model", pack, "--expert-budget", "50%")
+    assert "layer 0 tensor" in message and "the manifest says" in message
+
+
+def _one_line(fn):
+    """fn() passes, or fails with a PackError (a ValueError) of one line."""
+    try:
+        fn()
+    except ValueError as e:
+        assert "\n" not in str(e) and str(e), repr(e)
+
+
+def test_fuzzed_manifests_and_headers_give_one_line_errors(pack):
+    """Random damage to the manifest (types, signs, sizes, nesting) and to the resident
+    file's header: every outcome is a pack that opens or one line; never a traceback."""
+    import random
+
+    rng = random.Random(41)
+    original = (pack / MANIFEST).read_text()
+    values = [None, -1, -16384, 2**64, 1.5, "x", [], {}, True, [[]], [-1, 10, 0],
+              "9" * 400, [2**40, 16384, 0]]
+
+    def mutate(node, depth=0):
+        if isinstance(node, dict) and node:
+            key = rng.choice(sorted(node))
+            if rng.random() < 0.4 or depth > 6:
+                if rng.random() < 0.2:
+                    node.pop(key)
+                else:
+                    node[key] = rng.choice(values)
+            else:
+                mutate(node[key], depth + 1)
+        elif isinstance(node, list) and node:
+            i = rng.randrange(len(node))
+            if rng.random() < 0.4 or not isinstance(node[i], (dict, list)):
+                node[i] = rng.choice(values)
+            else:
+                mutate(node[i], depth + 1)
+
+    for _ in range(300):
+        m = json.loads(original)
+        for _ in range(rng.randint(1, 3)):
+            mutate(m)
+        (pack / MANIFEST).write_text(json.dumps(m))
+        _one_line(lambda: Pack.open(pack))
+    for text in ("[" * 100000 + "]" * 100000, '{"format": ' + "[" * 100000, "\xff\xfe",
+                 "[]", "null", '{"format": "edgemoe.pack", "version": 1, "layers": 3}'):
+        (pack / MANIFEST).write_bytes(text.encode("latin-1"))
+        _one_line(lambda: Pack.open(pack))
+    (pack / MANIFEST).write_text(original)
+    resident = pack / "model.safetensors"
+    data = resident.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    bad_headers = [(2**40).to_bytes(8, "little") + data[8:],  # a 1 TB header length
+                   (3).to_bytes(8, "little") + b"[[[" + data[11:],
+                   (100000).to_bytes(8, "little") + b"[" * 100000 + data[8:]]
+    name = next(k for k in header if k != "__metadata__")
+    for change in ({"dtype": "F99"}, {"shape": [10**6, 10**6]}, {"data_offsets": [0, 10**12]},
+                   {"data_offsets": "x"}, {"shape": "abc"}, {"dtype": ["F32"]}):
+        h = json.loads(data[8:8 + length])
+        h[name].update(change)
+        raw = json.dumps(h).encode().ljust(length)
+        if len(raw) == length:
+            bad_headers.append(data[:8] + raw + data[8 + length:])
+    for damaged in bad_headers:
+        resident.write_bytes(damaged)
+        with pytest.raises(ValueError) as e:
+            Pack.open(pack)
+        assert str(resident) in str(e.value) and "\n" not in str(e.value), e.value
+    resident.write_bytes(data)
+    Pack.open(pack)
+    resident.write_bytes(bad_headers[0])
+    assert str(resident) in error_line(generate.main, "--model", pack, "--no-verify", "-m", 1)
+
+
+def test_the_bundled_reference_keeps_loading():
+    from pathlib import Path
+
+    reference = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
+    pack = Pack.open(reference)
+    assert pack.config is None and pack.top_k == 2  # written before the config field

@@ -260,6 +260,17 @@ class Pack:
             raise PackError(f"{manifest_path}: malformed ({e}); convert the checkpoint "
                             f"again") from None
         _count(pack.top_k, "top_k", str(manifest_path))
+        crcs = pack.resident_crc32
+        if crcs is not None and not (isinstance(crcs, dict) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in crcs.values())):
+            raise PackError(f"{manifest_path}: malformed 'resident' (expected tensor: CRC32)")
+        for layer in pack.layers:
+            if not (isinstance(layer.module, str) and isinstance(layer.index, int)
+                    and isinstance(layer.quantization, dict) and all(
+                        q is None or isinstance(q, dict) for q in layer.quantization.values())
+                    and all(isinstance(t.name, str) and "." in t.name for t in layer.tensors)):
+                raise PackError(f"{manifest_path}: layer {json.dumps(layer.index)[:20]}: "
+                                f"malformed (module, index, quantization or tensor names)")
         _count(pack.experts_file_size, "experts_file_size", str(manifest_path))
         pack._check_layouts(manifest_path)
         pack._check_records(manifest_path)
