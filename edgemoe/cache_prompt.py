@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .options import StreamOptions, number
 
 
@@ -39,7 +39,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_QUANTIZED_KV_START)
     add_debug_flag(p)
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
-    return p
+    return arrange(p, "cache_prompt")
 
 
 @tool("cache_prompt")

@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     its own --help. Without a subcommand the arguments are `replay`'s, as they were before
     there were subcommands (`cache_sim TRACE.npz --budget 0.1`)."""
     p = argparse.ArgumentParser(
-        prog="python -m edgemoe.cache_sim",
+        prog=sys.argv[0] if sys.argv[0].startswith("edgemoe ") else "python -m edgemoe.cache_sim",
         description="Replay routing traces (edgemoe.generate --trace) through the store's "
                     "expert slots: cache policies against Belady's optimum, a budget split "
                     "across layers, speculative windows; fit the learned policy.",

@@ -35,7 +35,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import MAX_FILE_SIZE_GB, quantize_model, save_config
 from tqdm import tqdm
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .distributed import Partition, make_partition, parse_shard
 from .format.source import SHARD_INDEX, model_path
 from .format.families import check_supported, layer_index, routed_experts, skeleton
@@ -426,7 +426,7 @@ def main(argv=None):
                              "trace (edgemoe.generate --trace), so hosts do equal work "
                              "(default: round-robin)")
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = arrange(parser, "convert").parse_args(argv)
     from .hub import resolve
 
     dst = convert(resolve(args.hf_path), args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,

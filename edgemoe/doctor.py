@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
 from .hub import ALLOW_PATTERNS, cache_dir as hub_cache_dir, free_bytes, parse_hub_id, remote_headers
@@ -246,7 +246,7 @@ def main(argv=None):
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
     add_debug_flag(p)
-    args = p.parse_args(argv)
+    args = arrange(p, "doctor").parse_args(argv)
     hub_id = parse_hub_id(args.model)
     if hub_id is not None:
         cached = cached_snapshot(hub_id)

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .format.source import BUNDLED_MODEL, source_kind
 from .options import StreamOptions
 from .streaming.trace import routing_stats as trace_routing_stats
@@ -244,7 +244,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
     add_debug_flag(p)
-    args = p.parse_args(argv)
+    args = arrange(p, "eval").parse_args(argv)
     args.model = args.model or [str(BUNDLED_MODEL)]
     if len(args.model) > 2:
         p.error("give one --model, or two to compare")

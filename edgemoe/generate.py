@@ -14,7 +14,7 @@ from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
                              DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool)
 from mlx_lm.sample_utils import make_sampler
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .hub import resolve as resolve_hub_id
 from .model.generation import generate
 from .options import StreamOptions, number
@@ -83,7 +83,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Write the routing of every token and layer to this .npz file")
     add_debug_flag(p)
     StreamOptions.add_arguments(p)
-    return p
+    return arrange(p, "generate")
 
 
 def add_draft_arguments(p: argparse.ArgumentParser):

@@ -17,6 +17,16 @@ from .routing.modes import ROUTING_MODES
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
+# what --help offers first; the other values are accepted, and named in the help's
+# "experimental" group: measured not to pay on the bundled model (docs/benchmarks.md)
+MAIN_ROUTING = ("native", "advisory", "prerouted")
+MAIN_POLICIES = ("lfu", "learned")
+EXPERIMENTAL_VALUES = {
+    "routing": "--routing prerouted-set: the predicted experts, weighed by the native "
+               "router (slower than prerouted, docs/routing.md).",
+    "cache_policy": "--cache-policy lru, lfuda, s3fifo: policies LFU beats on the bundled "
+                    "model's traces (docs/cache.md).",
+}
 
 
 def number(kind, lo, hi=None, above=False):
@@ -98,17 +108,20 @@ class StreamOptions:
                                      "a 4096-token KV cache (default: %(default)s)")),
             "cache_policy": (("--cache-policy",), dict(
                 default=DEFAULT_POLICY, choices=sorted(POLICIES),
-                help="Which resident expert to evict when a layer's slots are full "
-                     "(default: %(default)s)")),
+                metavar="{" + ",".join(MAIN_POLICIES) + "}",
+                help="Which resident expert to evict when a layer's slots are full: lfu, or "
+                     "learned (the pack's own weights) (default: %(default)s; experimental: "
+                     "see below)")),
             "io": (("--io",), dict(
                 default="buffered", choices=IO_MODES,
                 help="direct: O_DIRECT reads that bypass the page cache (default: %(default)s)")),
             "routing": (("--routing",), dict(
                 default="native", choices=ROUTING_MODES,
-                help="native: the router decides, experts load on demand; advisory: later "
-                     "layers' experts are prefetched, same output; prerouted: the prerouter "
-                     "heads' prediction is the routing; prerouted-set: the predicted "
-                     "experts, native weights (default: %(default)s)")),
+                metavar="{" + ",".join(MAIN_ROUTING) + "}",
+                help="native: the router decides, experts load on demand (exact); advisory: "
+                     "later layers' experts are prefetched, same output; prerouted: the "
+                     "prerouter heads' prediction is the routing, read a token ahead "
+                     "(default: %(default)s; experimental: see below)")),
             "prerouter": (("--prerouter",), dict(
                 default=None, help="Prerouter heads folder (edgemoe.train_prerouter --out "
                                    "DIR: DIR/prerouter), or 'pack' for the heads the model "
@@ -151,4 +164,9 @@ class StreamOptions:
         for name, (names, kwargs) in flags.items():
             if name in wanted:
                 group.add_argument(*names, **kwargs)
+        notes = [note for name, note in EXPERIMENTAL_VALUES.items() if name in wanted]
+        if notes:
+            from .cli import experimental_group
+
+            experimental_group(parser, " ".join(notes))
         return parser

@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import Tuple
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .options import StreamOptions, number
 from .serving.engine import Engine
@@ -109,7 +109,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_draft_arguments(p)  # a request decoded alone speculates (edgemoe.serving.engine)
     add_debug_flag(p)
     StreamOptions.add_arguments(p)  # each batch row keeps its own routing state
-    return p
+    return arrange(p, "server")
 
 
 def byte_size(text: str) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .eval import compare
 from .format.deltas import expert_deltas
 from .format.source import open_source
@@ -281,7 +281,7 @@ def main(argv=None):
                                          "prerouter", "readers"])
     p.set_defaults(routing="prerouted")  # the student as it will be served
     add_debug_flag(p)
-    args = p.parse_args(argv)
+    args = arrange(p, "train_lora").parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG
     resumable = (Path(args.out) / STATE).exists() or (Path(args.out) / TORCH_STATE).exists()
     if existing.exists() and not resumable:

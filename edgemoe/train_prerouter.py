@@ -34,7 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .cli import add_debug_flag, tool
+from .cli import add_debug_flag, arrange, tool
 from .format.source import source_kind
 from .options import StreamOptions
 from .streaming.budget import is_auto
@@ -359,7 +359,7 @@ def main(argv=None):
     p.add_argument("--max-eval-tokens", type=int, default=0)
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "readers"])
     add_debug_flag(p)
-    args = p.parse_args(argv)
+    args = arrange(p, "train_prerouter").parse_args(argv)
     report = run(args)
     print_table(report)
 
