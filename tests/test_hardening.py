@@ -402,3 +402,60 @@ def test_template_bombs_hold_no_worker_and_sigterm_stops_the_server(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- first-load writes (adapter delta records) ----------------------------------------
+
+def _adapter_copy(tmp_path):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        shutil.copy(REFERENCE / "adapter" / name, adapter)
+    return adapter
+
+
+def test_processes_loading_an_adapter_the_first_time_at_once_all_succeed(tmp_path):
+    adapter = _adapter_copy(tmp_path)
+    code = ("import sys, edgemoe; from mlx_lm import generate; "
+            "m, t = edgemoe.load(None, adapter_path=sys.argv[1], expert_budget='100%'); "
+            "print(generate(m, t, 'Once upon', max_tokens=4))")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(adapter)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    outs = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+        outs.append(out)
+    assert len(set(outs)) == 1
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json", "adapters.safetensors", "expert_deltas.bin",
+        "expert_deltas.json"]
+
+
+def test_a_full_disk_at_the_first_load_names_the_file_and_leaves_nothing(tmp_path,
+                                                                          monkeypatch):
+    import errno
+    import builtins
+
+    from edgemoe.format import deltas
+    from edgemoe.format.pack import Pack, PackError
+
+    adapter = _adapter_copy(tmp_path)
+    pack = Pack.open(REFERENCE)
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if "w" in mode and "expert_deltas.json" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(PackError) as e:
+        deltas.expert_deltas(adapter, pack)
+    message = str(e.value)
+    assert message.startswith(f"{adapter / 'expert_deltas.json'}: ") and "No space" in message
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                         "adapters.safetensors"]

@@ -23,6 +23,7 @@ its expert's (the pack's CRC32 of the expert record), so a fill's bytes check as
 
 import json
 import os
+import secrets
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .inplace import _DTYPES, safetensors_header
-from .pack import ExpertsWriter, Pack, PackError, PackLayer, Record, TensorLayout
+from .pack import ExpertsWriter, Pack, PackError, PackLayer, Record, TensorLayout, read_json
 
 FORMAT = "edgemoe.expert_deltas"
 VERSION = 1
@@ -75,7 +76,10 @@ def expert_deltas(adapter, source: Pack) -> Optional[ExpertDeltas]:
     cache = _cache_folder(stamp)
     for folder in (adapter, cache):
         manifest = folder / MANIFEST
-        found = json.loads(manifest.read_text()) if manifest.exists() else {}
+        try:  # a damaged one is written again, as a stale one is
+            found = read_json(manifest) if manifest.exists() else {}
+        except PackError:
+            found = {}
         if found.get("source") == stamp:
             return _read(folder, found)
     folder = adapter if os.access(adapter, os.W_OK) else cache
@@ -100,11 +104,15 @@ def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
 
 
 def _write(folder: Path, adapter: Path, source: Pack, tensors, stamp: dict):
-    """Both files, written into `folder` beside each other and renamed into place: never
-    half-written."""
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    """Both files, written into `folder` under names of this process's own and renamed
+    into place (the records, then the manifest that vouches for them): never
+    half-written, and two processes loading the adapter for the first time at once both
+    succeed (their files are the same bytes). A failed write leaves nothing behind."""
+    config = read_json(adapter / "adapter_config.json")
     weights = np.memmap(adapter / WEIGHTS, dtype=np.uint8, mode="r")
-    tmp = folder / (RECORDS + ".partial")
+    mine = f".partial-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, tmp_manifest = folder / (RECORDS + mine), folder / (MANIFEST + mine)
+    writing = tmp
     try:
         folder.mkdir(parents=True, exist_ok=True)
         writer = ExpertsWriter(tmp)
@@ -124,15 +132,27 @@ def _write(folder: Path, adapter: Path, source: Pack, tensors, stamp: dict):
             layers.append({"module": layer.module, "records": records,
                            "tensors": [asdict(t) for t in layout]})
         writer.close()
-    except OSError as e:
+        manifest = {"format": FORMAT, "version": VERSION, "source": stamp,
+                    "scale": config["lora_parameters"]["scale"], "layers": layers}
+        writing = tmp_manifest
+        with open(tmp_manifest, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        writing = folder / RECORDS
+        os.replace(tmp, folder / RECORDS)
+        writing = folder / MANIFEST
+        os.replace(tmp_manifest, folder / MANIFEST)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise PackError(f"{folder}: cannot write the routed experts' delta records "
-                        f"({os.strerror(e.errno)}); copy the adapter to a writable folder")
-    manifest = {"format": FORMAT, "version": VERSION, "source": stamp,
-                "scale": config["lora_parameters"]["scale"], "layers": layers}
-    (folder / (MANIFEST + ".partial")).write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / RECORDS)
-    os.replace(folder / (MANIFEST + ".partial"), folder / MANIFEST)
+        tmp_manifest.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            why = os.strerror(e.errno) if e.errno else str(e)
+            name = writing.name.split(".partial-")[0]
+            raise PackError(f"{folder / name}: cannot write the routed experts' delta "
+                            f"records ({why}); free space, or copy the adapter to a "
+                            f"writable folder") from None
+        raise
     return manifest
 
 
