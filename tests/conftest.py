@@ -70,3 +70,11 @@ def error_line(main, *argv) -> str:
     assert isinstance(message, str) and message.startswith("edgemoe."), message
     assert ": error: " in message and "\n" not in message, message
     return message
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx_checkpoint(tmp_path_factory):
+    """The tiny Qwen3-MoE as mlx-lm writes it, alone (what the hub stand-in publishes:
+    tests/test_hub.py, tests/test_readme.py)."""
+    out = tmp_path_factory.mktemp("tiny-mlx")
+    return make_test_checkpoints.make_all(out, ["qwen3_moe"])["qwen3_moe"][1]

@@ -13,19 +13,15 @@ import pytest
 
 from hub_standin import HubStandin
 
-sys.path.insert(0, str(Path(__file__).parent))
-import make_test_checkpoints  # noqa: E402  (conftest puts scripts/ on the path)
-
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "org/tiny-moe"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_mlx_checkpoint, tmp_path_factory):
     """The tiny Qwen3-MoE as mlx-lm writes it, and a second revision of it."""
-    out = tmp_path_factory.mktemp("hub-checkpoint")
-    _, mlx = make_test_checkpoints.make_all(out, ["qwen3_moe"])["qwen3_moe"]
-    second = out / "second"
+    mlx = tiny_mlx_checkpoint
+    second = tmp_path_factory.mktemp("hub-checkpoint") / "second"
     shutil.copytree(mlx, second)
     config = json.loads((second / "config.json").read_text())
     (second / "config.json").write_text(json.dumps(dict(config, revision_mark=2)))
