@@ -203,9 +203,8 @@ class OpenAIAPI:
         if name is not None and name not in [t["function"]["name"] for t in tools]:
             raise BadRequest(f"'tool_choice' names {name!r}, which is not in 'tools'",
                              "tool_choice")
-        if grammar is not None:
-            raise BadRequest("'response_format' and a forced 'tool_choice' cannot be "
-                             "combined", "response_format")
+        # a forced call is the reply: response_format, which shapes text, has nothing to
+        # shape (OpenAI takes both, and agents send both)
         return forced_call(s, tools, name), "forced"
 
     def parse_chat(self, body: dict):
@@ -478,7 +477,8 @@ class View:
         """The prompt's tokens as logprobs entries: each one's logprob given the tokens
         before it (the first has none) and, asked for, the most likely tokens there."""
         scores = last.get("prompt_logprobs") or []
-        tops = last.get("prompt_top") or [None] * len(scores)
+        tops = last.get("prompt_top") if self.job.top_logprobs else None
+        tops = tops or [None] * len(scores)
         events = [{"token": t, "logprob": lp, "top": top}
                   for t, lp, top in zip(self.job.prompt, scores, tops)]
         return self._entries(events)
