@@ -1,5 +1,5 @@
 """The README's test command from a clone placed anywhere: a clone in an empty temporary
-folder (no ../shared, nothing beside it) runs the tests that once reached outside the
+folder (nothing beside it, no shared folder above it) runs the tests that once reached outside the
 repository (the cgroup helper, the README's links), with the clone's own code."""
 
 import subprocess

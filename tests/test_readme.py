@@ -20,6 +20,7 @@ import pytest
 from hub_standin import HubStandin
 
 ROOT = Path(__file__).resolve().parents[1]
+OUTSIDE = "../" + "shared"  # the folder beside the checkout that tests once reached
 README = ROOT / "README.md"
 TEXT = README.read_text()
 BLOCKS = re.findall(r"```[a-z]*\n(.*?)\n```", TEXT, re.DOTALL)
@@ -47,7 +48,7 @@ def test_readme_is_at_most_12_kb():
 
 
 def test_no_text_refers_outside_the_repository():
-    """No document points above the repository (../shared and the like), and every
+    """No document points above the repository (a shared folder beside it), and every
     relative link of the README and docs/ names a file that is there."""
     for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
         text = doc.read_text()
@@ -60,7 +61,7 @@ def test_no_text_refers_outside_the_repository():
     for name in tracked.stdout.split():
         path = ROOT / name
         if path.suffix in (".py", ".md", ".sh", ".toml") and path.exists():
-            assert "../shared" not in path.read_text(errors="replace"), name
+            assert OUTSIDE not in path.read_text(errors="replace"), name
 
 
 def test_the_main_command_generates(capsys):
