@@ -12,6 +12,15 @@ seconds, then restored. Meanwhile:
             an oversized body, a foreign Host, text/plain, a deep or broken JSON, ...);
   stalled   streamed requests from clients that never read (a 4 KB receive buffer);
   vanishing streamed requests whose clients hang up after a few chunks;
+  poison    requests beside the good ones that would once have failed their whole batch
+            (Ollama temperature 1e308 with format json, OpenAI repetition_penalty 1e-300
+            with response_format, top_logprobs under a grammar): refused with a 400, or
+            answered alone; a good request whose error names one is counted
+            (good_failed_by_another);
+  bombs     chat templates that loop for ever or build huge strings (the server runs with
+            --allow-client-templates): each must be stopped and refused with a 400;
+  slow      up to 256 connections that send headers, then a body a byte every 2 s:
+            closed by the server's deadline, while /health and good requests go on;
   health    /health polled all along (its slowest answer is reported).
 
 A good request may fail only with a 500 that names a corrupt record (a fault it met: the
@@ -48,7 +57,13 @@ PROMPTS = ["def read_lines(path):", "import os\n\n", "class Stack:\n    def push
            "with open(path) as f:"]
 MAX_TOKENS = 24
 SERVER_FLAGS = ["--max-batch", "4", "--send-timeout", "2", "--send-buffer", "16384",
-                "--read-timeout", "10", "--expert-budget", "25%"]
+                "--read-timeout", "10", "--expert-budget", "25%", "--allow-client-templates",
+                "--template-timeout", "2", "--request-timeout", "5"]
+MARKER = "CHAOS_POISON_MARKER"  # in every poison request: a good one's error must not name it
+BOMBS = ["{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         "{% for i in range(100000) %}{% for j in range(100000) %}{{ '" + MARKER + "' }}"
+         "{% endfor %}{% endfor %}",
+         "{{ 'x' * 30000000 }}"]
 
 
 def bad_requests(url: str):
@@ -73,14 +88,34 @@ def bad_requests(url: str):
         ("beyond the context", js({"prompt": "x", "max_tokens": 10 ** 6})),
         ("200 stop strings", js({"prompt": "x", "max_tokens": 4, "stop": ["a"] * 200})),
         ("5 MB body", raw(b'{"prompt": "' + b"x" * (5 * 2 ** 20) + b'"}')),
-        ("text/plain body", raw(b'{"prompt": "x"}', "text/plain")),
+        ("a web page of another origin", raw(b'{"prompt": "x"}', "text/plain",
+                                             origin="http://evil.example")),
         ("foreign Host", raw(b'{"prompt": "x"}', host="evil.example")),
         ("deep JSON", raw(b"[" * 100000 + b"]" * 100000)),
         ("broken JSON", raw(b'{"prompt": "x",')),
         ("lone surrogate", raw(b'{"prompt": "\\ud800", "max_tokens": 2}')),
         ("chat without messages", lambda c: c.post(f"{url}/v1/chat/completions",
                                                    json={"max_tokens": 2}).status_code),
+        ("a 5000-digit integer", raw(b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")),
+        ("ollama temperature 1e308 with format json", lambda c: c.post(
+            f"{url}/api/generate", json={"model": "pack", "prompt": MARKER, "stream": False,
+                                         "format": "json",
+                                         "options": {"temperature": 1e308}}).status_code),
+        ("repetition_penalty 1e-300 with response_format", lambda c: c.post(
+            f"{url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": MARKER}], "max_tokens": 8,
+                "repetition_penalty": 1e-300, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "p", "schema": {
+                        "type": "object", "properties": {MARKER: {"type": "string"}},
+                        "required": [MARKER]}}}}).status_code),
+        ("a model that does not exist", lambda c: _no_folder(c.post(post, json={
+            "model": "nope", "prompt": "x", "max_tokens": 2}))),
     ]
+
+
+def _no_folder(r) -> int:
+    """A response's status, or 0 (not refused) when it shows the server's folders."""
+    return 0 if "edgemoe-chaos-" in r.text else r.status_code
 
 
 class Chaos:
@@ -155,6 +190,9 @@ class Chaos:
                 met_fault = changes % 2 or self.fault_changes != changes
                 if status == 500 and "checksum mismatch" in message and met_fault:
                     self.count("good", "good_failed_by_fault")
+                elif MARKER in message:
+                    self.count("good", "good_wrong", "good_failed_by_another")
+                    self.wrong.append(f"{prompt!r}: failed by another: {message[:200]}")
                 else:
                     self.count("good", "good_wrong")
                     self.wrong.append(f"{prompt!r}: {status} {message[:200]}")
@@ -209,15 +247,93 @@ class Chaos:
                 self.count("vanishing")
                 self.stop.wait(1)
 
+    def poison(self):
+        """Requests that pass every check and decode beside the good ones: strict JSON
+        under a grammar with top logprobs, and a penalty at the edge of its range."""
+        bodies = [("/v1/chat/completions", {
+                      "messages": [{"role": "user", "content": MARKER}], "max_tokens": 12,
+                      "logprobs": True, "top_logprobs": 20,
+                      "response_format": {"type": "json_object"}}),
+                  ("/api/chat", {"model": "pack", "stream": False, "format": "json",
+                                 "messages": [{"role": "user", "content": MARKER}],
+                                 "options": {"temperature": 1000, "repeat_penalty": 0.001,
+                                             "num_predict": 12}})]
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                path, body = self.rng.choice(bodies)
+                try:
+                    r = client.post(f"{self.url}{path}", json=body)
+                    json.loads(r.text.replace("data: [DONE]", "") if not body.get("stream")
+                               else "[]", parse_constant=_no_constant)
+                    for line in r.text.splitlines():
+                        if line.startswith("data: {"):
+                            json.loads(line[6:], parse_constant=_no_constant)
+                    fault = r.status_code == 500 and "checksum mismatch" in r.text
+                    self.count("poison", f"poison_{r.status_code}{'_fault' if fault else ''}")
+                except ValueError as e:  # NaN or Infinity in a response
+                    self.count("poison", "poison_not_json")
+                    self.wrong.append(f"poison: {e}")
+                except httpx.HTTPError:
+                    self.count("poison", "poison_transport_error")
+                self.stop.wait(0.2)
+
+    def bombs(self):
+        with httpx.Client(timeout=self.args.request_timeout) as client:
+            while not self.stop.is_set():
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                        "chat_template_kwargs": {"chat_template": self.rng.choice(BOMBS)}}
+                try:
+                    status = client.post(f"{self.url}/v1/chat/completions",
+                                         json=body).status_code
+                except httpx.TimeoutException:
+                    status = "hung"
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                self.count("bombs", "bombs_refused_4xx" if status in range(400, 500)
+                           else "bombs_not_refused")
+                if status not in range(400, 500):
+                    self.wrong.append(f"template bomb: {status}")
+
+    def slow(self):
+        """Connections that trickle a body; the server's deadline must close them."""
+        port = int(self.url.rsplit(":", 1)[1])
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 1000\r\n\r\n{")
+        while not self.stop.is_set():
+            held = []
+            for _ in range(256):
+                try:
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    s.sendall(head)
+                    held.append(s)
+                except OSError:
+                    pass
+            self.count(*["slow"] * len(held))
+            for _ in range(15):  # 30 s of a byte every 2 s each
+                if self.stop.wait(2):
+                    break
+                for s in list(held):
+                    try:
+                        s.send(b" ")
+                    except OSError:
+                        held.remove(s)
+                        s.close()
+                        self.count("slow_closed_by_server")
+            for s in held:
+                s.close()
+
     def health(self):
         with httpx.Client(timeout=self.args.request_timeout) as client:
             while not self.stop.is_set():
                 tic = time.perf_counter()
                 try:
-                    client.get(f"{self.url}/health")
+                    if client.get(f"{self.url}/health").status_code != 200:
+                        self.count("health_not_200")
                     self.health_s.append(time.perf_counter() - tic)
                 except httpx.TimeoutException:
                     self.count("health_hung")
+                except httpx.HTTPError:
+                    self.count("health_failed")
                 self.stop.wait(0.5)
 
     # -- file faults ---------------------------------------------------------------
@@ -243,7 +359,8 @@ class Chaos:
 
     def run(self):
         workers = ([self.good] * self.args.good_clients + [self.bad, self.stalled,
-                   self.vanishing, self.health, self.faults])
+                   self.vanishing, self.health, self.faults, self.poison, self.slow]
+                   + [self.bombs] * 2)
         threads = [threading.Thread(target=w, daemon=True) for w in workers]
         for t in threads:
             t.start()
@@ -252,6 +369,10 @@ class Chaos:
         for t in threads:
             t.join(self.args.request_timeout + 10)
         return [t for t in threads if t.is_alive()]
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} in a response (not JSON)")
 
 
 def rss_bytes(pid: int) -> int:
@@ -291,11 +412,17 @@ def main():
             send_timeouts = proc.log.read().count("the client read nothing")
             report = {
                 "duration_s": args.duration, "sent": {k: chaos.counts[k] for k in (
-                    "good", "bad", "stalled", "vanishing")},
+                    "good", "bad", "stalled", "vanishing", "poison", "bombs", "slow")},
                 **{k: chaos.counts[k] for k in ("good_correct", "good_failed_by_fault",
-                                               "good_wrong", "good_hung", "bad_refused_4xx",
+                                               "good_wrong", "good_hung",
+                                               "good_failed_by_another", "bad_refused_4xx",
                                                "bad_not_refused", "5xx", "faults",
-                                               "health_hung")},
+                                               "health_hung", "health_failed",
+                                               "health_not_200", "bombs_refused_4xx",
+                                               "bombs_not_refused",
+                                               "slow_closed_by_server")},
+                "poison_by_outcome": {k[7:]: n for k, n in sorted(chaos.counts.items())
+                                      if k.startswith("poison_")},
                 "good_p95_latency_s": float(np.percentile(chaos.latencies, 95))
                 if chaos.latencies else None,
                 "health_max_s": max(chaos.health_s) if chaos.health_s else None,

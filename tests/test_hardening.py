@@ -324,6 +324,8 @@ def test_256_slow_bodies_leave_health_answering(server):
     port = int(server.rsplit(":", 1)[1])
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    health = httpx.Client(timeout=5)  # a client's keep-alive connection, served once
+    assert health.get(server + "/health").status_code == 200
     slow = []
     for _ in range(256):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -338,12 +340,13 @@ def test_256_slow_bodies_leave_health_answering(server):
                 except OSError:
                     pass
             t = time.time()
-            r = httpx.get(server + "/health", timeout=5)
+            r = health.get(server + "/health")
             answered.append((r.status_code, time.time() - t))
             time.sleep(0.3)
         assert all(code == 200 and took < 1.0 for code, took in answered), answered
         assert chat_stream(server, "hi", max_tokens=4) is not None
     finally:
+        health.close()
         for s in slow:
             s.close()
 

@@ -548,7 +548,7 @@ class Engine:
             try:
                 if job.sampler is not None:
                     tokens[i] = _token(job.sampler(logprobs[i:i + 1]), logprobs.shape[-1])
-                chosen = logprobs[i, tokens[i]].item()
+                chosen = _finite(logprobs[i, tokens[i]].item(), tokens[i])
                 stage = "top logprobs"
                 top = _top(logprobs[i], job.top_logprobs) if job.top_logprobs else None
                 if job.first_token_at is None:
@@ -641,7 +641,7 @@ class Engine:
                            else mx.argmax(logprobs, axis=-1), logprobs.shape[-1])
             stage = "top logprobs"
             top = _top(logprobs[0], job.top_logprobs) if job.top_logprobs else None
-            return token, logprobs[0, token].item(), top
+            return token, _finite(logprobs[0, token].item(), token), top
         except Exception as e:
             raise RowError(self._row_failed(job, stage, e)) from e
 
@@ -798,6 +798,13 @@ def _token(sampled, vocab: int) -> int:
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
         raise ValueError(f"the sampler chose {token!r}, expected a token id in [0, {vocab})")
     return token
+
+
+def _finite(logprob: float, token: int) -> float:
+    """A chosen token's logprob, which JSON can carry (no NaN, no infinity)."""
+    if not math.isfinite(logprob):
+        raise ValueError(f"the sampler chose token {token}, whose logprob is {logprob}")
+    return logprob
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:

@@ -10,9 +10,11 @@ uvicorn's h11 protocol):
   either it is closed;
 - a client (one address) holds at most `max_client_connections`, and the server
   `max_connections`; past either limit a new connection closes the oldest connection of
-  that client (or of any client) that is still *reading* its request, so connections that
-  trickle bytes cannot keep out one that sends a whole request at once (/health); only
-  when every connection is being served is the new one refused with a 503.
+  that client (or of any client) that is part-way through sending a request (else the
+  oldest idle one that was never served, and a served client's idle keep-alive one
+  last), so connections that trickle bytes cannot keep out one that sends a whole
+  request at once (/health); only when every connection is being served is the new one
+  refused with a 503.
 
 `stop_within(server, seconds)`: once a stop signal arrives, the process exits after
 `seconds` whatever its threads are doing (a worker stuck in a C call cannot be stopped,
@@ -44,7 +46,7 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
             super().connection_made(transport)
             self._address = self.client[0] if self.client else "?"
             self._opened = time.monotonic()
-            self._phase, self._watch = None, None
+            self._phase, self._watch, self._served = None, None, 0
             mine = by_client.setdefault(self._address, set())
             mine.add(self)
             self._watch_phase()
@@ -56,8 +58,10 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
 
         def _make_room(self, pool, why: str):
             readers = [c for c in pool if c is not self and c._reading()]
-            if readers:
-                oldest = min(readers, key=lambda c: c._since)
+            if readers:  # part-way through a request first, then idle and never served,
+                #          and a client's idle keep-alive connection last
+                oldest = min(readers, key=lambda c: (not c._mid_request(), c._served,
+                                                     c._since))
                 log.info("%s: closed the oldest connection still reading its request "
                             "(%s)", why, oldest._address)
                 oldest._close()
@@ -71,6 +75,10 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
 
         def _reading(self) -> bool:
             return self.conn.their_state in READING
+
+        def _mid_request(self) -> bool:
+            """Part of a request in (headers begun, or the body under way)."""
+            return self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
 
         def _watch_phase(self):
             """Re-arm the deadline when the request moves on (headers in, body in)."""
@@ -100,6 +108,7 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
             self._watch_phase()
 
         def on_response_complete(self):
+            self._served += 1
             super().on_response_complete()
             self._watch_phase()
 
