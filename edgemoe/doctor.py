@@ -245,8 +245,18 @@ def main(argv=None):
     p.add_argument("--budget", dest="expert_budget", help=argparse.SUPPRESS)  # older name
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
+    p.add_argument("--machine", default=None, metavar="PROFILE",
+                   help="Forecast for another machine instead (edgemoe/twin/profiles.json: "
+                        "m4-pro-24gb, m4-max-128gb, m3-max-48gb, m4-air-24gb, ...): fit, auto "
+                        "budget, decode tok/s and TTFT per routing mode, labelled a forecast; "
+                        "--model may also name a twin shape (qwen3-30b-a3b, ...)")
     add_debug_flag(p)
     args = arrange(p, "doctor").parse_args(argv)
+    if args.machine:  # edgemoe.twin.forecast: analytic, from the twin's parts
+        from .twin.forecast import report as forecast
+        budgets = [args.expert_budget] if args.expert_budget not in (None, AUTO) else None
+        memory = parse_memory(args.memory) if args.memory else None
+        return forecast(args.model, args.machine, budgets, args.trace, memory)
     hub_id = parse_hub_id(args.model)
     if hub_id is not None:
         cached = cached_snapshot(hub_id)

@@ -49,6 +49,25 @@ def trace_files(spec: str):
     return files
 
 
+def truncate(trace, max_decode):
+    """The trace's first forward calls, up to `max_decode` decoded tokens (shorter runs)."""
+    if not max_decode or int(trace["decode"].sum()) <= max_decode:
+        return trace
+    from edgemoe.cache_sim import trace_calls
+    calls, kept, decoded = trace_calls(trace), [], 0
+    for c in calls:
+        if trace["decode"][c.start]:
+            if decoded == max_decode:
+                break
+            decoded += c.stop - c.start
+        kept.append(c)
+    end = kept[-1].stop
+    out = {k: v for k, v in trace.items() if not k.startswith("prefetch")}
+    out.update(routed=trace["routed"][:end], decode=trace["decode"][:end],
+               calls=np.array([c.stop - c.start for c in kept], dtype=np.int32))
+    return out
+
+
 def shape_pack(shape, packs: Path, physical=None):
     folder = packs / shape.name
     if not (folder / "twin.json").exists():
@@ -74,7 +93,7 @@ def exact_limit(mapped, budget, compute: Compute, shape, profile, readers) -> di
 def run_rows(args):
     profile = load_profile(args.profile)
     rows = []
-    traces = [load_trace(f) for f in trace_files(args.trace)]
+    traces = [truncate(load_trace(f), args.max_decode) for f in trace_files(args.trace)]
     for shape_name in args.shape.split(","):
         shape = get_shape(shape_name)
         pack = shape_pack(shape, Path(args.packs), args.physical_layers)
@@ -89,7 +108,7 @@ def run_rows(args):
             for mode in args.mode.split(","):
                 cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
                                  readers=args.readers, stretch=args.stretch, recall=args.recall,
-                                 seed=args.seed)
+                                 seed=args.seed, cpu_vs_here=args.cpu_vs_here)
                 results = [run_twin(pack, m, compute, profile, cfg) for m in mapped]
                 rows.append(summarize(shape, profile, budget, mode, results, limit))
                 print_row(rows[-1])
@@ -108,6 +127,7 @@ def summarize(shape, profile, budget, mode, results, limit=None) -> dict:
            "decode_bytes": sum(r.decode_bytes for r in results),
            "blocked_ms_per_token": float(np.mean([r.blocked_ms_per_token for r in results])),
            "compute_ms_per_token": float(np.mean([r.compute_ms_per_token for r in results])),
+           "python_ms_per_token": float(np.mean([r.python_ms_per_token for r in results])),
            "host_syncs_per_token": float(np.mean([r.host_syncs_per_token for r in results])),
            "hit_rate": float(np.mean([r.hit_rate for r in results])),
            "slots_per_layer": results[0].slots_per_layer,
@@ -127,6 +147,7 @@ def print_row(r):
           + (f" (exact limit {lim:6.1f})" if lim else "")
           + f"  {r['decode_bytes_per_token'] / 1e6:7.2f} MB/tok  blocked "
           f"{r['blocked_ms_per_token']:6.2f} ms  compute {r['compute_ms_per_token']:6.2f} ms  "
+          f"python {r['python_ms_per_token']:6.2f} ms  "
           f"prefill {r['forecast_prefill_s_per_passage']:.2f} s  stretch "
           f"{np.mean(r['stretch']):.2f}", flush=True)
 
@@ -251,6 +272,11 @@ def main(argv=None):
     p.add_argument("--recall", type=float, default=0.8,
                    help="advisory's synthetic predictor (next layer, same token), where the "
                         "traces recorded no prefetches")
+    p.add_argument("--max-decode", type=int, default=None,
+                   help="Keep each trace's prompt and its first N decoded tokens (shorter runs)")
+    p.add_argument("--cpu-vs-here", type=float, default=None,
+                   help="The profile's CPU speed for our Python over this machine's (default: "
+                        "the profile's figure, 1.0: unsourced and conservative)")
     p.add_argument("--limit", action="store_true",
                    help="Also the exact-mode limit: max(compute, Belady bytes / read rate)")
     p.add_argument("--packs", default=str(DEFAULT_PACKS), help="Where shape packs are written")

@@ -143,3 +143,25 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
     assert syncs["native"] == pytest.approx(2 * 3)
     assert syncs["advisory"] == pytest.approx(2 * 3)
     assert syncs["prerouted"] < syncs["native"]
+
+
+def test_doctor_machine_prints_a_labelled_forecast(capsys):
+    from edgemoe.doctor import main
+    from edgemoe.format.source import BUNDLED_MODEL
+    main(["--machine", "m4-pro-24gb", "--model", str(BUNDLED_MODEL), "--trace",
+          "tests/data/reference_traces/r0.npz", "--expert-budget", "25%"])
+    out = capsys.readouterr().out
+    assert "FORECAST" in out and "unvalidated" in out
+    assert "fits in 24.0 GB" in out
+    assert "unsourced" in out  # the profile says which figures nobody published
+
+
+def test_shape_from_config_matches_the_named_a3b_shape():
+    from edgemoe.twin.shapes import shape_from_config
+    config = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+              "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
+    s = shape_from_config(config)
+    named = SHAPES["qwen3-30b-a3b"]
+    assert s.record_bytes == named.record_bytes
+    assert s.active_bytes_per_token == pytest.approx(named.active_bytes_per_token, rel=1e-6)

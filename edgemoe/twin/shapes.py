@@ -52,6 +52,8 @@ class Shape:
     quant: str = "affine4"  # affine4 (mlx-lm -q, g64, bf16 scales) or mxfp4 (gpt-oss)
     source: str = ""
     fused_gate_up: bool = False
+    kv_bytes_per_token: float = 0.0  # KV cache at bf16, every layer that keeps one
+    embed_params: float = 0.0  # the embedding table (resident, not computed per token)
 
     def record_tensors(self) -> List[Tuple[str, str, tuple]]:
         """(name, dtype, shape) of one expert's tensors, sorted by name as convert lays
@@ -114,6 +116,13 @@ class Shape:
                 + self.head_params)
 
     @property
+    def resident_bytes(self) -> float:
+        """What stays in memory besides the experts: every layer's resident weights, the
+        lm_head and the embedding table, at int4."""
+        return (self.layers * self.resident_params_per_layer + self.head_params
+                + self.embed_params) * INT4_BYTES_PER_PARAM
+
+    @property
     def expert_bytes_total(self) -> int:
         return self.layers * self.experts * self.record_bytes
 
@@ -132,7 +141,8 @@ def _attn(d, heads, kv, head_dim):
 SHAPES: Dict[str, Shape] = {s.name: s for s in [
     Shape("qwen3-30b-a3b", 48, 2048, 768, 128, 8,
           resident_params_per_layer=_attn(2048, 32, 4, 128) + 2048 * 128,
-          head_params=151936 * 2048,
+          head_params=151936 * 2048, embed_params=151936 * 2048,
+          kv_bytes_per_token=48 * 2 * 4 * 128 * 2,
           source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (48 layers, "
                  "hidden 2048, moe_intermediate 768, 128 experts, top-8, 32/4 heads of 128)"),
     Shape("qwen3.5-35b-a3b", 40, 2048, 512, 256, 8,
@@ -140,24 +150,50 @@ SHAPES: Dict[str, Shape] = {s.name: s for s in [
           # DeltaNet layers: taken as ~22M attention params a layer on average (approximate),
           # plus the router and the shared expert (intermediate 512)
           resident_params_per_layer=22e6 + 2048 * 256 + 3 * 2048 * 512,
-          head_params=248320 * 2048,
+          head_params=248320 * 2048, embed_params=248320 * 2048,
+          kv_bytes_per_token=10 * 2 * 2 * 256 * 2,  # the 10 full-attention layers
           source="https://huggingface.co/Qwen/Qwen3.5-35B-A3B (40 layers, hidden 2048, "
                  "moe_intermediate 512, 256 experts, top-8 + 1 shared; attention params "
                  "approximated; Qwen3.6-35B-A3B has the same shape)"),
     Shape("gpt-oss-120b", 36, 2880, 2880, 128, 4,
           resident_params_per_layer=_attn(2880, 64, 8, 64) + 2880 * 128,
           head_params=201088 * 2880, quant="mxfp4", fused_gate_up=True,
+          embed_params=201088 * 2880, kv_bytes_per_token=36 * 2 * 8 * 64 * 2,
           source="https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json (36 layers, "
                  "hidden 2880, intermediate 2880, 128 experts, top-4, MXFP4 experts)"),
     Shape("deepseek-v3", 58, 7168, 2048, 256, 8,
           # MLA attention ~187M params a layer; 3 dense layers' FFN (3 x 396M) spread over
           # the 58 MoE layers; the shared expert (2048)
           resident_params_per_layer=187e6 + 3 * 396e6 / 58 + 3 * 7168 * 2048 + 7168 * 256,
-          head_params=129280 * 7168,
+          head_params=129280 * 7168, embed_params=129280 * 7168,
+          kv_bytes_per_token=61 * (512 + 64) * 2,  # MLA's compressed cache
           source="https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (61 "
                  "layers, first 3 dense, hidden 7168, moe_intermediate 2048, 256 routed "
                  "experts, top-8, 1 shared)"),
 ]}
+
+
+def shape_from_config(config: dict, name: str = "model") -> Shape:
+    """A Shape from a Hugging Face / mlx-lm config.json of a Qwen3-MoE-like model (hidden,
+    moe_intermediate, experts, top-k, attention heads): affine int4 records as convert
+    writes them."""
+    c = config.get("text_config", config)
+    d = c["hidden_size"]
+    f = c.get("moe_intermediate_size") or c["intermediate_size"]
+    e = c.get("num_experts") or c.get("num_local_experts") or c["n_routed_experts"]
+    k = c["num_experts_per_tok"]
+    heads, kv = c.get("num_attention_heads", 16), c.get("num_key_value_heads", 4)
+    hd = c.get("head_dim") or d // heads
+    dense = c.get("first_k_dense_replace", 0)
+    layers = c["num_hidden_layers"] - dense
+    vocab = c.get("vocab_size", 32000)
+    shared = (c.get("shared_expert_intermediate_size") or
+              (c.get("n_shared_experts") or 0) * f)
+    return Shape(name, layers, d, f, e, k,
+                 resident_params_per_layer=_attn(d, heads, kv, hd) + d * e + 3 * d * shared,
+                 head_params=vocab * d, embed_params=vocab * d,
+                 kv_bytes_per_token=c["num_hidden_layers"] * 2 * kv * hd * 2,
+                 source="config.json (attention taken as plain GQA)")
 
 
 def tiny_shape(layers=3, experts=16, top_k=2, hidden=128, inter=64) -> Shape:

@@ -1,0 +1,145 @@
+"""doctor --machine PROFILE: whether a model fits a Mac, and a FORECAST of its speed there.
+
+The forecast is analytic, labelled so, and uses the twin's own parts: the profile's
+compute (edgemoe.twin.engine.Compute), the bytes a decode token reads at each budget from
+edgemoe.cache_sim's replay of a routing trace mapped onto the model's shape
+(edgemoe.twin.shapes.map_trace: by default the bundled model's teacher-forced traces, or
+--trace), and the profile's SSD. Per decode token:
+
+    native (exact)   compute + host syncs + bytes / SSD rate       (reads wait, no overlap)
+    exact limit      max(compute, Belady's bytes / SSD rate)       (the best exact routing allows)
+    prerouted        max(compute + syncs, bytes / SSD rate)        (reads a token ahead)
+
+Prefill (TTFT) of a P-token prompt in chunks of C: per chunk, every expert the chunk needs
+read once (the routed experts of a layer, at most all of them) and computed, overlapped:
+max(compute, reads). The twin (scripts/bench_twin.py) runs the real pipeline for the
+same questions; neither is validated against a Mac.
+"""
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from ..streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
+                                fmt_bytes, parse_budget)
+from .engine import Compute
+from .profiles import Profile, load_profile
+from .shapes import SHAPES, Shape, map_trace, shape_from_config
+
+DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference_traces"
+METHOD = ("FORECAST (analytic, unvalidated on a Mac): profile compute + cache_sim's bytes of "
+          "a routing trace mapped onto the shape / the profile's SSD rate")
+
+
+def shape_for(model: str) -> Shape:
+    """A twin shape by name, or the shape of a folder's (or a hub id's) config.json."""
+    if model in SHAPES:
+        return SHAPES[model]
+    from ..hub import parse_hub_id
+    hub_id = parse_hub_id(model)
+    if hub_id is not None:
+        import tempfile
+        from ..hub import remote_headers
+        with tempfile.TemporaryDirectory(prefix="edgemoe-forecast-") as tmp:
+            remote = remote_headers(hub_id, Path(tmp) / "model")
+            config = json.loads((remote.folder / "config.json").read_text())
+        return shape_from_config(config, str(hub_id))
+    path = Path(model)
+    config = path / "config.json" if path.is_dir() else path
+    if config.exists():
+        return shape_from_config(json.loads(config.read_text()), path.name)
+    raise ValueError(f"--machine: {model}: name a twin shape ({', '.join(SHAPES)}) or a "
+                     f"folder with a config.json")
+
+
+def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
+                    readers: int = 2, policy: str = "lfu") -> dict:
+    from ..cache_sim import simulate
+    mapped = [map_trace(t, shape) for t in traces]
+    tokens = sum(int(m["decode"].sum()) for m in mapped)
+    lfu = sum(simulate(m, budget, policy).decode_bytes_read for m in mapped) / tokens
+    best = sum(simulate(m, budget, "belady").decode_bytes_read for m in mapped) / tokens
+    c = Compute.from_profile(profile, shape)
+    compute = (shape.layers * (c.resident_layer_s(1) + c.experts_s(shape.top_k, shape.top_k))
+               + c.head_s)
+    syncs = (2 * shape.layers + 1) * c.host_sync_s
+    rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
+    read = lfu / rate
+    return {"bytes_per_token": lfu, "belady_bytes_per_token": best,
+            "compute_ms": 1e3 * compute, "read_ms": 1e3 * read,
+            "native_tok_s": 1 / (compute + syncs + read),
+            "exact_limit_tok_s": 1 / max(compute, best / rate),
+            "prerouted_tok_s": 1 / max(compute + (shape.layers + 1) * c.host_sync_s, read)}
+
+
+def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: int = 2048,
+                  readers: int = 2) -> float:
+    """Seconds to the first token from a cold start: each chunk reads each needed expert
+    once (a layer needs min(E, chunk x k) of them; a pool smaller than that reads them all
+    the same; a later chunk reads nothing if the pool kept them all) and computes the
+    chunk, overlapped."""
+    c = Compute.from_profile(profile, shape)
+    rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
+    total = 0.0
+    for start in range(0, prompt, chunk):
+        t = min(chunk, prompt - start)
+        needed = min(shape.experts, t * shape.top_k)
+        kept = start > 0 and slots >= needed
+        reads = 0.0 if kept else shape.layers * needed * shape.record_bytes / rate
+        compute = shape.layers * (c.resident_layer_s(t) + c.experts_s(needed, t * shape.top_k))
+        total += max(reads, compute)
+    return total
+
+
+def report(model: str, machine: str, budgets: Optional[List[str]] = None,
+           trace: Optional[str] = None, memory: Optional[int] = None):
+    from ..streaming.trace import load_trace
+    profile = load_profile(machine)
+    shape = shape_for(model)
+    files = [Path(trace)] if trace else sorted(DEFAULT_TRACES.glob("*.npz"))
+    traces = [load_trace(f) for f in files]
+    plan = SlotPlan(tuple([shape.record_bytes] * shape.layers),
+                    tuple([shape.experts] * shape.layers), shape.top_k)
+    mem = memory or int(profile.value("memory_gb") * 1e9)
+    print(f"machine: {profile.name} ({profile.chip}); {len(profile.unsourced())} of its figures "
+          f"are unsourced estimates: {', '.join(profile.unsourced())}")
+    print(f"model shape: {shape.name}: {shape.layers} MoE layers x {shape.experts} experts of "
+          f"{fmt_bytes(shape.record_bytes)} (top-{shape.top_k}); routed experts "
+          f"{fmt_bytes(shape.expert_bytes_total)}, resident {fmt_bytes(shape.resident_bytes)}")
+    try:
+        auto = auto_budget_bytes(plan.total_bytes, plan.minimum_bytes, int(shape.resident_bytes),
+                                 int(AUTO_KV_TOKENS * shape.kv_bytes_per_token), mem)
+        print(f"fits in {fmt_bytes(mem)}: --expert-budget auto gives {fmt_bytes(auto)} "
+              f"({auto / plan.total_bytes:.0%} of the routed experts, "
+              f"{plan.slots_for_bytes(auto)} slots per layer)")
+    except BudgetError as e:
+        auto = None
+        print(f"does NOT fit in {fmt_bytes(mem)}: {e}")
+    print(METHOD)
+    print(f"  routing: {len(traces)} trace(s) from {files[0].parent} mapped onto the shape"
+          + (" (the bundled model's GREEDY traces flatter every cache: pass --trace with "
+             "teacher-forced ones)" if not trace else ""))
+    rows = []
+    asked = budgets or ["5%", "10%", "25%"]
+    if auto:
+        asked = asked + [auto]
+    print(f"  {'budget':>10} {'slots':>5} {'MB/token':>9} {'native':>8} {'exact lim':>9} "
+          f"{'prerouted':>9} {'TTFT 512':>9} {'TTFT 4096':>9}   (tok/s; cold TTFT, s)")
+    for b in asked:
+        budget_bytes = parse_budget(b, plan.total_bytes)
+        slots = plan.slots_for_bytes(budget_bytes)
+        label = b if isinstance(b, str) else "auto"
+        if slots < shape.top_k:
+            print(f"  {label:>10} below the minimum budget")
+            continue
+        f = decode_forecast(shape, profile, budget_bytes, traces)
+        f.update(budget=label, slots=slots,
+                 ttft_512_s=ttft_forecast(shape, profile, 512, slots),
+                 ttft_4096_s=ttft_forecast(shape, profile, 4096, slots))
+        rows.append(f)
+        print(f"  {label:>10} {slots:>5} {f['bytes_per_token'] / 1e6:>9.1f} "
+              f"{f['native_tok_s']:>8.1f} {f['exact_limit_tok_s']:>9.1f} "
+              f"{f['prerouted_tok_s']:>9.1f} {f['ttft_512_s']:>9.2f} {f['ttft_4096_s']:>9.2f}")
+    return rows
