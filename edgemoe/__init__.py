@@ -14,8 +14,10 @@ policy -> compute, and the module that holds each box:
                          edgemoe.cuda (PyTorch)
     several hosts        edgemoe.distributed (each owns a share of the experts; all_sum)
 
-Entry points (the modules at this level): generate, convert, server, eval, doctor,
-cache_sim, train_prerouter, train_lora; `options` holds the flags they share.
+Entry points (the modules at this level), run as `python -m edgemoe.X` or `edgemoe X`
+(edgemoe.cli): generate, convert, server, eval, doctor, cache_prompt, verify, cache_sim,
+train_prerouter, train_lora, constrained; `options` holds the flags they share, `cli` the
+error boundary and the help's order, `hub` the models named by a Hugging Face hub id.
 """
 
 import sys

@@ -192,3 +192,17 @@ def test_local_paths_are_not_hub_ids(tmp_path):
 def test_hf_token_opens_a_gated_repository(hub, tmp_path):
     code, folder = resolve("org/gated-moe", env_for(hub, tmp_path, HF_TOKEN="hf_standin"))
     assert code == 0 and (Path(folder) / "config.json").exists(), folder
+
+
+def test_convert_and_eval_take_a_hub_id(hub, tmp_path):
+    env = env_for(hub, tmp_path / "home")
+    r = run(["-m", "edgemoe.convert", "--hf-path", REPO, "--mlx-path", str(tmp_path / "pack")],
+            env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "pack" / "experts.bin").exists()
+    text = tmp_path / "text.txt"
+    text.write_text("def read_lines(path):\n    with open(path) as f:\n        return f.read()\n" * 4)
+    r = run(["-m", "edgemoe.eval", "--text", str(text), "--model", f"{REPO},budget=0.5",
+             "--context", "16", "--max-tokens", "32"], env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{REPO},budget=0.5: perplexity ")
