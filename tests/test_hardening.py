@@ -462,3 +462,34 @@ def test_a_full_disk_at_the_first_load_names_the_file_and_leaves_nothing(tmp_pat
     assert message.startswith(f"{adapter / 'expert_deltas.json'}: ") and "No space" in message
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
                                                          "adapters.safetensors"]
+
+
+def test_a_stop_signal_ends_the_process_whatever_its_threads_do(tmp_path):
+    """guard.stop_within: a thread that never ends (a worker stuck in a C call) cannot
+    keep the process alive past the bound after SIGTERM."""
+    code = """
+import signal, threading, time
+from edgemoe.serving.guard import stop_within
+
+class Server:  # uvicorn.Server's part that matters: its signal handler
+    def handle_exit(self, sig, frame):
+        pass
+
+server = Server()
+stop_within(server, 1.0)
+signal.signal(signal.SIGTERM, lambda s, f: server.handle_exit(s, f))
+threading.Thread(target=lambda: time.sleep(3600)).start()  # not a daemon: exit waits for it
+print("ready", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    tic = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the process outlived its stop bound")
+    assert time.time() - tic < 5
+    assert "did not stop within 1 s of the signal" in proc.stderr.read()
