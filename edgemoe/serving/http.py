@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -134,6 +135,9 @@ class Server:
         self.streams: Dict[Job, asyncio.Queue] = {}  # the streamed requests in flight
         self.web_origins: List[str] = []  # --cors-origin: pages that may call (make_app)
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's (lifespan)
+        self.streams: Dict[Job, asyncio.Queue] = {}  # the streamed requests in flight
+        self.web_origins: List[str] = []  # --cors-origin: pages that may call (make_app)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's (lifespan)
         self.allowed_hosts = allowed_hosts
         self.vocab_size = vocab_size
         # a local folder is shown by its name alone: clients never see the server's folders
@@ -192,7 +196,7 @@ class Server:
                                  f"[0, {vocab})", param)
             return list(prompt)
         raise BadRequest(f"'{param}' must be a string or a non-empty array of token ids "
-                         f"(one prompt per request)", param)
+                         f"(or, for several prompts, an array of those)", param)
 
     def job(self, prompt: List[int], *, max_tokens: Optional[int], max_tokens_name: str,
             prompt_param: str, temperature: float = 0.0, top_p: float = 1.0,
@@ -499,6 +503,7 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
     from .anthropic import AnthropicAPI
     from .ollama import OllamaAPI
     from .openai import OpenAIAPI
+    from .responses import ResponsesAPI
     from .responses import ResponsesAPI
 
     server.web_origins = list(cors_origins or [])
