@@ -26,11 +26,9 @@ from pathlib import Path
 
 from edgemoe.eval import ModelConfig, evaluate
 
-CARD = """# edgemoe reference MoE
+CARD = """# {title}
 
-A small Mixture-of-Experts language model trained from scratch by edgemoe, so that routing,
-prefetch and cache measurements run on learned routing rather than random weights. It is the
-default model of `edgemoe.load()` and `python -m edgemoe.generate`.
+{intro}
 
 ## Architecture
 Qwen3-MoE (mlx-lm's `qwen3_moe`): {layers} decoder layers, all MoE; hidden size {hidden};
@@ -41,8 +39,8 @@ experts {expert_frac:.1%}. Stored here as an edgemoe pack, int4 (group 64, as `m
 {pack_mb:.1f} MB.
 
 ## Data
-Python's own standard library sources (CPython {python}, `.py` files, tests and idlelib excluded),
-split by file: 1 file in 20 held out, never trained on. Trained with PyTorch on 2 CPU cores:
+{data}
+Trained with PyTorch on 2 CPU cores:
 {tokens:,} tokens seen ({epochs:.2f} passes over {train_tokens:,} training tokens) in {minutes:.0f} minutes,
 {steps} steps.
 
@@ -61,7 +59,7 @@ int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
 {routing_rows}
 
 ![expert usage per layer](expert_usage.png)
-
+{routing_stats}
 ## Sample (temperature 0.7, top-p 0.9, seed 3, 25% expert budget)
 ```
 {sample}
@@ -69,12 +67,12 @@ int4 vs fp32: top-1 agreement {agree:.1%}, mean KL {kl:.4f} nats/token.
 
 {assets}## Reproduce
 ```
-python scripts/train_reference_moe.py --out RUN --steps {steps}
-python -m edgemoe.convert --hf-path RUN/hf --mlx-path edgemoe/models/reference --overwrite
-python scripts/model_card.py --run RUN --pack edgemoe/models/reference
+python scripts/train_reference_moe.py{shape_flag} --out RUN --steps {steps}
+python -m edgemoe.convert --hf-path RUN/hf --mlx-path {pack} --overwrite
+python scripts/model_card.py --run RUN --pack {pack}
 ```
 The unquantized model (RUN/hf, {fp32_mb:.0f} MB) is not shipped: the first command rebuilds it
-(`scripts/rebuild_reference.sh RUN` then rebuilds the pack and everything trained for it). Its schedule runs on the step count and its data order on a
+(`{rebuild} RUN` then rebuilds the pack and everything trained for it). Its schedule runs on the step count and its data order on a
 seeded generator, so a rerun on the same software gives the same weights (two 5-step runs
 on this machine wrote byte-identical safetensors).
 """
@@ -117,6 +115,63 @@ python scripts/model_card.py --draft --run RUN --pack edgemoe/models/reference-d
 """
 
 
+REFERENCE_INTRO = """A small Mixture-of-Experts language model trained from scratch by edgemoe, so that routing,
+prefetch and cache measurements run on learned routing rather than random weights. It is the
+default model of `edgemoe.load()` and `python -m edgemoe.generate`."""
+
+FINE_INTRO = """A small Mixture-of-Experts language model trained from scratch by edgemoe with fine-grained
+experts, routed as today's MoEs are (128 experts, top-8, as Qwen3-30B-A3B), so that cache,
+prefetch and routing measurements run on routing like theirs: the default reference model's 32
+coarse experts are far more skewed. Its active expert width per token is the default model's
+(8 x 64 = 2 x 256), and so is its tokenizer. Load it by its folder:
+`python -m edgemoe.generate --model {pack}`."""
+
+STDLIB_DATA = """Python's own standard library sources (CPython {python}, `.py` files, tests and idlelib excluded),
+split by file: 1 file in 20 held out, never trained on."""
+
+DOMAIN_NAMES = {
+    "stdlib": "CPython {python}'s standard library sources (`.py`; tests and idlelib excluded)",
+    "docs": "the Python documentation's reStructuredText (Debian's python3-doc)",
+    "man": "the manual pages installed on the build machine, rendered to text by man(1)",
+    "packages": "sources of installed packages (transformers, torch, mlx_lm, huggingface_hub, "
+                "starlette, uvicorn, httpx, jinja2, numpy; tests excluded)",
+}
+
+
+def data_section(run: Path) -> str:
+    """What the model was trained on: one domain, or each domain of a mixed corpus with its size."""
+    python = platform.python_version()
+    corpus = json.loads((run / "corpus.json").read_text()) if (run / "corpus.json").exists() else {}
+    if len(corpus) <= 1:
+        return STDLIB_DATA.format(python=python)
+    rows = ["Four domains, each split by file (1 file in 20 held out, never trained on) and thinned",
+            "to about 12M characters by keeping every k-th file:", "",
+            "| domain | train files | held-out files | train characters |", "|---|---|---|---|"]
+    rows += [f"| {DOMAIN_NAMES[name].format(python=python)} | {len(d['train']):,} | "
+             f"{len(d['heldout']):,} | {sum(map(len, d['train'])) / 1e6:.1f}M |"
+             for name, d in corpus.items()]
+    return "\n".join(rows) + "\n"
+
+
+def routing_stats_section(pack: Path) -> str:
+    """The routing statistics of teacher-forced held-out passages (scripts/routing_stats.py),
+    beside what is published for real fine-grained MoEs."""
+    path = pack / "routing_stats.json"
+    if not path.exists():
+        return ""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("routing_stats", Path(__file__).with_name("routing_stats.py"))
+    stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats)
+    report = json.loads(path.read_text())
+    lines = ["", "### Routing statistics", "Teacher-forced decode of held-out passages of every domain "
+             "(`scripts/routing_stats.py`; `routing_stats.json`): ", "",
+             stats.markdown(report), "", "Published for real fine-grained MoEs:", "",
+             "| model | statistic | figure |", "|---|---|---|"]
+    lines += [f"| {m} | {k} | {v} |" for m, k, v in stats.PUBLISHED]
+    return "\n".join(lines) + "\n"
+
+
 ASSETS = "## Trained for it"
 
 
@@ -157,7 +212,10 @@ def assets_section(pack: Path) -> str:
                   f"{b['top1_agreement']:.1%} |",
                   f"| {r['routing']} + adapter | {a['perplexity']:.2f} | "
                   f"{a['kl_to_teacher']:.3f} | {a['top1_agreement']:.1%} |", ""]
-    if (pack / "cache_policy.npz").exists():
+    if (pack / "cache_policy.npz").exists() and (pack / "routing_stats.json").exists():
+        lines += ["`cache_policy.npz`: the learned cache policy's weights, fitted on the "
+                  "teacher-forced decode traces of the routing statistics above.", ""]
+    elif (pack / "cache_policy.npz").exists():
         lines += ["`cache_policy.npz`: the learned cache policy's weights, fitted on 8 decode "
                   "traces of held-out passages at a 25% expert budget.", ""]
     return "\n".join(lines) + "\n"
@@ -282,7 +340,13 @@ def main():
         for r in result["routing"]
     )
     plot_usage(result["routing"], args.pack / "expert_usage.png")
+    fine = config["num_experts"] > 32
     card = CARD.format(
+        title="edgemoe fine-grained reference MoE" if fine else "edgemoe reference MoE",
+        intro=(FINE_INTRO if fine else REFERENCE_INTRO).format(pack=args.pack),
+        data=data_section(args.run), routing_stats=routing_stats_section(args.pack),
+        shape_flag=" --shape fine" if fine else "", pack=args.pack,
+        rebuild="MODEL=fine scripts/rebuild_reference.sh" if fine else "scripts/rebuild_reference.sh",
         layers=config["num_hidden_layers"], hidden=config["hidden_size"],
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], experts=config["num_experts"],
