@@ -17,7 +17,10 @@ the compute total is what the model says. Everything times `stretch`: this disk'
 per record over the profile's, so that reads and compute keep the profile's ratio; the
 Python between waits (which runs at this CPU's speed and is not stretched by itself) gets
 an extra wait of (stretch / cpu_vs_here - 1) x its duration, so it too counts as it would
-on the profile's CPU. Forecast seconds = twin seconds / stretch.
+on the profile's CPU. Forecast seconds = twin seconds / stretch. This disk's speed drifts
+(shared/GUIDE.md): the stretch starts from a probe and then follows the readers' own time
+per record, call by call (`track_disk`); each call's seconds are divided by the stretch it
+ran under.
 """
 
 import time
@@ -30,6 +33,7 @@ from ..cache_sim import trace_calls
 from ..format.pack import Pack, PackLayer
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
+from ..streaming.reader import Reader
 from ..streaming.slots import UnorderedMemory
 from ..streaming.store import ExpertStore
 from .profiles import Profile, measure_reads
@@ -121,6 +125,19 @@ class Waiter:
         self._mark = time.perf_counter()
 
 
+class TwinReader(Reader):
+    """The real reader, whose CPU work per record (CRC32, the copy out of the O_DIRECT
+    staging buffer) is dilated as the main thread's Python is: `extra` x its duration more,
+    slept (the GIL released), so that it counts as it would on the profile's CPU."""
+
+    extra = 0.0
+
+    def _verified(self, since: float):
+        super()._verified(since)
+        if self.extra > 0:
+            time.sleep((self.clock() - since) * self.extra)
+
+
 class ScratchMemory(UnorderedMemory):
     """A layer's slots as host rows the reader fills (what it reads into is never computed
     on); layers may share one set of rows (`shared`), to hold large pools in less memory."""
@@ -166,6 +183,7 @@ class TwinConfig:
     recall: float = 0.8  # advisory's synthetic predictor, where the trace recorded none
     seed: int = 0
     dilate_python: bool = True
+    track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
 
 
@@ -231,8 +249,9 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
         pack = without_checksums(pack)
         notes.append("slot rows shared by layers (pools too large for memory here): records' "
                      "CRC32 not checked, so the readers' checksum time is left out")
+    reader = TwinReader(pack, cfg.readers, cfg.io)
     store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
-                        memory=factory)
+                        memory=factory, reader=reader)
     try:
         return _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                        probe, notes)
@@ -252,6 +271,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
+    store.reader.extra = max(0.0, python_factor - 1)
     recorded = _prefetch_table(trace) if cfg.mode != "native" else {}
     synthetic = cfg.mode != "native" and not recorded
     if synthetic:
@@ -263,9 +283,6 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     store.gate_prefetches(cfg.mode == "advisory")
     rng = np.random.default_rng(cfg.seed)
     num_experts = pools[0].layer.num_experts
-    prefill_s = decode_s = 0.0
-    compute_asked_decode = 0.0
-    before_decode = None
     first_decode = next((i for i, c in enumerate(calls) if decode[c.start]), len(calls))
 
     def issue(c, position):
@@ -287,11 +304,29 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         target, lead = (p + 1, 1) if p + 1 < L else (0, 0)
         store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead, advisory=False)
 
+    record_bytes = pools[0].layer.expert_bytes
+    profile_s = profile.read_s(record_bytes, cfg.readers)
+    track = cfg.stretch is None and cfg.track_disk
+    last_busy, last_bytes = store.reader.busy_s, 0
+    stretches = []
+    acc = {k: 0.0 for k in ("decode_s", "prefill_s", "blocked", "compute", "python")}
+    dec_before = None
+    twin_s = [0.0, 0.0]  # twin seconds: decode, prefill
     for c, call in enumerate(calls):
         is_decode = bool(decode[call.start])
         if c == first_decode:
-            before_decode = store.snapshot()
-            compute_at, python_at, pad_at = waiter.compute, waiter.python_s, waiter.python_pad
+            dec_before = store.snapshot()
+        if track:  # this disk's time per record over the last reads, smoothed
+            busy, done = store.reader.busy_s, stats.bytes_read
+            if done - last_bytes >= 16 * record_bytes:
+                here = (busy - last_busy) / ((done - last_bytes) / record_bytes)
+                stretch = 0.5 * stretch + 0.5 * min(max(here / profile_s, 0.05), 100.0)
+                last_busy, last_bytes = busy, done
+            waiter.stretch = stretch
+            waiter.python_factor = stretch / cpu if cfg.dilate_python else 1.0
+        store.reader.extra = max(0.0, waiter.python_factor - 1)
+        stretches.append(stretch)
+        marks = (waiter.compute, waiter.python_s + waiter.python_pad, stats.blocked_s)
         tic = time.perf_counter()
         tokens = call.stop - call.start
         issue(c, -1)
@@ -325,33 +360,38 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         waiter.wait(compute.head_s)
         waiter.wait(compute.host_sync_s)
         took = time.perf_counter() - tic
+        # forecast seconds: this call's twin seconds over the stretch it ran under
+        acc["decode_s" if is_decode else "prefill_s"] += took / stretch
+        twin_s[0 if is_decode else 1] += took
         if is_decode:
-            decode_s += took
-        else:
-            prefill_s += took
-    d = store.snapshot() - before_decode if before_decode is not None else store.snapshot()
+            acc["compute"] += (waiter.compute - marks[0]) / stretch
+            acc["python"] += (waiter.python_s + waiter.python_pad - marks[1]) / stretch
+            acc["blocked"] += (stats.blocked_s - marks[2]) / stretch
     total = store.snapshot()
+    d = total - dec_before if dec_before is not None else total
     n_dec = int(decode.sum())
     n_calls_dec = sum(1 for c in calls if decode[c.start])
-    if before_decode is None:
-        compute_at = python_at = pad_at = 0.0
-    compute_decode = waiter.compute - compute_at
-    python_decode = (waiter.python_s - python_at) + (waiter.python_pad - pad_at)
     notes.append(f"waits: asked {waiter.asked:.2f} s, slept {waiter.slept:.2f} s; Python "
                  f"between waits {waiter.python_s:.2f} s, padded by {waiter.python_pad:.2f} s")
+    dec_s = acc["decode_s"]
     return TwinResult(
         config=asdict(cfg), profile=profile.name, compute_method=compute.method,
-        stretch=stretch, tokens=len(routed), decode_tokens=n_dec,
-        prefill_tokens=int((~decode).sum()), twin_decode_s=decode_s, twin_prefill_s=prefill_s,
-        forecast_decode_tok_s=n_dec / (decode_s / stretch) if decode_s else 0.0,
-        forecast_prefill_s=prefill_s / stretch,
+        stretch=float(np.mean(stretches)) if stretches else stretch, tokens=len(routed),
+        decode_tokens=n_dec, prefill_tokens=int((~decode).sum()),
+        twin_decode_s=twin_s[0], twin_prefill_s=twin_s[1],
+        forecast_decode_tok_s=n_dec / dec_s if dec_s else 0.0,
+        forecast_prefill_s=acc["prefill_s"],
         decode_bytes=int(d.bytes_read), total_bytes=int(total.bytes_read),
         decode_bytes_per_token=d.bytes_read / max(n_dec, 1),
-        blocked_ms_per_token=1000 * d.blocked_s / stretch / max(n_dec, 1),
-        compute_ms_per_token=1000 * compute_decode / stretch / max(n_dec, 1),
-        python_ms_per_token=1000 * python_decode / stretch / max(n_dec, 1),
+        blocked_ms_per_token=1000 * acc["blocked"] / max(n_dec, 1),
+        compute_ms_per_token=1000 * acc["compute"] / max(n_dec, 1),
+        python_ms_per_token=1000 * acc["python"] / max(n_dec, 1),
         host_syncs_per_token=d.host_syncs / max(n_calls_dec, 1), hit_rate=d.hit_rate,
         slots_per_layer=store.slots_per_layer, read_gbps_during_run=d.read_gbps,
-        probe=probe, waits={"asked_s": waiter.asked, "slept_s": waiter.slept,
-                            "python_s": waiter.python_s, "python_pad_s": waiter.python_pad},
+        probe=dict(probe, stretch_min=float(min(stretches, default=stretch)),
+                   stretch_max=float(max(stretches, default=stretch))),
+        waits={"reader_busy_s": d.read_busy_s, "reader_verify_s": d.verify_s,
+               "blocked_s": d.blocked_s, "loads": d.loads, "on_demand": d.on_demand,
+               "asked_s": waiter.asked, "slept_s": waiter.slept,
+               "python_s": waiter.python_s, "python_pad_s": waiter.python_pad},
         notes=notes)
