@@ -575,8 +575,19 @@ def test_a_model_without_a_tool_format_still_takes_forced_calls(other_url):
         .choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError, match="no tool-call format"):
         client.chat.completions.create(**kw)
+    claude = anthropic.Anthropic(base_url=other_url, api_key="none", timeout=60,
+                                 max_retries=0)
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    m = claude.messages.create(model=MODEL, max_tokens=60, tools=[tool],
+                               tool_choice={"type": "any"},
+                               messages=[{"role": "user", "content": "Weather?"}])
+    assert m.stop_reason == "tool_use" and set(m.content[-1].input) == {"city"}
+    with pytest.raises(ollama.ResponseError, match="does not support tools"):
+        ollama.Client(host=other_url, timeout=60).chat(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
     shown = httpx.post(other_url + "/api/show", json={"model": MODEL}, timeout=30).json()
     assert shown["template"] == PLAIN_TEMPLATE  # --chat-template read the file it named
+    assert "tools" not in shown["capabilities"]
 
 
 # ---- what clients send ---------------------------------------------------------------------

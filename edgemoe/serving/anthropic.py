@@ -145,9 +145,11 @@ class AnthropicAPI:
         d = s.sampling_defaults
         job = s.job(prompt, max_tokens=max_tokens, max_tokens_name="max_tokens",
                     prompt_param="messages",
-                    temperature=field(body, "temperature", NUMBER,
-                                      d.get("temperature", 0.0), lo=0, hi=1),
-                    top_p=field(body, "top_p", NUMBER, d.get("top_p", 1.0), lo=0, hi=1),
+                    # a request's own temperature is Anthropic's (0 to 1); the server's
+                    # --temp default is the server's, on OpenAI's scale (up to 2)
+                    temperature=_or(field(body, "temperature", NUMBER, lo=0, hi=1),
+                                    d.get("temperature", 0.0)),
+                    top_p=_or(field(body, "top_p", NUMBER, lo=0, hi=1), d.get("top_p", 1.0)),
                     top_k=s.top_k_field(body, default=d.get("top_k", 0)),
                     min_p=d.get("min_p", 0.0),
                     stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
@@ -177,6 +179,10 @@ class AnthropicAPI:
         return await self.server.respond(request, self.parse, MessageView,
                                          lambda message, status, param: error(message,
                                                                               status))
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 class MessageView:
