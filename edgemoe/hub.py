@@ -125,8 +125,8 @@ def download(hub_id: HubId, progress: bool = True) -> Path:
     return Path(folder)
 
 
-def _files(hub_id: HubId) -> Optional[List[Tuple[str, int]]]:
-    """(file name, size) of the files to download; None when the hub cannot be reached
+def _files(hub_id: HubId) -> Optional[List[Tuple[str, int, str]]]:
+    """(file name, size, commit) of the files to download; None when the hub cannot be reached
     (snapshot_download then serves the cache, or says the hub is unreachable)."""
     from huggingface_hub import HfApi
 
@@ -194,13 +194,15 @@ def _one_line(hub_id: HubId, e: BaseException) -> HubError:
                         f"{e.response.status_code}); check HF_TOKEN")
     if isinstance(e, (OfflineModeIsEnabled, LocalEntryNotFoundError)) or offline():
         if offline():
-            return _Unreachable(f"{hub_id}: not in the hub cache ({cache_dir()}), and "
-                                f"HF_HUB_OFFLINE is set: download it once online")
-        return _Unreachable(f"{hub_id}: not in the hub cache ({cache_dir()}), and {where} "
-                            f"cannot be reached: check the network (or HF_ENDPOINT)")
+            return _Unreachable(f"{hub_id}: no such model folder here, nor in the hub cache "
+                                f"({cache_dir()}), and HF_HUB_OFFLINE is set: download it "
+                                f"once online")
+        return _Unreachable(f"{hub_id}: no such model folder here, nor in the hub cache "
+                            f"({cache_dir()}), and {where} cannot be reached: check the "
+                            f"network (or HF_ENDPOINT)")
     if _is_network_error(e):
-        return _Unreachable(f"{hub_id}: {where} cannot be reached ({type(e).__name__}); "
-                            f"check the network (or HF_ENDPOINT)")
+        return _Unreachable(f"{hub_id}: no such model folder here, and {where} cannot be "
+                            f"reached ({type(e).__name__}): check the network (or HF_ENDPOINT)")
     if isinstance(e, HfHubHTTPError):
         status = e.response.status_code if e.response is not None else "?"
         return HubError(f"{hub_id}: {where} answered HTTP {status}; try again later")
