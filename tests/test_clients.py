@@ -653,6 +653,16 @@ def test_completion_text_is_exactly_its_tokens(oa):
     streamed = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
                                      temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+    # echoed with logprobs, streamed or not: the prompt's tokens, then the completion's
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+              logprobs=1)
+    whole = oa.completions.create(**kw).choices[0]
+    assert whole.text == prompt + choice.text == "".join(whole.logprobs.tokens)
+    parts = [p.choices[0].logprobs for p in oa.completions.create(stream=True, **kw)
+             if p.choices[0].logprobs]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in parts for x in getattr(lp, key)] == \
+            getattr(whole.logprobs, key), key
 
 
 def test_completions_take_every_prompt_form_a_choice_each(oa):

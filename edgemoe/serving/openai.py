@@ -425,6 +425,7 @@ class View:
         self.chat = reply is not None
         self.index, self.alone = index, alone
         self.started = False
+        self.offset = 0  # the text's length so far (streamed completions' text_offset)
         self.usage: Optional[dict] = None  # once done
 
     def base(self, chunk: bool) -> dict:
@@ -533,7 +534,13 @@ class View:
             return
         if not self.started and not self.chat and self.opts.get("echo"):
             self.started = True
-            yield sse(self._chunk({"text": self._echo()}))
+            echo, logprobs = self._echo(), None
+            if self.job.want_logprobs:  # the prompt was scored before its first token came
+                logprobs = self._legacy([], 0, self._prompt_entries(
+                    {"prompt_logprobs": self.job.prompt_scores,
+                     "prompt_top": self.job.prompt_top}))
+            self.offset = len(echo)
+            yield sse(self._chunk({"text": echo}, None, logprobs))
         self.started = True
         if event["type"] == "token":
             if not self.opts.get("score_only"):
@@ -559,7 +566,9 @@ class View:
         logprobs = None
         if self.job.want_logprobs:
             entries = self._entries([event])
-            logprobs = {"content": entries} if self.chat else self._legacy(entries, 0)
+            logprobs = {"content": entries} if self.chat else \
+                self._legacy(entries, self.offset)
+            self.offset += len(entries[0]["token"])
         if self.chat:
             content, reasoning, calls = self.reply.feed(event["text"])
             if content or reasoning or calls or logprobs:
