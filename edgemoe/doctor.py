@@ -292,7 +292,10 @@ def report_remote(hub_id, args):
         raise ValueError("--trace with a hub id: replay a trace against a downloaded model")
     with tempfile.TemporaryDirectory(prefix="edgemoe-doctor-") as tmp:
         remote = remote_headers(hub_id, Path(tmp) / "model")
-        pack = open_source(remote.folder, verify=False)
+        try:
+            pack = open_source(remote.folder, verify=False)
+        except ValueError as e:  # name the repository, not the temporary folder
+            raise ValueError(str(e).replace(str(remote.folder), str(hub_id))) from None
         config = json.loads((remote.folder / "config.json").read_text())
         print(f"hub: {hub_id} at {remote.commit[:12]}, sized from config.json and the "
               f"safetensors headers ({fmt_bytes(remote.fetched_bytes)} read, no weights "
