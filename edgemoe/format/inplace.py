@@ -9,27 +9,21 @@ the index `edgemoe.verify` writes beside it (edgemoe.format.checksums), when the
 """
 
 import json
-import struct
 from collections import defaultdict
 from pathlib import Path
 
 from .checksums import load_index, with_index
 from .families import check_supported, layer_index, routed_experts, skeleton
-from .pack import Pack, PackError, PackLayer, Record, TensorLayout
+from .pack import Pack, PackError, PackLayer, Record, TensorLayout, read_safetensors_header
+
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "U8": "uint8", "I32": "int32"}
 
 
 def safetensors_header(path: Path):
-    """(tensor name -> header entry, offset of the data section) of one file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise PackError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
+    """(tensor name -> header entry, offset of the data section) of one file, checked
+    (pack.read_safetensors_header: a damaged header is one line)."""
+    return read_safetensors_header(Path(path))
 
 
 def resident_tensor_names(path: Path, expert_paths) -> set:

@@ -507,7 +507,14 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
 
 def safetensors_header(path: Path) -> Tuple[Dict[str, Tuple[int, int]], int]:
     """({tensor: (begin, end) of its bytes}, where the data starts) of a safetensors file,
-    every entry checked (inside the file, a known dtype, a shape of its size, no two
+    checked as `read_safetensors_header` checks it."""
+    entries, start = read_safetensors_header(path)
+    return {name: tuple(e["data_offsets"]) for name, e in entries.items()}, start
+
+
+def read_safetensors_header(path: Path) -> Tuple[Dict[str, dict], int]:
+    """({tensor: its header entry}, where the data starts) of a safetensors file, every
+    entry checked (inside the file, a known dtype, a shape of its size, no two
     overlapping): a damaged header is a one-line PackError, never a huge read, a
     recursion or a C++ exception in the loader."""
     size = path.stat().st_size
@@ -550,7 +557,7 @@ def safetensors_header(path: Path) -> Tuple[Dict[str, Tuple[int, int]], int]:
             raise PackError(f"{path}: tensor {name}: shape {shape} of {dtype} does not take "
                             f"its {end - begin} bytes")
         spans.append((begin, end, name))
-        out[name] = (begin, end)
+        out[name] = entry
     spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
