@@ -28,7 +28,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
-from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -132,9 +131,6 @@ class Server:
         self.engine = engine
         self.send_timeout_s = send_timeout_s
         self.sending: Dict[Job, Tuple[float, asyncio.Queue]] = {}  # chunks not yet taken
-        self.streams: Dict[Job, asyncio.Queue] = {}  # the streamed requests in flight
-        self.web_origins: List[str] = []  # --cors-origin: pages that may call (make_app)
-        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's (lifespan)
         self.streams: Dict[Job, asyncio.Queue] = {}  # the streamed requests in flight
         self.web_origins: List[str] = []  # --cors-origin: pages that may call (make_app)
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's (lifespan)
@@ -503,7 +499,6 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
     from .anthropic import AnthropicAPI
     from .ollama import OllamaAPI
     from .openai import OpenAIAPI
-    from .responses import ResponsesAPI
     from .responses import ResponsesAPI
 
     server.web_origins = list(cors_origins or [])
