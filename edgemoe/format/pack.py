@@ -39,7 +39,7 @@ ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16"
             "float64": 8, "complex64": 8}
 CONFIG = "config.json"
 # what decides routing and shapes: compared with what the manifest holds at load
-ROUTING_FIELDS = ("num_experts_per_tok", "num_experts", "num_local_experts",
+ROUTING_FIELDS = ("model_type", "num_experts_per_tok", "num_experts", "num_local_experts",
                   "n_routed_experts", "moe_intermediate_size", "intermediate_size",
                   "hidden_size", "num_hidden_layers", "first_k_dense_replace",
                   "decoder_sparse_step", "mlp_only_layers", "moe_layer_freq",
