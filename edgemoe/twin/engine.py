@@ -23,6 +23,7 @@ per record, call by call (`track_disk`); each call's seconds are divided by the 
 ran under.
 """
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -30,16 +31,17 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..cache_sim import trace_calls
-from ..format.pack import Pack, PackLayer
+from ..format.pack import Pack, PackError, PackLayer, aligned
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
-from ..streaming.reader import Reader
+from ..streaming.reader import BLOCK, Reader
 from ..streaming.slots import UnorderedMemory
 from ..streaming.store import ExpertStore
 from .profiles import Profile, measure_reads
 from .shapes import Shape
 
-SLOT_MEMORY_CAP = 4.5e9  # real per-layer slot memory up to this; above, layers share rows
+SLOT_MEMORY_CAP = 4.5e9
+CRC_SLEEP_MIN_S = 0.002  # reader threads sleep their CRC32 waits in pieces of at least this  # real per-layer slot memory up to this; above, layers share rows
 
 
 @dataclass
@@ -126,41 +128,78 @@ class Waiter:
 
 
 class TwinReader(Reader):
-    """The real reader, whose CPU work per record (CRC32, the copy out of the O_DIRECT
-    staging buffer) is dilated as the main thread's Python is: `extra` x its duration more,
-    slept (the GIL released), so that it counts as it would on the profile's CPU."""
+    """The real reader threads, queue, merging and preadv, reading as macOS does with
+    F_NOCACHE: straight into the slot rows, one preadv per run of adjacent records (here
+    with O_DIRECT, into 4 KiB aligned rows padded to the records' 16 KiB alignment, so the
+    alignment gaps land in the padding), no copy out of a staging buffer. The CRC32 of each
+    record is not computed here (this VM's zlib takes ~2-3 ms for 2.65 MB, a Mac's ~0.08
+    ms); it is a wait of record bytes / the profile's crc32_gbps, x stretch."""
 
-    extra = 0.0
+    crc_s_per_byte = 0.0
+    stretch = 1.0
 
-    def _verified(self, since: float):
-        super()._verified(since)
-        if self.extra > 0:
-            time.sleep((self.clock() - since) * self.extra)
+    def __init__(self, *args, **kwargs):
+        self._local = threading.local()
+        super().__init__(*args, **kwargs)
+
+    def _read_direct(self, run, staging):
+        file_index, start, _ = run[0].record.segments[0]
+        end = run[-1].record.offset + run[-1].record.length
+        views = []
+        for i, f in enumerate(run):
+            row = f.buffers[0]
+            nxt = run[i + 1].record.offset if i + 1 < len(run) else None
+            span = (nxt - f.record.offset) if nxt is not None else \
+                -(-f.record.length // BLOCK) * BLOCK
+            views.append(np.lib.stride_tricks.as_strided(row, shape=(span,), strides=(1,)))
+        n = self._pread(self.direct_fds[file_index], views, start)
+        if n < end - start:
+            raise PackError(f"short read (expected {end - start} bytes, got {n})")
+        for f in run:
+            self._finish(f)
+        return staging
+
+    def _finish(self, f):
+        # a short sleep overshoots (by ~1 ms on a busy VM): each thread sleeps once it owes
+        # a few ms, and pays back what a sleep overran from what it owes next
+        owed = getattr(self._local, "owed", 0.0) + f.record.length * self.crc_s_per_byte * self.stretch
+        if owed > CRC_SLEEP_MIN_S:
+            tic = self.clock()
+            time.sleep(owed)
+            self._verified(tic)
+            owed -= self.clock() - tic
+        self._local.owed = owed
+        super()._finish(f)
 
 
 class ScratchMemory(UnorderedMemory):
-    """A layer's slots as host rows the reader fills (what it reads into is never computed
-    on); layers may share one set of rows (`shared`), to hold large pools in less memory."""
+    """A layer's slots as host rows the reader fills (never computed on): each row 4 KiB
+    aligned and padded to the records' alignment, handed to the reader as one buffer.
+    Layers may share one set of rows (`rows`), to hold large pools in less memory."""
 
     arrays: Dict[str, object] = {}
 
     def __init__(self, layer: PackLayer, num_slots: int, rows=None):
-        self.tensors = layer.tensors
-        self.buf = rows if rows is not None else np.zeros((num_slots, layer.expert_bytes),
-                                                          dtype=np.uint8)
+        self.nbytes = layer.expert_bytes
+        self.buf = rows if rows is not None else padded_rows(num_slots, layer.expert_bytes)
 
     def rows(self, slot: int):
-        row = self.buf[slot]
-        return [row[t.offset:t.offset + t.nbytes] for t in self.tensors]
+        return [self.buf[slot][:self.nbytes]]
+
+
+def padded_rows(num_slots: int, nbytes: int) -> np.ndarray:
+    width = aligned(nbytes)
+    raw = np.zeros(num_slots * width + BLOCK, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % BLOCK
+    return raw[skip:skip + num_slots * width].reshape(num_slots, width)
 
 
 def memory_factory(pack: Pack, slots: int, cap: float = SLOT_MEMORY_CAP):
-    """Per-layer rows if all layers' pools fit `cap`, else one set shared by all layers (then
-    the records' CRC32s are not checked: two layers' fills may share a row)."""
+    """Per-layer rows if all layers' pools fit `cap`, else one set shared by all layers."""
     per_layer = slots * max(l.expert_bytes for l in pack.layers)
     if per_layer * len(pack.layers) <= cap:
         return (lambda layer, n: ScratchMemory(layer, n)), False
-    shared = np.zeros((slots, max(l.expert_bytes for l in pack.layers)), dtype=np.uint8)
+    shared = padded_rows(slots, max(l.expert_bytes for l in pack.layers))
     return (lambda layer, n: ScratchMemory(layer, n, shared)), True
 
 
@@ -185,6 +224,8 @@ class TwinConfig:
     dilate_python: bool = True
     track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
+    skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
+    # counters start once the first token is out, when the next call has already run)
 
 
 @dataclass
@@ -246,10 +287,10 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
     slots = SlotPlan.of(pack).slots(cfg.budget)  # the store's own rule
     factory, shared = memory_factory(pack, slots)
     if shared:
-        pack = without_checksums(pack)
-        notes.append("slot rows shared by layers (pools too large for memory here): records' "
-                     "CRC32 not checked, so the readers' checksum time is left out")
+        notes.append("slot rows shared by layers (pools too large for memory here)")
+    pack = without_checksums(pack)  # the CRC32 is a wait of the profile's (TwinReader)
     reader = TwinReader(pack, cfg.readers, cfg.io)
+    reader.crc_s_per_byte = 1 / (profile.value("crc32_gbps") * 1e9)
     store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
                         memory=factory, reader=reader)
     try:
@@ -271,7 +312,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
-    store.reader.extra = max(0.0, python_factor - 1)
+    store.reader.stretch = stretch
     recorded = _prefetch_table(trace) if cfg.mode != "native" else {}
     synthetic = cfg.mode != "native" and not recorded
     if synthetic:
@@ -283,7 +324,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     store.gate_prefetches(cfg.mode == "advisory")
     rng = np.random.default_rng(cfg.seed)
     num_experts = pools[0].layer.num_experts
-    first_decode = next((i for i, c in enumerate(calls) if decode[c.start]), len(calls))
+    decode_calls = [i for i, c in enumerate(calls) if decode[c.start]]
+    first_decode = (decode_calls[cfg.skip_decode_calls]
+                    if len(decode_calls) > cfg.skip_decode_calls else len(calls))
 
     def issue(c, position):
         for target, lead, ids in recorded.get((c, position), ()):
@@ -324,7 +367,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                 last_busy, last_bytes = busy, done
             waiter.stretch = stretch
             waiter.python_factor = stretch / cpu if cfg.dilate_python else 1.0
-        store.reader.extra = max(0.0, waiter.python_factor - 1)
+        store.reader.stretch = stretch
         stretches.append(stretch)
         marks = (waiter.compute, waiter.python_s + waiter.python_pad, stats.blocked_s)
         tic = time.perf_counter()
@@ -361,16 +404,21 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         waiter.wait(compute.host_sync_s)
         took = time.perf_counter() - tic
         # forecast seconds: this call's twin seconds over the stretch it ran under
-        acc["decode_s" if is_decode else "prefill_s"] += took / stretch
+        if not is_decode:
+            acc["prefill_s"] += took / stretch
+        elif c >= first_decode:
+            acc["decode_s"] += took / stretch
         twin_s[0 if is_decode else 1] += took
-        if is_decode:
+        counted = is_decode and c >= first_decode
+        if counted:
             acc["compute"] += (waiter.compute - marks[0]) / stretch
             acc["python"] += (waiter.python_s + waiter.python_pad - marks[1]) / stretch
             acc["blocked"] += (stats.blocked_s - marks[2]) / stretch
     total = store.snapshot()
     d = total - dec_before if dec_before is not None else total
-    n_dec = int(decode.sum())
-    n_calls_dec = sum(1 for c in calls if decode[c.start])
+    counted = [c for i, c in enumerate(calls) if decode[c.start] and i >= first_decode]
+    n_dec = sum(c.stop - c.start for c in counted)
+    n_calls_dec = len(counted)
     notes.append(f"waits: asked {waiter.asked:.2f} s, slept {waiter.slept:.2f} s; Python "
                  f"between waits {waiter.python_s:.2f} s, padded by {waiter.python_pad:.2f} s")
     dec_s = acc["decode_s"]

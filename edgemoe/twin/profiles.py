@@ -18,7 +18,7 @@ import numpy as np
 
 PROFILES_FILE = Path(__file__).with_name("profiles.json")
 FIGURES = ("memory_gb", "ssd_read_gbps", "ssd_latency_us", "int4_gbps", "prefill_tflops",
-           "host_sync_us", "cpu_vs_here")
+           "host_sync_us", "cpu_vs_here", "crc32_gbps")
 KINDS = ("measured", "derived", "unsourced")
 
 
@@ -144,6 +144,12 @@ def measure_compute(d: int = 2048, f: int = 768, repeats: int = 20) -> dict:
 
     one = timed(mx.random.normal((1, d)), repeats)
     many = timed(mx.random.normal((256, d)), max(2, repeats // 5))
+    import zlib
+    block = np.random.default_rng(0).bytes(8 * 2**20)
+    tic = time.perf_counter()
+    for _ in range(5):
+        zlib.crc32(block)
+    crc = len(block) * 5 / (time.perf_counter() - tic) / 1e9
     a = mx.array([1.0])
     mx.eval(a + 1)
     tic = time.perf_counter()
@@ -151,7 +157,7 @@ def measure_compute(d: int = 2048, f: int = 768, repeats: int = 20) -> dict:
         mx.eval(a + 1)
     sync = (time.perf_counter() - tic) / 200
     return {"int4_gbps": nbytes / one / 1e9, "prefill_tflops": 2 * d * f * 256 / many / 1e12,
-            "host_sync_us": sync * 1e6, "shape": [f, d]}
+            "host_sync_us": sync * 1e6, "crc32_gbps": crc, "shape": [f, d]}
 
 
 def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: int = 2) -> Profile:
@@ -179,6 +185,7 @@ def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: 
         "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
         "host_sync_us": fig(c["host_sync_us"], "us", "mx.eval of a one-element graph"),
         "cpu_vs_here": fig(1.0, "x", "this machine"),
+        "crc32_gbps": fig(c["crc32_gbps"], "GB/s", "zlib.crc32 of 8 MiB, this Python"),
     }
     p = Profile("this-machine", f"this machine ({os.cpu_count()} CPUs)", figures)
     p.figures["_reads"] = {"value": 0, "kind": "measured", "source": how,
