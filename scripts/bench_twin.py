@@ -192,7 +192,8 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     mode = "native" if routing == "native" else routing.replace("-heads", "")
     mode = "prerouted" if mode.startswith("prerouted") else mode
     cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
-                     readers=args.readers, stretch=1.0)
+                     readers=args.readers, stretch=1.0, skip_decode_calls=1,
+                     mac_reads=False)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -244,7 +245,7 @@ def validate(args):
                     "predicted_tok_s": t.forecast_decode_tok_s,
                     "measured_ttft_s": args.prompt_len / r["prompt_tps"],
                     "predicted_ttft_s": t.forecast_prefill_s,
-                    "measured_bytes": r.get("expert_bytes_read_per_token", 0.0) * n,
+                    "measured_bytes": r.get("expert_bytes_read_per_token", 0.0) * (args.decode - 1),
                     "predicted_bytes": t.decode_bytes,
                     "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
                     "predicted_bytes_per_token": t.decode_bytes_per_token})

@@ -165,3 +165,14 @@ def test_shape_from_config_matches_the_named_a3b_shape():
     named = SHAPES["qwen3-30b-a3b"]
     assert s.record_bytes == named.record_bytes
     assert s.active_bytes_per_token == pytest.approx(named.active_bytes_per_token, rel=1e-6)
+
+
+def test_this_machines_reader_path_reads_the_same_bytes(tiny):
+    """--validate replays with this machine's own reader (staging copy, real CRC32s)."""
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(), shape)
+    prof = load_profile("m4-pro-24gb")
+    got = [run_twin(pack, trace, zero_compute(), prof,
+                    TwinConfig(budget="25%", io="buffered", stretch=1.0, mac_reads=mac)
+                    ).total_bytes for mac in (True, False)]
+    assert got[0] == got[1] == simulate(trace, "25%", "lfu").bytes_read

@@ -224,6 +224,7 @@ class TwinConfig:
     dilate_python: bool = True
     track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
+    mac_reads: bool = True  # read as macOS does (TwinReader); False: this machine's reader
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
 
@@ -288,9 +289,12 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
     factory, shared = memory_factory(pack, slots)
     if shared:
         notes.append("slot rows shared by layers (pools too large for memory here)")
-    pack = without_checksums(pack)  # the CRC32 is a wait of the profile's (TwinReader)
-    reader = TwinReader(pack, cfg.readers, cfg.io)
-    reader.crc_s_per_byte = 1 / (profile.value("crc32_gbps") * 1e9)
+    if cfg.mac_reads:
+        pack = without_checksums(pack)  # the CRC32 is a wait of the profile's (TwinReader)
+        reader = TwinReader(pack, cfg.readers, cfg.io)
+        reader.crc_s_per_byte = 1 / (profile.value("crc32_gbps") * 1e9)
+    else:  # this machine's own reader path: staging copy and real CRC32s
+        reader = Reader(pack, cfg.readers, cfg.io)
     store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
                         memory=factory, reader=reader)
     try:
@@ -312,7 +316,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
-    store.reader.stretch = stretch
+    if cfg.mac_reads:
+        store.reader.stretch = stretch
     recorded = _prefetch_table(trace) if cfg.mode != "native" else {}
     synthetic = cfg.mode != "native" and not recorded
     if synthetic:
@@ -367,7 +372,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                 last_busy, last_bytes = busy, done
             waiter.stretch = stretch
             waiter.python_factor = stretch / cpu if cfg.dilate_python else 1.0
-        store.reader.stretch = stretch
+        if cfg.mac_reads:
+            store.reader.stretch = stretch
         stretches.append(stretch)
         marks = (waiter.compute, waiter.python_s + waiter.python_pad, stats.blocked_s)
         tic = time.perf_counter()
