@@ -131,14 +131,14 @@ def test_an_interrupted_download_keeps_its_finished_files(hub, tiny, tmp_path):
     code, line = resolve(REPO, env_for(hub, tmp_path))
     assert code == 1 and line.startswith(f"{REPO}: ") and "503" in line, line
     before = {s.filename for s in hub.log if s.method == "GET" and s.status == 200}
-    assert "tokenizer.json" in before
+    assert before  # files fetched before the failure (in parallel with the weights)
 
     hub.refused.clear()
     served = len(hub.log)
     code, folder = resolve(REPO, env_for(hub, tmp_path))
     assert code == 0, folder
     again = {s.filename for s in hub.log[served:] if s.method == "GET" and s.filename}
-    assert again == {"model.safetensors"}
+    assert "model.safetensors" in again and not again & before  # none fetched twice
     assert (Path(folder) / "model.safetensors").read_bytes() == \
         (tiny[1] / "model.safetensors").read_bytes()
 
