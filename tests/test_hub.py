@@ -101,11 +101,7 @@ def test_doctor_fits_a_hub_model_from_its_headers_alone(hub, tiny, tmp_path):
     assert served.pop("model.safetensors") == header  # its header, not one byte of weights
     assert set(served) <= {"config.json", "model.safetensors.index.json"}
     assert not (tmp_path / "hub" / "models--org--tiny-moe").exists()  # nothing downloaded
-
-    r = run(["-m", "edgemoe.doctor", "--model", REPO, "--memory", "100KB"],
-            env_for(hub, tmp_path))
-    assert r.returncode == 0, r.stderr
-    assert "does not fit" in r.stdout and "fits:" not in r.stdout
+    # (what doctor says where a model does not fit: tests/test_doctor.py, the same code)
 
 
 def test_download_resumes_after_a_cut_connection(hub, tiny, tmp_path):
