@@ -431,7 +431,7 @@ def main():
                 "stalled_cancelled_by_send_timeout": send_timeouts,
                 "server_requests": metrics["requests"],
                 "bad_by_kind": {f"{name}: {status}": n
-                                for (name, status), n in sorted(chaos.refused.items())},
+                                for (name, status), n in sorted(chaos.refused.items(), key=str)},
                 "workers_stuck": len(alive), "wrong_examples": chaos.wrong[:10],
             }
         finally:
