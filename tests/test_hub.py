@@ -82,6 +82,10 @@ def test_generate_runs_a_hub_id_then_offline_from_the_cache(hub, tmp_path):
              "--max-tokens", "4", "--verbose", "False"], offline)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
+    # once downloaded, doctor on the id calibrates this machine on the cached files
+    r = run(["-m", "edgemoe.doctor", "--model", REPO, "--memory", "24GB"], offline)
+    assert r.returncode == 0, r.stderr
+    assert f"pack: {snapshot}" in r.stdout and "calibration (this machine)" in r.stdout
     assert len(hub.log) == served  # not one request: the cache alone
 
 
