@@ -155,6 +155,13 @@ SHAPES: Dict[str, Shape] = {s.name: s for s in [
           source="https://huggingface.co/Qwen/Qwen3.5-35B-A3B (40 layers, hidden 2048, "
                  "moe_intermediate 512, 256 experts, top-8 + 1 shared; attention params "
                  "approximated; Qwen3.6-35B-A3B has the same shape)"),
+    Shape("qwen3-235b-a22b", 94, 4096, 1536, 128, 8,
+          resident_params_per_layer=_attn(4096, 64, 4, 128) + 4096 * 128,
+          head_params=151936 * 4096, embed_params=151936 * 4096,
+          kv_bytes_per_token=94 * 2 * 4 * 128 * 2,
+          source="https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (94 "
+                 "layers, hidden 4096, moe_intermediate 1536, 128 experts, top-8, 64/4 heads "
+                 "of 128)"),
     Shape("gpt-oss-120b", 36, 2880, 2880, 128, 4,
           resident_params_per_layer=_attn(2880, 64, 8, 64) + 2880 * 128,
           head_params=201088 * 2880, quant="mxfp4", fused_gate_up=True,
