@@ -274,3 +274,9 @@ def test_the_bundled_reference_keeps_loading():
     reference = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
     pack = Pack.open(reference)
     assert pack.config is None and pack.top_k == 2  # written before the config field
+
+
+def test_a_config_nested_100k_deep_is_one_line(pack):
+    (pack / "config.json").write_text("[" * 100000 + "]" * 100000)
+    message = error_line(generate.main, "--model", pack, "-m", 1)
+    assert f"{pack / 'config.json'}: not valid JSON (maximum recursion depth" in message

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .pack import Pack, PackError, resident_checksums
+from .pack import Pack, PackError, read_json, resident_checksums
 
 INDEX_FILE = "edgemoe.checksums.json"
 FORMAT = "edgemoe.checksums"
@@ -95,11 +95,13 @@ def load_index(pack: Pack) -> Optional[dict]:
         return None
     rebuild = f"rebuild it with `python -m edgemoe.verify --model {pack.path} --rebuild`"
     try:
-        index = json.loads(path.read_text())
+        index = read_json(path)
         kind, shards, experts = (index["format"], index["version"]), index["shards"], \
             index["experts"]
         index["resident"] = dict(index["resident"])
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+    except PackError as e:
+        raise PackError(f"{e}; {rebuild}") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise PackError(f"{path}: malformed ({e}); {rebuild}") from None
     if kind != (FORMAT, VERSION):
         raise PackError(f"{path}: not an edgemoe checksum index of version {VERSION}; "

@@ -8,13 +8,13 @@ of a second copy; the repacked pack reads each expert in one. Its checksums come
 the index `edgemoe.verify` writes beside it (edgemoe.format.checksums), when there is one.
 """
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 from .checksums import load_index, with_index
 from .families import check_supported, layer_index, routed_experts, skeleton
-from .pack import Pack, PackError, PackLayer, Record, TensorLayout, read_safetensors_header
+from .pack import (Pack, PackError, PackLayer, Record, TensorLayout, read_json,
+                   read_safetensors_header)
 
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "U8": "uint8", "I32": "int32"}
@@ -43,7 +43,7 @@ def open_mlx_lm(path, verify: bool = True) -> Pack:
     """A Pack whose records point into an mlx-lm quantized checkpoint's shards; with
     `verify`, carrying the checksums of its index, if it has one."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json")
     check_supported(config, path / "config.json")
     experts, k = routed_experts(skeleton(config), path / "config.json")
     files = sorted(path.glob("model*.safetensors"))

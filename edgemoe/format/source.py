@@ -15,7 +15,7 @@ from typing import Optional
 
 from .families import check_supported
 from .inplace import open_mlx_lm
-from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError
+from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError, read_json
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
 PACK_ASSETS = {"prerouter": "prerouter", "adapter": "adapter", "cache_policy": "cache_policy.npz"}
@@ -44,8 +44,8 @@ def check_shards(path: Path):
     if not index.exists():
         return
     try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        shards = set(read_json(index)["weight_map"].values())
+    except (PackError, KeyError, TypeError, AttributeError):
         raise PackError(f"{index}: not a safetensors index (no weight_map)") from None
     missing = sorted(s for s in shards if not (path / s).exists())
     if missing:
@@ -61,8 +61,8 @@ def source_kind(path) -> str:
     if (path / MANIFEST).exists():
         return "pack"
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        config = read_json(path / "config.json")
+    except (OSError, PackError):
         return "hf"
     return "mlx-lm" if "quantization" in config else "hf"
 
@@ -72,7 +72,7 @@ def open_source(path=None, verify: bool = True) -> Pack:
     tensor slices read in place (checksummed if `edgemoe.verify` indexed them). `verify`:
     a pack must have every checksum (Pack.open), an index must match its checkpoint."""
     path = model_path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json")
     check_supported(config, path / "config.json")
     if source_kind(path) == "pack" or (path / EXPERTS_FILE).exists():
         return Pack.open(path, verify)  # an experts.bin without its manifest is a broken pack
