@@ -186,13 +186,16 @@ def drop_cache(folder: Path):
 
 
 def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
+    """The twin of one real run from its trace. bench_stream counts decode from its first
+    token on, when mlx-lm has already run the next step: the trace's 1-token calls are the
+    last prompt token's and then the decode steps, so its window starts at the third."""
     from edgemoe.format.pack import Pack
     pack = Pack.open(pack_path)
     budget, routing = kind.split(":")[:2]
     mode = "native" if routing == "native" else routing.replace("-heads", "")
     mode = "prerouted" if mode.startswith("prerouted") else mode
     cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
-                     readers=args.readers, stretch=1.0, skip_decode_calls=1,
+                     readers=args.readers, stretch=1.0, skip_decode_calls=2,
                      mac_reads=False)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
