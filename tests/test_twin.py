@@ -15,7 +15,7 @@ from edgemoe.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
 NAMED = ("m4-pro-24gb", "m4-max-128gb", "m3-max-48gb", "m4-air-24gb")
 
 
-def synthetic_trace(layers=3, experts=16, k=2, prompt=24, decode=40, seed=0):
+def synthetic_trace(layers=3, experts=16, k=2, prompt=24, decode=24, seed=0):
     """Skewed routing (a few hot experts), a prompt call then one call per decoded token."""
     rng = np.random.default_rng(seed)
     p = 1 / np.arange(1, experts + 1) ** 1.1
@@ -69,7 +69,7 @@ def test_shapes_have_the_published_record_sizes():
     assert 20e6 < SHAPES["deepseek-v3"].record_bytes < 26e6
 
 
-@pytest.mark.parametrize("policy,budget", [("lfu", "25%"), ("lru", "50%"), ("lfu", "13%")])
+@pytest.mark.parametrize("policy,budget", [("lfu", "25%"), ("lru", "13%")])
 def test_replay_reads_exactly_the_bytes_cache_sim_says(tiny, policy, budget):
     shape, pack = tiny
     trace = map_trace(synthetic_trace(), shape)
@@ -85,7 +85,7 @@ def test_map_trace_keeps_top_k_distinct_and_in_range():
     trace = synthetic_trace(layers=2, experts=16, k=2)
     wide = tiny_shape(layers=5, experts=64, top_k=8)
     m = map_trace(trace, wide)
-    assert m["routed"].shape == (64, 5, 8)
+    assert m["routed"].shape == (48, 5, 8)
     assert m["routed"].max() < 64
     assert all(len(set(row)) == 8 for row in m["routed"].reshape(-1, 8).tolist())
     # layer l takes trace layer l mod 2: equal trace rows give equal mapped rows
@@ -146,11 +146,22 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
     assert syncs["prerouted"] < syncs["native"]
 
 
-def test_doctor_machine_prints_a_labelled_forecast(capsys):
+def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):
     from edgemoe.doctor import main
     from edgemoe.format.source import BUNDLED_MODEL
-    main(["--machine", "m4-pro-24gb", "--model", str(BUNDLED_MODEL), "--trace",
-          "tests/data/reference_traces/r0.npz", "--expert-budget", "25%"])
+    from edgemoe.streaming.trace import load_trace
+    trace = load_trace("tests/data/reference_traces/r0.npz")
+    short = {k: v for k, v in trace.items() if not k.startswith("prefetch")}
+    decoded = np.cumsum(trace["decode"])  # the prompt and the first 32 decoded tokens
+    end = int(np.searchsorted(decoded, 32)) + 1
+    ends = np.cumsum(trace["calls"])
+    short.update(routed=trace["routed"][:end], decode=trace["decode"][:end],
+                 calls=trace["calls"][:int(np.searchsorted(ends, end)) + 1])
+    path = tmp_path / "short.npz"
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **short)
+    main(["--machine", "m4-pro-24gb", "--model", str(BUNDLED_MODEL), "--trace", str(path),
+          "--expert-budget", "25%"])
     out = capsys.readouterr().out
     assert "FORECAST" in out and "unvalidated" in out
     assert "fits in 24.0 GB" in out

@@ -59,6 +59,9 @@ def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
     from ..cache_sim import simulate
     mapped = [map_trace(t, shape) for t in traces]
     tokens = sum(int(m["decode"].sum()) for m in mapped)
+    if not tokens:
+        raise ValueError("the routing trace has no decoded tokens: a decode forecast needs "
+                         "them (record one with scripts/routing_stats.py record)")
     lfu = sum(simulate(m, budget, policy).decode_bytes_read for m in mapped) / tokens
     best = sum(simulate(m, budget, "belady").decode_bytes_read for m in mapped) / tokens
     c = Compute.from_profile(profile, shape)
