@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL as DEFAULT_MODEL
 from edgemoe.format.pack import Pack
@@ -94,3 +96,29 @@ def test_the_model_card_states_what_the_pack_carries():
     section = card.assets_section(DEFAULT_MODEL)
     assert "| 5 | 4 | 61.0% |" in section and "the attention and every routed expert" in section
     assert section in (DEFAULT_MODEL / "README.md").read_text()
+
+
+FINE = DEFAULT_MODEL.parent / "fine"
+
+
+@pytest.mark.skipif(not (FINE / "manifest.json").exists(),
+                    reason="the fine-grained reference (scripts/train_reference_moe.py --shape fine) "
+                           "is not bundled yet")
+def test_the_fine_grained_reference_routes_as_todays_moes_do():
+    """The fine-grained model (128 experts, top-8) ships whole, small, with its card, and the
+    routing statistics of its held-out text within the targets of a realistic reference
+    (scripts/routing_stats.py: busiest expert <= 10% and 90% of selections needing >= 35% of
+    the experts in every layer, next-token overlap 0.2-0.5)."""
+    import json
+
+    pack = Pack.open(FINE)
+    assert pack.model_type == "qwen3_moe" and pack.top_k == 8
+    assert all(l.num_experts == 128 for l in pack.layers)
+    shipped = [f for f in FINE.rglob("*") if f.is_file() and not f.name.startswith("expert_deltas.")]
+    assert sum(f.stat().st_size for f in shipped) < 40e6  # the card: about 35 MB
+    report = json.loads((FINE / "routing_stats.json").read_text())
+    assert report["num_experts"] == [128] * len(pack.layers) and report["tokens"] >= 4096
+    assert all(report["within_targets"].values()), report["within_targets"]
+    assert "### Routing statistics" in (FINE / "README.md").read_text()
+    # the same tokenizer as the default model: drafts and prompts carry over
+    assert (FINE / "tokenizer.json").read_bytes() == (DEFAULT_MODEL / "tokenizer.json").read_bytes()
