@@ -102,6 +102,9 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
     profile = load_profile(machine)
     shape = shape_for(model)
     files = [Path(trace)] if trace else sorted(DEFAULT_TRACES.glob("*.npz"))
+    if not files:  # an installed package carries no test traces
+        raise SystemExit(f"error: --machine forecasts from routing traces: expected --trace TRACE.npz "
+                         f"(scripts/routing_stats.py record writes them), found none in {DEFAULT_TRACES}")
     traces = [load_trace(f) for f in files]
     plan = SlotPlan(tuple([shape.record_bytes] * shape.layers),
                     tuple([shape.experts] * shape.layers), shape.top_k)
