@@ -15,7 +15,9 @@ shift
 STEPS=${*:-pack card heads lora traces draft}
 PY=${PYTHON:-python}
 MODEL=${MODEL:-reference}
-case $MODEL in reference) SHAPE=reference ;; fine) SHAPE=fine ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
+# the fine model's expert deltas at rank 4 (7.9 MB; rank 16 would be 31 MB) keep both
+# bundled models within ~90 MB
+case $MODEL in reference) SHAPE=reference; RANK=16 ;; fine) SHAPE=fine; RANK=4 ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
 PACK=edgemoe/models/$MODEL
 HEADS=$PACK/prerouter
 LORA=$PACK/adapter
@@ -25,7 +27,10 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     pack)  # replaces the whole folder, its heads, adapter and cache policy too: run all steps
-      $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite ;;
+      $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite
+      if [ "$MODEL" != reference ]; then  # the same tokenizer and chat template (with tools)
+        cp edgemoe/models/reference/{chat_template.jinja,tokenizer.json,tokenizer_config.json} "$PACK/"
+      fi ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
     heads)  # next-token heads, distilled from the pack's own routers
@@ -39,7 +44,7 @@ for step in $STEPS; do
       # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$PACK" --data "$RUN/train.txt" \
           --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" \
-          --backend torch --experts --rank 16 --lr 2e-4 --steps 1200
+          --backend torch --experts --rank $RANK --lr 2e-4 --steps 1200
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
