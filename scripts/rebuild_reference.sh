@@ -16,8 +16,8 @@ STEPS=${*:-pack card heads lora traces draft}
 PY=${PYTHON:-python}
 MODEL=${MODEL:-reference}
 # the fine model's expert deltas at rank 4 (7.9 MB; rank 16 would be 31 MB) keep both
-# bundled models within ~90 MB
-case $MODEL in reference) SHAPE=reference; RANK=16 ;; fine) SHAPE=fine; RANK=4 ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
+# bundled models within ~90 MB; 600 steps fit a session on 2 cores (the card has its report)
+case $MODEL in reference) SHAPE=reference; RANK=16; LORA_STEPS=1200 ;; fine) SHAPE=fine; RANK=4; LORA_STEPS=600 ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
 PACK=edgemoe/models/$MODEL
 HEADS=$PACK/prerouter
 LORA=$PACK/adapter
@@ -44,7 +44,7 @@ for step in $STEPS; do
       # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$PACK" --data "$RUN/train.txt" \
           --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" \
-          --backend torch --experts --rank $RANK --lr 2e-4 --steps 1200
+          --backend torch --experts --rank $RANK --lr 2e-4 --steps $LORA_STEPS
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
