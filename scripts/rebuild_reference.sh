@@ -61,7 +61,7 @@ for step in $STEPS; do
       $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/*_[01].npz --out "$RUN/traces/learned_01.npz"
       $PY -m edgemoe.cache_sim "$RUN"/traces/*_[23].npz --learned "$RUN/traces/learned_01.npz" \
           --budget 0.1,0.25,0.5 --json "$RUN/traces/heldout_replay.json"
-      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/*.npz --out "$PACK/cache_policy.npz" ;;
+      $PY -m edgemoe.cache_sim train-learned "$RUN"/traces/heldout*.npz --out "$PACK/cache_policy.npz" ;;
     draft)  # a small dense model of the same corpus and tokenizer, int4 as mlx_lm.convert -q
       $PY scripts/train_reference_moe.py --draft --shape "$SHAPE" --tokenizer "$PACK" --out "$RUN/draft" --steps 2000
       rm -rf "$DRAFT"
