@@ -182,6 +182,25 @@ def test_adjacent_records_are_merged_into_one_read_of_bounded_length(packs, monk
     assert runs_of((7, 3, 4, 5, 9)) == [[3, 4], [5], [7], [9]]
 
 
+def test_a_merged_read_never_passes_preadvs_buffer_limit(packs):
+    """preadv takes at most IOV_MAX buffers (else EINVAL): a layer of 128 fine-grained
+    experts, 9 tensors each plus a gap, would pass it merged into one read."""
+    from edgemoe.streaming.reader import MAX_RUN_BUFFERS, Fill, Reader
+
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    reader = Reader(pack, threads=1)
+    reader.close()
+    layer = pack.layers[0]
+    many = [None] * (MAX_RUN_BUFFERS // 3)  # three such records pass the limit together
+    reader.submit([Fill(0, e, 0, layer.records[e], many, lambda *a: None) for e in (3, 4, 5)])
+    runs = []
+    while not reader.queue.empty():
+        run = reader.queue.get()
+        if run is not None:  # close()'s stop marks
+            runs.append([f.expert for f in run])
+    assert runs == [[3, 4], [5]]
+
+
 def test_in_place_slices_are_read_concurrently_and_a_failed_slice_fails_its_fill_once(
         checkpoints, monkeypatch):
     """An expert read in place is one queued read per tensor slice, finished by the last

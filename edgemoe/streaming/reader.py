@@ -32,6 +32,10 @@ BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 # bandwidth, and an O_DIRECT staging buffer grows to the longest read of its thread (a
 # prefill needing most experts would otherwise merge a whole pass into one read).
 MAX_RUN_BYTES = 8 * 2**20
+# ... and fills at most this many buffers: preadv fails with EINVAL beyond IOV_MAX (1024 on
+# Linux and macOS), which a full layer of fine-grained experts (128 records of 9 tensors,
+# each with an alignment gap) reaches within MAX_RUN_BYTES.
+MAX_RUN_BUFFERS = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3.13 lacks it)
 
 
@@ -143,6 +147,7 @@ class Reader:
         place goes as its slices."""
         fills = sorted(fills, key=lambda f: (f.record.segments[0][0], f.record.offset))
         run: List[Fill] = []
+        buffers = 0  # of the run's preadv: each record's, and the gap after it
         for f in fills:
             if len(f.record.segments) > 1:
                 f.pending, f.ready = len(f.record.segments), threading.Event()
@@ -150,10 +155,12 @@ class Reader:
                     self.queue.put(Slice(f, i))
                 continue
             if run and (not _adjacent(run[-1].record, f.record) or
-                        f.record.offset + f.record.length - run[0].record.offset > MAX_RUN_BYTES):
+                        f.record.offset + f.record.length - run[0].record.offset > MAX_RUN_BYTES
+                        or buffers + len(f.buffers) > MAX_RUN_BUFFERS):
                 self.queue.put(run)
-                run = []
+                run, buffers = [], 0
             run.append(f)
+            buffers += len(f.buffers) + 1
         if run:
             self.queue.put(run)
 
