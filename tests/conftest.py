@@ -9,6 +9,11 @@ from pathlib import Path
 # no NVIDIA GPU its kernels run in its interpreter (test_cuda_backend)
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# numpy's OpenBLAS, before numpy is first imported: one thread. The suite's numpy work
+# (cache_sim's policy fits, replays) is small matrices, where a second thread only spins
+# against MLX's threads and the other tests' processes: on two busy cores it cost 20x the
+# CPU. MLX and torch bring their own BLAS and are unaffected.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
