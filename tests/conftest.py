@@ -28,24 +28,36 @@ FAMILIES = make_test_checkpoints.DEFAULT_FAMILIES
 HALF_FAMILIES = make_test_checkpoints.HALF_FAMILIES  # exactness tests only: slow on a CPU
 
 
+CHECKPOINTS_ENV = "EDGEMOE_TEST_CHECKPOINTS"  # a folder of them built already: see below
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """family -> (Hugging Face folder, mlx-lm int4 folder)."""
-    out = tmp_path_factory.mktemp("checkpoints")
-    return make_test_checkpoints.make_all(out, FAMILIES + ["qwen3_moe_large"] + HALF_FAMILIES)
+    """family -> (Hugging Face folder, mlx-lm int4 folder). Where CHECKPOINTS_ENV names a
+    folder that holds them (tests/test_mutations.py hands its session's to the mutants'
+    runs), they are not built again."""
+    out = os.environ.get(CHECKPOINTS_ENV) or tmp_path_factory.mktemp("checkpoints")
+    return make_test_checkpoints.make_all(Path(out), FAMILIES + ["qwen3_moe_large"] + HALF_FAMILIES)
+
+
+class Packs(dict):
+    """family -> {"hf": pack converted from the HF layout, "mlx": from mlx-lm's int4}, each
+    family converted when a test first asks for it: a run of a few tests converts a few."""
+
+    def __init__(self, checkpoints, out: Path):
+        super().__init__()
+        self.checkpoints, self.out = checkpoints, out
+
+    def __missing__(self, family):
+        hf, mlx = self.checkpoints[family]
+        self[family] = {"hf": convert(hf, self.out / f"{family}-from-hf"),
+                        "mlx": convert(mlx, self.out / f"{family}-from-mlx")}
+        return self[family]
 
 
 @pytest.fixture(scope="session")
 def packs(checkpoints, tmp_path_factory):
-    """family -> {"hf": pack converted from the HF layout, "mlx": from mlx-lm's int4}."""
-    out = tmp_path_factory.mktemp("packs")
-    result = {}
-    for family, (hf, mlx) in checkpoints.items():
-        result[family] = {
-            "hf": convert(hf, out / f"{family}-from-hf"),
-            "mlx": convert(mlx, out / f"{family}-from-mlx"),
-        }
-    return result
+    return Packs(checkpoints, tmp_path_factory.mktemp("packs"))
 
 
 def corrupt_record(pack_path, layer: int, expert: int):
