@@ -19,25 +19,36 @@ from conftest import ROOT
 FAMILIES = family_table.supported_families()
 
 
-def in_parallel(fn, items, *args) -> dict:
-    """{item: fn(item, *args), or the exception it raised}, in a process per core (two at
-    most): the families are independent and each is mostly Python-bound decode."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(2, os.cpu_count() or 1), mp_context=context) as pool:
-        futures = {item: pool.submit(fn, item, *args) for item in items}
-        found = {}
-        for item, future in futures.items():
-            try:
-                found[item] = future.result()
-            except Exception as e:  # reported by the item's own test
-                found[item] = e
-        return found
+QUANT_NAMES = [name for name, _ in family_table.QUANT_SPECS]
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def pool():
+    """One process per core (two at most), for both tables' checks: they are independent
+    and each is mostly Python-bound decode. Spawned, each worker imports mlx-lm,
+    transformers and torch once for both tables."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1), mp_context=context) as executor:
+        yield executor
+
+
+def in_parallel(pool, fn, items, *args) -> dict:
+    """{item: fn(item, *args), or the exception it raised}, on the pool."""
+    futures = {item: pool.submit(fn, item, *args) for item in items}
+    found = {}
+    for item, future in futures.items():
+        try:
+            found[item] = future.result()
+        except Exception as e:  # reported by the item's own test
+            found[item] = e
+    return found
+
+
+@pytest.fixture(scope="module")
+def rows(pool, tmp_path_factory):
     """family -> its row (family_table.check_family), or the error it raised."""
-    return in_parallel(family_table.check_family, FAMILIES, tmp_path_factory.mktemp("families"))
+    return in_parallel(pool, family_table.check_family, FAMILIES,
+                       tmp_path_factory.mktemp("families"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -87,9 +98,8 @@ def test_an_unsupported_family_is_refused_with_its_reason(family, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def quant_rows(tmp_path_factory):
-    rows = in_parallel(family_table.check_quantization,
-                       [name for name, _ in family_table.QUANT_SPECS],
+def quant_rows(pool, tmp_path_factory):
+    rows = in_parallel(pool, family_table.check_quantization, QUANT_NAMES,
                        tmp_path_factory.mktemp("quantization"))
     for row in rows.values():
         if isinstance(row, Exception):
@@ -97,7 +107,7 @@ def quant_rows(tmp_path_factory):
     return rows
 
 
-@pytest.mark.parametrize("name", [name for name, _ in family_table.QUANT_SPECS])
+@pytest.mark.parametrize("name", QUANT_NAMES)
 def test_every_expert_quantization_streams_exactly(quant_rows, name):
     row = quant_rows[name]
     assert all(row["exact"].values()), row
