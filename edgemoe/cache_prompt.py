@@ -47,7 +47,7 @@ def main(argv=None):
     from .model.loader import load
 
     args = setup_arg_parser().parse_args(argv)
-    model, tokenizer = load(args.model, **StreamOptions.from_args(args).load_kwargs())
+    model, tokenizer = load(args.model, StreamOptions.from_args(args))
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if tokenizer.has_chat_template:  # as mlx_lm.cache_prompt: the user turn, left open
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],

@@ -39,13 +39,15 @@ from .options import StreamOptions
 from .streaming.trace import routing_stats as trace_routing_stats
 
 
-OPTIONS = ("budget", "routing", "prerouter", "adapter")
+# the options of `--model PATH,budget=0.25,routing=prerouted`: StreamOptions' fields
+SPEC = {"budget": "expert_budget", "routing": "routing", "prerouter": "prerouter_path",
+        "adapter": "adapter_path"}
 
 
 @dataclass
 class ModelConfig:
     path: str
-    options: Dict[str, str] = field(default_factory=dict)
+    options: Dict[str, str] = field(default_factory=dict)  # SPEC's names
 
     @classmethod
     def parse(cls, spec: str) -> "ModelConfig":
@@ -53,11 +55,17 @@ class ModelConfig:
         options = {}
         for opt in opts:
             key, sep, value = opt.partition("=")
-            if not sep or key not in OPTIONS:
+            if not sep or key not in SPEC:
                 raise ValueError(f"model option {opt!r}: expected one of "
-                                 f"{', '.join(k + '=' for k in OPTIONS)}")
+                                 f"{', '.join(k + '=' for k in SPEC)}")
             options[key] = value
-        return cls(path, options)
+        config = cls(path, options)
+        config.stream_options()  # an unknown routing mode fails here
+        return config
+
+    def stream_options(self, defaults: Optional[StreamOptions] = None) -> StreamOptions:
+        """`defaults` (the streaming flags) with this configuration's own options."""
+        return StreamOptions.of(defaults, **{SPEC[k]: v for k, v in self.options.items()})
 
     def load(self, defaults: Optional[StreamOptions] = None):
         from .hub import resolve
@@ -67,9 +75,7 @@ class ModelConfig:
         if kind == "pack" or (kind == "mlx-lm" and set(self.options) - {"adapter"}):
             from .model.loader import load
 
-            options = (defaults or StreamOptions()).replace(**{
-                {"budget": "expert_budget"}.get(k, k): v for k, v in self.options.items()})
-            return load(path, **options.load_kwargs())
+            return load(path, self.stream_options(defaults))
         if set(self.options) - {"adapter"}:
             raise ValueError(f"{self.path}: budget=, routing= and prerouter= apply to "
                              f"edgemoe packs and mlx-lm quantized checkpoints only")

@@ -108,7 +108,7 @@ def draft_error(args) -> Optional[str]:
         return "--max-kv-size with a draft: speculative decoding needs a KV cache it can trim"
     if getattr(args, "kv_bits", None) is not None:
         return "--kv-bits with a draft: the speculative loop keeps the KV cache unquantized"
-    if args.routing.startswith("prerouted"):
+    if not args.routing.allows_drafts:
         return (f"--routing {args.routing} with a draft: rejected drafts would leave the "
                 f"predicted routing of tokens that are gone")
     if getattr(args, "distributed", False):
@@ -181,8 +181,8 @@ def main(argv=None):
     prompt_cache, tokenizer_config = None, None
     if args.prompt_cache_file is not None:
         prompt_cache, args.model, tokenizer_config = saved_cache(args)
-    model, tokenizer = load(args.model, tokenizer_config=tokenizer_config,
-                            **StreamOptions.from_args(args).load_kwargs())
+    model, tokenizer = load(args.model, StreamOptions.from_args(args),
+                            tokenizer_config=tokenizer_config)
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 

@@ -1,19 +1,22 @@
 """The streaming options every tool takes, with one set of flags.
 
     options = StreamOptions.from_args(args)       # after StreamOptions.add_arguments(parser)
-    model, tokenizer = edgemoe.load(path, **options.load_kwargs())
+    model, tokenizer = edgemoe.load(path, options)
+    model, tokenizer = edgemoe.load(path, expert_budget=0.25, routing="prerouted")
 
-`add_arguments` gives `generate`, `server`, `eval`, `train_prerouter`, `train_lora`,
-`doctor` and the benchmarks the same flags with the same help and defaults; a tool
-names the ones it takes with `only=`.
+`edgemoe.load` (MLX) and `edgemoe.cuda.load` take the same options, as one StreamOptions
+and/or keyword overrides of its fields (`StreamOptions.of`). `add_arguments` gives
+`generate`, `server`, `eval`, `train_prerouter`, `train_lora`, `doctor` and the benchmarks
+the same flags with the same help and defaults; a tool names the ones it takes with `only=`.
 """
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
-from .distributed import DEFAULT_TIMEOUT_S, connect
-from .routing.modes import ROUTING_MODES
+from .distributed import DEFAULT_TIMEOUT_S
+from .routing.modes import NATIVE, RoutingMode, parse_routing, routing_mode
+from .streaming.budget import Budget
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
@@ -52,14 +55,16 @@ def number(kind, lo, hi=None, above=False):
 
 @dataclass
 class StreamOptions:
-    """How a model streams its experts (the keyword arguments of `edgemoe.load`)."""
+    """How a model streams its experts: what `edgemoe.load` and `edgemoe.cuda.load` take,
+    whole or as keyword overrides of these fields. `routing` is a RoutingMode (its name is
+    accepted and turned into it)."""
 
-    expert_budget: str = "auto"  # a fraction, a percentage, a size, or auto: what fits
+    expert_budget: Budget = "auto"  # a fraction, a percentage, a size, or auto: what fits
     cache_policy: str = DEFAULT_POLICY
     io: str = "buffered"
-    routing: str = "native"
-    prerouter: Optional[str] = None  # heads folder, or "pack"
-    adapter: Optional[str] = None  # adapter folder, or "pack"
+    routing: RoutingMode = NATIVE
+    prerouter_path: Optional[str] = None  # heads folder, or "pack"
+    adapter_path: Optional[str] = None  # adapter folder, or "pack"
     readers: int = 2
     read_timeout: float = 30.0  # seconds a compute may wait for one read
     verify: bool = True  # checksums must be present, and are checked
@@ -67,14 +72,22 @@ class StreamOptions:
     partition: Optional[str] = None  # a routing trace the experts are shared out by
     group_timeout: float = DEFAULT_TIMEOUT_S  # seconds a host may keep the others waiting
 
-    def load_kwargs(self) -> dict:
-        """`edgemoe.load`'s arguments; with `distributed`, this joins the group."""
-        group = connect(self.group_timeout) if self.distributed else None
-        return dict(expert_budget=self.expert_budget, cache_policy=self.cache_policy,
-                    io=self.io, routing=self.routing, prerouter_path=self.prerouter,
-                    adapter_path=self.adapter, readers=self.readers,
-                    read_timeout=self.read_timeout, verify=self.verify, group=group,
-                    partition=self.partition, group_timeout=self.group_timeout)
+    def __post_init__(self):
+        self.routing = routing_mode(self.routing)  # "prerouted" -> PREROUTED
+
+    @classmethod
+    def of(cls, options: Optional["StreamOptions"] = None, **overrides) -> "StreamOptions":
+        """`options` (default: the defaults) with `overrides` of its fields: the options
+        of a `load(path, options, **overrides)` call. An unknown name is a TypeError."""
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"load(path, options): options is a StreamOptions, not "
+                            f"{options!r}; name the others (expert_budget={options!r})")
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"load() got unexpected keyword arguments: "
+                            f"{', '.join(sorted(unknown))} (StreamOptions' fields and the "
+                            f"backend's own are taken)")
+        return (options or cls()).replace(**overrides)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "StreamOptions":
@@ -83,7 +96,7 @@ class StreamOptions:
         return cls(**{**given, **overrides})
 
     def replace(self, **changes) -> "StreamOptions":
-        return StreamOptions(**{**asdict(self), **changes})
+        return replace(self, **changes)
 
     GROUP = ("distributed", "partition", "group_timeout")  # generate and server only
 
@@ -116,18 +129,19 @@ class StreamOptions:
                 default="buffered", choices=IO_MODES,
                 help="direct: O_DIRECT reads that bypass the page cache (default: %(default)s)")),
             "routing": (("--routing",), dict(
-                default="native", choices=ROUTING_MODES,
+                default=NATIVE, type=parse_routing,
                 metavar="{" + ",".join(MAIN_ROUTING) + "}",
                 help="native: the router decides, experts load on demand (exact); advisory: "
                      "later layers' experts are prefetched, same output; prerouted: the "
                      "prerouter heads' prediction is the routing, read a token ahead "
                      "(default: %(default)s; experimental: see below)")),
-            "prerouter": (("--prerouter",), dict(
-                default=None, help="Prerouter heads folder (edgemoe.train_prerouter --out "
-                                   "DIR: DIR/prerouter), or 'pack' for the heads the model "
-                                   "folder carries; the prerouted modes use those by default")),
-            "adapter": (("--adapter-path",), dict(
-                dest="adapter", default=None,
+            "prerouter_path": (("--prerouter",), dict(
+                dest="prerouter_path", default=None,
+                help="Prerouter heads folder (edgemoe.train_prerouter --out DIR: "
+                     "DIR/prerouter), or 'pack' for the heads the model folder carries; the "
+                     "prerouted modes use those by default")),
+            "adapter_path": (("--adapter-path",), dict(
+                default=None,
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
                      "model folder carries (PACK/adapter); deltas of the routed experts "
                      "stream with them")),

@@ -133,11 +133,11 @@ def build(args) -> Tuple[Engine, Server]:
     tokenizer_config = {"chat_template": template} if template else None
 
     def load_model():
-        return load(args.model, return_config=True, tokenizer_config=tokenizer_config,
-                    **options.load_kwargs())
+        return load(args.model, options, return_config=True,
+                    tokenizer_config=tokenizer_config)
 
     cache_size = args.prompt_cache_size
-    if cache_size and options.routing.startswith("prerouted"):
+    if cache_size and not options.routing.allows_prompt_cache:
         # a cached prefix would need the routing its prerouter predicted to be kept too
         log.warning("the prompt cache is off with %s routing", options.routing)
         cache_size = 0

@@ -42,6 +42,7 @@ from .format.deltas import expert_deltas
 from .format.source import open_source
 from .model.loader import load
 from .options import StreamOptions
+from .routing.modes import PREROUTED
 from .model.lora import (ADAPTER_CONFIG, apply_lora, default_targets, expert_targets,
                          merge_adapter, merge_survival, save_adapter)
 
@@ -64,8 +65,7 @@ def teacher_log_probs(teacher, inputs: mx.array) -> mx.array:
 
 
 def load_student(args, adapter_path=None):
-    options = StreamOptions.from_args(args, adapter=adapter_path)
-    return load(args.model, **options.load_kwargs())
+    return load(args.model, StreamOptions.from_args(args, adapter_path=adapter_path))
 
 
 def quality(teacher, student, tokens, args, desc) -> dict:
@@ -151,8 +151,8 @@ def train(args) -> dict:
     if args.experts:  # the experts' deltas as records, to stream with them when served
         expert_deltas(out, open_source(args.model))
     after = quality(teacher, student, eval_tokens, args, "after")
-    report = {"model": args.model, "teacher": args.teacher, "routing": args.routing,
-              "prerouter": args.prerouter, "lora": config["lora_parameters"],
+    report = {"model": args.model, "teacher": args.teacher, "routing": str(args.routing),
+              "prerouter": args.prerouter_path, "lora": config["lora_parameters"],
               "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
               "lr": args.lr, "seed": args.seed, "train_tokens_seen": args.steps * args.batch_size * args.context,
               "backend": args.backend,
@@ -278,8 +278,8 @@ def main(argv=None):
                         "0.5 s a step of 1,024 tokens on the bundled model, against 10 s; "
                         "needs torch and transformers: the cuda extra)")
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "routing",
-                                         "prerouter", "readers"])
-    p.set_defaults(routing="prerouted")  # the student as it will be served
+                                         "prerouter_path", "readers"])
+    p.set_defaults(routing=PREROUTED)  # the student as it will be served
     add_debug_flag(p)
     args = arrange(p, "train_lora").parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG

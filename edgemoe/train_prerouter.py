@@ -56,14 +56,14 @@ def load_base(path: str, options: Optional[StreamOptions] = None):
     """The model with native routing: an edgemoe pack streamed under the options' budget,
     an mlx-lm quantized checkpoint streamed in place when a budget is given, or else
     mlx-lm's own model, fully resident."""
-    options = (options or StreamOptions()).replace(routing="native", prerouter=None,
-                                                   adapter=None)
+    options = StreamOptions.of(options, routing="native", prerouter_path=None,
+                               adapter_path=None)
     kind = source_kind(path)
     given = not is_auto(options.expert_budget) and options.expert_budget not in ("1.0", 1.0)
     if kind == "pack" or (kind == "mlx-lm" and given):
         from .model.loader import load
 
-        return load(path, **options.load_kwargs())
+        return load(path, options)
     from mlx_lm import load
 
     return load(path)

@@ -68,10 +68,9 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         if routing == "advisory-heads" or routing.startswith("prerouted"):
             heads = prerouter
             routing = routing.replace("-heads", "")
-        model, tokenizer = edgemoe.load(path, expert_budget=float(budget), routing=routing,
-                                        io=io, prerouter_path=heads,
-                                        adapter_path=adapter if lora else None,
-                                        cache_policy=cache_policy, readers=readers)
+        options = StreamOptions(float(budget), cache_policy, io, routing, prerouter_path=heads,
+                                adapter_path=adapter if lora else None, readers=readers)
+        model, tokenizer = edgemoe.load(path, options)
     store = getattr(model, "expert_store", None)
     if text:  # real text: routing as in use, not as on random tokens
         ids = tokenizer.encode(Path(text).read_text())
@@ -143,12 +142,12 @@ def run_config(kind, path, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path),
            "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--io", "direct" if args.cold else "buffered"]
-    if args.prerouter:
-        cmd += ["--prerouter", args.prerouter]
+    if args.prerouter_path:
+        cmd += ["--prerouter", args.prerouter_path]
     if args.text:
         cmd += ["--text", args.text]
-    if args.adapter:
-        cmd += ["--adapter-path", args.adapter]
+    if args.adapter_path:
+        cmd += ["--adapter-path", args.adapter_path]
     cmd += ["--temp", str(args.temp), "--cache-policy", args.cache_policy,
             "--readers", str(args.readers)] + (["--forced"] if args.forced else [])
     trace = None
@@ -345,7 +344,7 @@ def main():
                         "configuration sees the same tokens (as for an adapter's cost)")
     # --prerouter adds advisory-heads and prerouted rows; --adapter-path adds rows serving
     # the adapter unmerged, and its decode cost
-    StreamOptions.add_arguments(p, only=["prerouter", "adapter", "cache_policy", "readers"])
+    StreamOptions.add_arguments(p, only=["prerouter_path", "adapter_path", "cache_policy", "readers"])
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--trace", help=argparse.SUPPRESS)
@@ -353,7 +352,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.path, args.prompt_len, args.decode, args.io,
-                                args.prerouter, args.text, args.temp, args.adapter,
+                                args.prerouter_path, args.text, args.temp, args.adapter_path,
                                 args.cache_policy, args.readers, args.trace, args.forced)))
         return
 
@@ -368,14 +367,14 @@ def main():
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS
     advisory_budgets = [b for b in budgets if b in ADVISORY_BUDGETS] or budgets
     modes = args.modes.split(",") if args.modes else \
-        ["advisory"] + (HEAD_MODES if args.prerouter else [])
+        ["advisory"] + (HEAD_MODES if args.prerouter_path else [])
     unknown = set(modes) - {"advisory", *HEAD_MODES}
-    if unknown or (set(modes) & set(HEAD_MODES) and not args.prerouter):
+    if unknown or (set(modes) & set(HEAD_MODES) and not args.prerouter_path):
         p.error(f"--modes: choose from advisory, {', '.join(HEAD_MODES)} (the last "
                 f"{len(HEAD_MODES)} need --prerouter); got {args.modes}")
     configs = ([("mlx-lm", mlx)] if mlx else []) + [(f"{b}:native", pack) for b in budgets]
     configs += [(f"{b}:{mode}", pack) for mode in modes for b in advisory_budgets]
-    lora = lora_pairs([kind for kind, _ in configs]) if args.adapter else []
+    lora = lora_pairs([kind for kind, _ in configs]) if args.adapter_path else []
     configs += [(f"{kind}:lora", pack) for kind in lora]
     runs = {kind: [] for kind, _ in configs}
     for r in range(args.rounds):
@@ -391,7 +390,7 @@ def main():
               "cold": args.cold, "text": args.text, "temp": args.temp, "forced": args.forced,
               "read_bps": args.read_bps,
               "summary": rows, "runs": runs}
-    if args.adapter:
+    if args.adapter_path:
         result["lora_decode_cost"] = {
             kind: statistics.median(a["decode_tps"] / b["decode_tps"] for a, b in
                                     zip(runs[f"{kind}:lora"], runs[kind]))

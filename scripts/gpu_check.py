@@ -74,7 +74,7 @@ def check_exactness(device, dtypes):
     for budget in (1.0, 0.25):
         prompt, tokens, ref = mlx_reference(budget)
         for dtype in dtypes:
-            model, _ = load(None, budget, device=device, dtype=getattr(torch, dtype),
+            model, _ = load(None, expert_budget=budget, device=device, dtype=getattr(torch, dtype),
                             tokenizer=False, kernel=_kernel_wanted(device))
             run = greedy(model, prompt, DECODE, forced=tokens)
             model.expert_store.close()
@@ -200,7 +200,7 @@ def _random_expert(rng, hidden, moe):
 
 
 def bench(path, device, budget, io, host_budget=None, copy_streams=1, tokens=BENCH_TOKENS):
-    model, _ = load(path, budget, device=device, io=io, tokenizer=False,
+    model, _ = load(path, expert_budget=budget, device=device, io=io, tokenizer=False,
                     kernel=_kernel_wanted(device), host_budget=host_budget,
                     copy_streams=copy_streams)
     store = model.expert_store

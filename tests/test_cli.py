@@ -48,7 +48,7 @@ def test_research_variants_are_in_a_group_named_experimental(capsys):
     import argparse
     args = StreamOptions.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--routing", "prerouted-set", "--cache-policy", "s3fifo"])  # still accepted
-    assert (args.routing, args.cache_policy) == ("prerouted-set", "s3fifo")
+    assert (args.routing.name, args.cache_policy) == ("prerouted-set", "s3fifo")
 
 
 def test_cache_sim_has_subcommands_with_their_own_help(capsys):

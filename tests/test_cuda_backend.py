@@ -576,7 +576,7 @@ def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
     path = str(DEFAULT_MODEL if model == "reference" else packs[model]["hf"])
     amount = 1.0 if budget == "100%" else minimum_bytes(Pack.open(path))
     ref_tokens, ref_logits = mlx_runs(path, amount)
-    torch_model, _ = load(path, amount, device="cpu", tokenizer=False)
+    torch_model, _ = load(path, expert_budget=amount, device="cpu", tokenizer=False)
     run = greedy(torch_model, prompt(500), DECODE)
     stats = torch_model.expert_store.stats
     torch_model.expert_store.close()
@@ -596,7 +596,7 @@ def test_advisory_routing_prefetches_and_keeps_the_mlx_paths_tokens(model, packs
     ref_tokens, ref_logits = mlx_runs(path, amount)
     runs, stats = {}, {}
     for routing in ("native", "advisory"):
-        torch_model, _ = load(path, amount, device="cpu", tokenizer=False, routing=routing)
+        torch_model, _ = load(path, expert_budget=amount, device="cpu", tokenizer=False, routing=routing)
         torch_model.expert_store.gate_prefetches(routing == "native")
         runs[routing] = greedy(torch_model, prompt(500), DECODE)
         stats[routing] = torch_model.expert_store.snapshot()
@@ -614,7 +614,7 @@ def test_tiny_model_matches_mlx_lm(packs, checkpoints):
 
     reference, _ = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))
     ref_tokens, ref_logits = mlx_greedy(reference, prompt(500))
-    torch_model, _ = load(packs["qwen3_moe"]["hf"], 0.5, device="cpu", tokenizer=False)
+    torch_model, _ = load(packs["qwen3_moe"]["hf"], expert_budget=0.5, device="cpu", tokenizer=False)
     run = greedy(torch_model, prompt(500), DECODE)
     assert run.tokens == ref_tokens
     assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
@@ -636,7 +636,7 @@ def test_gpu_check_cannot_pass_vacuously():
 
 def test_forcing_the_greedy_tokens_changes_nothing(packs):
     """scripts/gpu_check.py compares logits with another run's tokens forced."""
-    model, _ = load(packs["qwen3_moe"]["hf"], 1.0, device="cpu", tokenizer=False)
+    model, _ = load(packs["qwen3_moe"]["hf"], expert_budget=1.0, device="cpu", tokenizer=False)
     free = greedy(model, prompt(500), 6)
     forced = greedy(model, prompt(500), 6, forced=free.tokens)
     other = greedy(model, prompt(500), 6, forced=[7] * 6)
@@ -652,7 +652,7 @@ def test_decode_through_the_fake_device_equals_synchronous_copies(packs):
     budget = minimum_bytes(Pack.open(path))
     runs = []
     for streams in (HostStreams(), FakeDevice()):
-        model, _ = load(path, budget, device="cpu", streams=streams, tokenizer=False)
+        model, _ = load(path, expert_budget=budget, device="cpu", streams=streams, tokenizer=False)
         runs.append(greedy(model, prompt(500), 4))
         model.expert_store.close()
     assert runs[0].tokens == runs[1].tokens
@@ -669,7 +669,7 @@ def test_a_host_tier_turns_reads_into_copies_and_changes_no_logit():
     runs, stats = {}, {}
     for host_budget, streams in ((None, HostStreams()), ("50%", HostStreams()),
                                  ("50%", FakeDevice(lanes=2))):
-        model, _ = load(path, budget, device="cpu", streams=streams, tokenizer=False,
+        model, _ = load(path, expert_budget=budget, device="cpu", streams=streams, tokenizer=False,
                         host_budget=host_budget)
         tier = model.expert_store.pool(model.expert_store.layer_indices[0]).memory.host
         key = (host_budget, type(streams).__name__)

@@ -68,7 +68,7 @@ class FamilyPack:
     def run(self, gated=True, **options):
         """The CUDA backend's greedy decode on the CPU, and its store's counters; `gated`
         False reads every prediction ahead (advisory gates them by their precision)."""
-        model, _ = load(self.path, self.budget, device="cpu", tokenizer=False, **options)
+        model, _ = load(self.path, expert_budget=self.budget, device="cpu", tokenizer=False, **options)
         if not gated:
             model.expert_store.gate_prefetches(False)
         run, stats = greedy(model, self.prompt, DECODE), model.expert_store.snapshot()
@@ -155,7 +155,7 @@ def heads(family, tmp_path_factory):
 def test_family_prerouted_as_the_mlx_path(name, routing, family, heads, native_runs):
     fam = family(name)
     ref_tokens, ref_logits = fam.mlx_run(routing=routing, prerouter_path=heads(name))
-    run, stats = fam.run(routing=routing, prerouter=heads(name))
+    run, stats = fam.run(routing=routing, prerouter_path=heads(name))
     native, _ = native_runs(name)
     assert run.tokens == ref_tokens
     assert np.abs(run.logits.numpy() - ref_logits).max() < LOGIT_TOLERANCE
@@ -165,7 +165,7 @@ def test_family_prerouted_as_the_mlx_path(name, routing, family, heads, native_r
 
 def one_line_refusal(path) -> str:
     with pytest.raises(PackError) as refused:
-        load(path, 1.0, device="cpu", tokenizer=False)
+        load(path, expert_budget=1.0, device="cpu", tokenizer=False)
     message = str(refused.value)
     assert "\n" not in message and "config.json: model_type " in message, message
     return message

@@ -23,7 +23,7 @@ def test_an_mlx_lm_checkpoint_read_in_place_gives_the_mlx_paths_logits(family, c
     reference, _ = edgemoe.load(str(path), expert_budget=amount)
     ref_tokens, ref_logits = mlx_greedy(reference, prompt(500))
     reference.expert_store.close()
-    model, _ = load(path, amount, device="cpu", tokenizer=False)
+    model, _ = load(path, expert_budget=amount, device="cpu", tokenizer=False)
     run = greedy(model, prompt(500), DECODE)
     store = model.expert_store
     info, stats = store.info(), store.stats

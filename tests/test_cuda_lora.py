@@ -54,7 +54,7 @@ def runs():
                 model, _ = edgemoe.load(None, expert_budget=amount, adapter_path=adapter)
                 tokens, logits = mlx_greedy(model, prompt(500))
             else:
-                model, _ = load(None, amount, device="cpu", tokenizer=False,
+                model, _ = load(None, expert_budget=amount, device="cpu", tokenizer=False,
                                 adapter_path=adapter)
                 run = greedy(model, prompt(500), DECODE)
                 tokens, logits = run.tokens, run.logits.numpy()
@@ -105,8 +105,8 @@ def test_a_spoiled_b_matrix_changes_the_output_as_on_the_mlx_path(runs, tmp_path
 
 
 def test_the_delta_is_served_unmerged_on_frozen_weights():
-    plain, _ = load(None, 0.25, device="cpu", tokenizer=False)
-    adapted, _ = load(None, 0.25, device="cpu", tokenizer=False, adapter_path="pack")
+    plain, _ = load(None, expert_budget=0.25, device="cpu", tokenizer=False)
+    adapted, _ = load(None, expert_budget=0.25, device="cpu", tokenizer=False, adapter_path="pack")
     for model in (plain, adapted):
         model.expert_store.close()
     config = json.loads((PACK_ADAPTER / ADAPTER_CONFIG).read_text())
@@ -140,7 +140,7 @@ def test_the_experts_deltas_stream_into_the_device_slots(checkpoints, packs, tmp
     assert np.abs(ref_logits - plain_logits).max() > ADAPTER_EFFECT
     path = packs["qwen3_moe"]["mlx"]
     for amount in (1.0, 0.3):
-        model, _ = load(path, amount, device="cpu", tokenizer=False, adapter_path=adapter)
+        model, _ = load(path, expert_budget=amount, device="cpu", tokenizer=False, adapter_path=adapter)
         run = greedy(model, prompt(500), DECODE)
         slots = next(iter(model.expert_store.layers.values()))
         stats = model.expert_store.stats
@@ -162,12 +162,12 @@ def one_line(error) -> str:
 
 def test_a_missing_adapter_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
-        load(None, 0.25, device="cpu", tokenizer=False, adapter_path=tmp_path / "nope")
+        load(None, expert_budget=0.25, device="cpu", tokenizer=False, adapter_path=tmp_path / "nope")
     assert f"{tmp_path / 'nope'}: no such adapter folder" in one_line(error)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(FileNotFoundError) as error:
-        load(None, 0.25, device="cpu", tokenizer=False, adapter_path=tmp_path / "half")
+        load(None, expert_budget=0.25, device="cpu", tokenizer=False, adapter_path=tmp_path / "half")
     assert f"{tmp_path / 'half' / ADAPTER_WEIGHTS}: missing" in one_line(error)
 
 
@@ -185,7 +185,7 @@ def test_a_key_naming_no_linear_layer_is_refused(tmp_path, renamed, found):
     save_file(weights, str(bad / ADAPTER_WEIGHTS))
     threads = threading.active_count()
     with pytest.raises(PackError) as error:
-        load(None, 0.25, device="cpu", tokenizer=False, adapter_path=bad)
+        load(None, expert_budget=0.25, device="cpu", tokenizer=False, adapter_path=bad)
     message = one_line(error)
     assert message.startswith(f"{bad / ADAPTER_WEIGHTS}: {renamed}") and found in message
     assert threading.active_count() == threads, "the store's readers must be closed"
@@ -194,7 +194,7 @@ def test_a_key_naming_no_linear_layer_is_refused(tmp_path, renamed, found):
 def test_a_wrong_shape_is_refused(tmp_path):
     bad = wrong_adapter(tmp_path, lambda n, t: t[:, :64] if n == f"{TARGET}.lora_b" else t)
     with pytest.raises(PackError) as error:
-        load(None, 0.25, device="cpu", tokenizer=False, adapter_path=bad)
+        load(None, expert_budget=0.25, device="cpu", tokenizer=False, adapter_path=bad)
     r = json.loads((PACK_ADAPTER / ADAPTER_CONFIG).read_text())["lora_parameters"]["rank"]
     assert f"{TARGET}: lora_a (256, {r}), lora_b ({r}, 64); expected (256, {r}) and ({r}, 256)" \
         in one_line(error)

@@ -64,7 +64,7 @@ def native_runs():
 
     def get(budget):
         if budget not in cache:
-            model, _ = load(PATH, amount(budget), device="cpu", tokenizer=False)
+            model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False)
             cache[budget] = greedy(model, prompt(), DECODE), model.expert_store.snapshot()
             model.expert_store.close()
         return cache[budget]
@@ -77,7 +77,7 @@ def native_runs():
 def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
     ref_tokens, ref_logits = mlx_runs(routing, budget)
     native, native_stats = native_runs(budget)
-    model, _ = load(PATH, amount(budget), device="cpu", tokenizer=False, routing=routing)
+    model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False, routing=routing)
     run = greedy(model, prompt(), DECODE)
     stats = model.expert_store.snapshot()
     again = greedy(model, prompt(), DECODE)  # a new sequence: nothing carried over
@@ -93,7 +93,7 @@ def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
 def test_each_sequence_carries_its_own_routing():
     """Two sequences decoded in turns, one whose cache the first call made (no cache given),
     one with a cache of its own: each gets its solo decode's logits."""
-    model, _ = load(PATH, 0.25, device="cpu", tokenizer=False, routing="prerouted")
+    model, _ = load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing="prerouted")
     prompts, steps = (prompt(7), prompt(8)), 4
     solo = [greedy(model, p, steps) for p in prompts]
     arg = _cache_argument(model)
@@ -135,8 +135,8 @@ def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
                                 prerouter_path=heads)
     ref_tokens, ref_logits = gpu_check.mlx_greedy(mlx_model, prompt(), DECODE)
     mlx_model.expert_store.close()
-    model, _ = load(PATH, budget, device="cpu", tokenizer=False, routing=routing,
-                    prerouter=heads)
+    model, _ = load(PATH, expert_budget=budget, device="cpu", tokenizer=False, routing=routing,
+                    prerouter_path=heads)
     run = greedy(model, prompt(), DECODE)
     stats = model.expert_store.snapshot()
     model.expert_store.close()
@@ -147,18 +147,18 @@ def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
 
 def test_routing_errors_are_one_line(tmp_path):
     cases = [(dict(routing="psychic"), ValueError, "routes native, advisory, prerouted"),
-             (dict(routing="prerouted", prerouter=tmp_path / "none"), FileNotFoundError,
+             (dict(routing="prerouted", prerouter_path=tmp_path / "none"), FileNotFoundError,
               f"{tmp_path / 'none' / CONFIG}: no such file"),
-             (dict(routing="advisory", prerouter=HEADS), ValueError, "advisory routing uses")]
+             (dict(routing="advisory", prerouter_path=HEADS), ValueError, "advisory routing uses")]
     for kwargs, error, message in cases:
         with pytest.raises(error) as e:
-            load(PATH, 0.25, device="cpu", tokenizer=False, **kwargs)
+            load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, **kwargs)
         assert message in str(e.value) and "\n" not in str(e.value), kwargs
 
 
 def refused(routing="prerouted") -> str:
     with pytest.raises(UnsupportedModelError) as e:
-        load(PATH, 0.25, device="cpu", tokenizer=False, routing=routing)
+        load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing=routing)
     message = str(e.value)
     assert "\n" not in message and f"{DEFAULT_MODEL / 'config.json'}: model_type 'qwen3_moe': " \
         "prerouted routing " in message, message

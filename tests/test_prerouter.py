@@ -600,7 +600,7 @@ def test_a_decode_step_of_next_token_routing_skips_the_routing_sync(packs, train
     prediction): the step skips that layer's routing sync, one host sync a layer instead
     of two, and computes exactly what the step with the sync computes."""
     from edgemoe.format.pack import Pack
-    from edgemoe.routing.modes import PredictedRouting
+    from edgemoe.routing.driver import PredictedRouting
 
     folder = trained[0] / "prerouter" if heads == "next-token" else trained_first[False][0]
     path = packs["qwen3_moe"]["hf"]

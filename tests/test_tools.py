@@ -16,6 +16,7 @@ import pytest
 
 from edgemoe import cache_sim, doctor, eval as edgemoe_eval
 from edgemoe.options import StreamOptions
+from edgemoe.routing.modes import PREROUTED
 from edgemoe.streaming.budget import BudgetError, parse_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +46,26 @@ def test_options_round_trip_through_a_parser():
     args = p.parse_args(["--expert-budget", "25%", "--routing", "prerouted",
                          "--adapter-path", "pack", "--io", "direct"])
     options = StreamOptions.from_args(args)
-    assert options == StreamOptions("25%", io="direct", routing="prerouted", adapter="pack")
-    assert options.load_kwargs()["adapter_path"] == "pack"
+    assert options == StreamOptions("25%", io="direct", routing="prerouted", adapter_path="pack")
+    assert options.routing is PREROUTED and not options.routing.exact
+    assert StreamOptions.of(options, expert_budget=0.5) == options.replace(expert_budget=0.5)
+    with pytest.raises(TypeError, match="colour"):
+        StreamOptions.of(colour="blue")
+    with pytest.raises(TypeError, match="expert_budget=0.25"):
+        StreamOptions.of(0.25)  # load(path, 0.25): the budget must be named
+    with pytest.raises(SystemExit):
+        p.parse_args(["--routing", "sideways"])
+
+
+def test_the_eval_model_spec_parses_into_stream_options():
+    from edgemoe.eval import ModelConfig
+
+    config = ModelConfig.parse("PACK,budget=0.25,routing=prerouted,prerouter=H,adapter=A")
+    assert config.stream_options(StreamOptions(io="direct")) == StreamOptions(
+        "0.25", io="direct", routing=PREROUTED, prerouter_path="H",
+        adapter_path="A")
+    with pytest.raises(ValueError, match="sideways"):
+        ModelConfig.parse("PACK,routing=sideways")
 
 
 def test_budgets_over_100_percent_hold_every_expert(capsys):

@@ -2,8 +2,8 @@
 
     pip install 'edgemoe[cuda]'
     from edgemoe.cuda import load, greedy
-    model, tokenizer = load(pack_path, expert_budget=0.25, device="cuda", io="direct",
-                            host_budget="50%")
+    model, tokenizer = load(pack_path, expert_budget=0.25, io="direct", device="cuda",
+                            host_budget="50%")     # edgemoe.load's options, and its own
 
 Nothing in the rest of edgemoe imports this package, and this package imports neither
 MLX nor mlx-lm: it runs on a machine that has only PyTorch and transformers.

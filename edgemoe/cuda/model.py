@@ -11,6 +11,8 @@ MLX-quantized linears and embeddings dequantized to the compute dtype; each MoE 
 
 import inspect
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +26,10 @@ from transformers.activations import ACT2FN
 from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
+from ..hub import resolve as resolve_hub_id
 from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
-from ..streaming.cache import DEFAULT_POLICY
-from ..streaming.budget import SlotPlan
+from ..options import StreamOptions
+from ..streaming.budget import SlotPlan, fitting_budget, fmt_bytes, is_auto
 from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
 from . import families
@@ -40,24 +43,31 @@ from .streams import make_streams
 
 DEFAULT_MODEL = BUNDLED_MODEL
 NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers would act on it
-ROUTINGS = ("native", "advisory", *prerouted.MODES)
 
 
-def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
-         cache_policy: str = DEFAULT_POLICY, io: str = "buffered", streams=None,
-         kernel: Optional[bool] = None, tokenizer: bool = True, routing: str = "native",
-         adapter_path=None, prerouter=None, host_budget=None, host_policy: str = "lru",
-         copy_streams: int = 1):
+def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions] = None,
+         *, device="cuda", dtype=None, streams=None, kernel: Optional[bool] = None,
+         tokenizer: bool = True, host_budget=None, host_policy: str = "lru",
+         copy_streams: int = 1, **overrides):
     """The pack's model on `device` holding at most `expert_budget` of its experts.
 
-    `routing` is "native" or "advisory": the next MoE layer's own router, applied to this
-    layer's input, prefetches that layer's experts while this one computes (gated by its
-    precision, as in the MLX path); the router still decides, so the output is native's.
+    The streaming options are `options` (a StreamOptions) with `overrides` of its fields,
+    as `edgemoe.load` takes them (the same names and defaults); the keyword-only rest is
+    this backend's own. `expert_budget="auto"` (the default) is what fits in the device's
+    free memory (the host's available memory on the CPU) beside the resident weights,
+    dequantized to `dtype`, and a 4096-token KV cache. `distributed` is MLX's alone.
+
+    `path_or_hf_repo` is a pack or an mlx-lm quantized checkpoint (a folder, or a hub id
+    as edgemoe.hub resolves it; default: the bundled reference model). `routing` (a
+    RoutingMode or its name) is "native" or "advisory": the next MoE layer's own router,
+    applied to this layer's input, prefetches that layer's experts while this one
+    computes (gated by its precision, as in the MLX path); the router still decides, so
+    the output is native's.
     "prerouted": the prerouter heads' prediction, made a token ahead, is the routing of
     every MoE layer but the heads' native layers, and its experts are read ahead;
     "prerouted-set": the native router confined to the predicted experts (both as the MLX
-    path: edgemoe.cuda.prerouted). `prerouter` is the heads' folder, or None or "pack" for
-    the ones the pack carries (PACK/prerouter).
+    path: edgemoe.cuda.prerouted). `prerouter_path` is the heads' folder, or None or "pack"
+    for the ones the pack carries (PACK/prerouter).
 
     `dtype` defaults to bfloat16 on a GPU and float32 on the CPU. `streams` orders
     copies and compute (edgemoe.cuda.streams; tests pass a fake). `kernel` uses the
@@ -73,16 +83,17 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     the routed experts' deltas streamed into their slots with them (edgemoe.format.deltas).
     Returns (model, tokenizer or None); the store is at `model.expert_store`.
     """
-    if routing not in ROUTINGS:
-        raise ValueError(f"--routing {routing!r}: the CUDA backend routes "
-                         f"{', '.join(ROUTINGS)}")
-    path = model_path(pack_path)
+    options = StreamOptions.of(options, **overrides)
+    if options.distributed:
+        raise ValueError("--distributed: the CUDA backend runs on one host")
+    routing = options.routing
+    path = model_path(resolve_hub_id(path_or_hf_repo))
     config = json.loads((path / "config.json").read_text())
     refusal = families.refusal(config)
     if refusal:
         raise PackError(f"{path / 'config.json'}: {refusal}")
-    source = open_source(path)
-    adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    source = open_source(path, options.verify)
+    adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
     if adapter is not None:  # fail before threads; the experts' deltas stream with them
         adapter = read_adapter(adapter, streamed=[layer.module for layer in source.layers])
         deltas = expert_deltas(adapter.path, source)
@@ -90,26 +101,32 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     streams = streams or make_streams(device, copy_streams)
-    heads = prerouted.heads_folder(path, routing, prerouter)
+    heads = prerouted.heads_folder(path, routing, options.prerouter_path)
     heads = prerouted.load_heads(heads, device) if heads else None  # fail before threads
     rows = host_rows(SlotPlan.of(source), host_budget)
-    store = ExpertStore(source, expert_budget, cache_policy, io,
+    skip = tuple(f"{layer.module}." for layer in source.layers)  # the streamed experts
+    expert_budget = options.expert_budget
+    if is_auto(expert_budget):
+        expert_budget = _auto_budget(source, path, config, dtype, device, skip)
+    store = ExpertStore(source, expert_budget, options.cache_policy, options.io,
+                        options.readers,
                         memory=lambda layer, n: DeviceSlotMemory(
                             layer, n, device, streams, HostTier(layer, rows, streams,
                                                                 host_policy)),
-                        learned_policy=pack_asset(path, "cache_policy"))
+                        learned_policy=pack_asset(path, "cache_policy"),
+                        read_timeout_s=options.read_timeout)
     try:  # the store's reader threads end with a failed load
         model = _build(config, dtype)
         _install(model, store, _kernel(device, kernel))
         _load_resident(model, path, config, dtype, device,
-                       skip=tuple(f"{m}." for m in store.layers))
+                       skip=skip)
         if adapter is not None:
             apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
-        if routing == "advisory":
+        if routing.advisory:
             _advise(model, store)
         if heads is not None:
             try:
-                prerouted.install(model, store, heads, confine=routing == "prerouted-set")
+                prerouted.install(model, store, heads, confine=routing.confined)
             except UnsupportedModelError as e:  # a router it cannot route by given logits
                 raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
     except BaseException:
@@ -118,6 +135,37 @@ def load(pack_path=None, expert_budget=1.0, device="cuda", dtype=None,
     model.expert_store = store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
+
+
+def _auto_budget(source, path: Path, config: dict, dtype, device, skip) -> int:
+    """`expert_budget="auto"`: what fits in the device's free memory (the host's available
+    memory on the CPU) beside the resident weights as this backend holds them."""
+    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    resident = _resident_bytes(path, config, dtype, skip)
+    budget = fitting_budget(source, config, memory, resident_bytes=resident)
+    if budget < source.expert_bytes:
+        print(f"[edgemoe] --expert-budget auto: {fmt_bytes(budget)} "
+              f"({budget / source.expert_bytes:.0%} of the routed experts) fits in the "
+              f"{device.type} memory available", file=sys.stderr)
+    return budget
+
+
+def _resident_bytes(path: Path, config: dict, dtype, skip=()) -> int:
+    """The resident weights' size on the device: quantized ones dequantized to `dtype`
+    (as resident_state_dict loads them), read from the safetensors headers."""
+    element, quantization = torch.empty((), dtype=dtype).element_size(), config.get(
+        "quantization", {})
+    total = 0
+    for f in sorted(path.glob("model*.safetensors")):
+        with safe_open(str(f), "pt") as tensors:
+            names = {n for n in tensors.keys() if not n.startswith(skip)}
+            for name in names - {n for n in names if n.endswith((".scales", ".biases"))}:
+                count = math.prod(tensors.get_slice(name).get_shape())
+                module = name.rsplit(".", 1)[0]
+                if name.endswith(".weight") and f"{module}.scales" in names:
+                    count = count * 32 // (quantization.get(module) or quantization)["bits"]
+                total += count * element
+    return total
 
 
 def host_rows(plan: SlotPlan, host_budget) -> int:

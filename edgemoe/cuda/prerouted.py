@@ -50,10 +50,11 @@ from torch import nn
 
 from ..format.families import UnsupportedModelError
 from ..format.source import pack_asset, resolve_asset
+from ..routing.modes import ROUTING_MODES, RoutingMode
 from ..streaming.store import ExpertStore
 from . import families
 
-MODES = ("prerouted", "prerouted-set")
+MODES = tuple(mode.name for mode in ROUTING_MODES if mode.routes)  # these modes' names
 # as edgemoe.routing.prerouter saves them
 WEIGHTS, CONFIG, CORRECTION = "prerouter.safetensors", "prerouter_config.json", "correction"
 NORM_EPS = 1e-5  # mlx.nn.RMSNorm's default, which the heads were trained with
@@ -122,19 +123,19 @@ def multi_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
     return (ids[..., None] == torch.arange(n, device=ids.device)).any(-2).float()
 
 
-def heads_folder(model: Path, routing: str, given) -> Optional[Path]:
+def heads_folder(model: Path, routing: RoutingMode, given) -> Optional[Path]:
     """The prerouter folder a prerouted mode uses: `given`, "pack" or None for the one
     the pack carries (as the MLX loader resolves it)."""
-    if routing not in MODES:
-        if given is not None and routing == "advisory":  # the MLX path's heads-advisory
-            raise ValueError(f"prerouter={given}: the CUDA backend's advisory routing uses "
+    if not routing.needs_heads:
+        if given is not None and routing.advisory:  # the MLX path's heads-advisory
+            raise ValueError(f"prerouter_path={given}: the CUDA backend's advisory routing uses "
                              f"the next layer's router; the heads serve {' or '.join(MODES)}")
         return None
     heads = resolve_asset(given, model, "prerouter", "--prerouter")
     if heads is None:
         heads = pack_asset(model, "prerouter")
     if heads is None:
-        raise ValueError(f"--routing {routing} needs prerouter heads: pass prerouter=DIR; "
+        raise ValueError(f"--routing {routing} needs prerouter heads: pass prerouter_path=DIR; "
                          f"{model} carries none (python -m edgemoe.train_prerouter makes them)")
     return heads
 

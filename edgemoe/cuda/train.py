@@ -214,12 +214,12 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
     if len(keys) < len(params["keys"]):
         keys.append("experts")
     student = build(path, config, experts, params["rank"], params["scale"], keys)
-    if args.routing != "native":
-        if args.routing != "prerouted":
+    if args.routing.predicts:
+        if not args.routing.routes or args.routing.confined:
             raise ValueError(f"--backend torch trains --routing native or prerouted, not "
                              f"{args.routing}")
-        heads = prerouted.load_heads(prerouted.heads_folder(path, "prerouted", args.prerouter),
-                                     "cpu")
+        heads = prerouted.load_heads(prerouted.heads_folder(path, args.routing,
+                                                            args.prerouter_path), "cpu")
         prerouted.install(student, None, heads, moe_layers=[l.index for l in source.layers])
     teacher = _teacher(args.teacher, path, config, experts)
     trainable = [p for p in student.parameters() if p.requires_grad]

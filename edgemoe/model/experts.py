@@ -26,7 +26,7 @@ class StreamingExperts(nn.Module):
 
     It owns its compute pool: mlx-lm's own expert module over the layer's slot arrays
     (`build_pool`). `routing`, when set, is told of each call's routing (advisory and
-    prerouted modes: edgemoe.routing.modes). `share`, when set, makes it one host of
+    prerouted modes: edgemoe.routing.driver). `share`, when set, makes it one host of
     several: it computes the rows routed to this host's experts, and the hosts' outputs
     are summed (edgemoe.distributed).
 
@@ -238,7 +238,7 @@ def streaming_class(model_class: type, expert_paths) -> type:
     `sanitize` drops the checkpoint's own routed-expert tensors (an mlx-lm checkpoint
     read in place has them): they are streamed, never loaded whole. `__call__` makes the
     calling sequence's routing state current while predicted routing runs
-    (edgemoe.routing.modes); `model.routing` is that driver, None in native mode.
+    (edgemoe.routing.driver); `model.routing` is that driver, None in native mode.
     """
     prefixes = tuple(f"{path}." for path in expert_paths)
 

@@ -9,18 +9,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from ..distributed import DEFAULT_TIMEOUT_S, share_for
+from ..distributed import connect, share_for
 from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import routed_experts
 from ..format.pack import PackError
 from ..hub import resolve as resolve_hub_id
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
 from ..routing.gates import moe_blocks
-from ..routing.modes import ROUTING_MODES, PredictedRouting
-from ..routing.predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
-from ..routing.prerouter import load_correction, load_prerouter
+from ..options import StreamOptions
+from ..routing.driver import PredictedRouting
+from ..routing.modes import RoutingMode
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
-from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from ..streaming.telemetry import drop_cached_pages
 from .experts import hand_input, install, streaming_class
@@ -29,29 +28,25 @@ from .lora import load_adapter
 
 def load(
     path_or_hf_repo: Optional[str] = None,
-    expert_budget="auto",
+    options: Optional[StreamOptions] = None,
+    *,
     tokenizer_config: Optional[Dict[str, Any]] = None,
     model_config: Optional[Dict[str, Any]] = None,
-    adapter_path: Optional[str] = None,
     lazy: bool = False,
     return_config: bool = False,
-    routing: str = "native",
-    cache_policy: str = DEFAULT_POLICY,
-    io: str = "buffered",
-    prerouter_path: Optional[str] = None,
-    readers: int = 2,
-    read_timeout: Optional[float] = 30.0,
-    verify: bool = True,
     group=None,
-    partition: Optional[str] = None,
-    group_timeout: float = DEFAULT_TIMEOUT_S,
+    **overrides,
 ):
     """Load a model like `mlx_lm.load`, holding at most `expert_budget` of its experts.
 
-    `path_or_hf_repo` is an edgemoe pack or an mlx-lm quantized checkpoint, read in
-    place (default: the bundled reference model): a folder, or a Hugging Face hub id
-    (`org/name`, `org/name@revision`), downloaded once into the hub cache (edgemoe.hub). `routing` is "native" (the model's own
-    router, loads on demand), "advisory" (a predictor prefetches the next layer's
+    The streaming options are `options` (a StreamOptions) with `overrides` of its fields
+    (`load(path, expert_budget=0.25, routing="prerouted")`), as `edgemoe.cuda.load` takes
+    them; `tokenizer_config`, `model_config`, `lazy`, `return_config` and `adapter_path`
+    are mlx-lm's. `path_or_hf_repo` is an edgemoe pack or an mlx-lm quantized checkpoint,
+    read in place (default: the bundled reference model): a folder, or a Hugging Face hub
+    id (`org/name`, `org/name@revision`), downloaded once into the hub cache (edgemoe.hub).
+    `routing` (a RoutingMode, or its name: edgemoe.routing.modes) is "native" (the model's
+    own router, loads on demand), "advisory" (a predictor prefetches the next layer's
     experts; the router still decides, so outputs are the same), "prerouted" (the
     prerouter heads' prediction is the routing, read a whole token ahead) or
     "prerouted-set" (the predicted experts, weighed by the native router). `io` is
@@ -69,10 +64,10 @@ def load(
     `edgemoe.verify` has indexed its checksums (without an index, stderr says they are not
     checked).
 
-    `group` (an `mx.distributed` group of several hosts, e.g. edgemoe.distributed.connect())
-    makes this process one host of several: it holds, reads and budgets only its share of
-    the routed experts (a percentage budget is of that share), and the hosts' outputs are
-    summed at every MoE layer, bit-identical to one host (edgemoe.distributed). The share
+    `group` (an `mx.distributed` group of several hosts, e.g. edgemoe.distributed.connect(),
+    which `distributed=True` calls) makes this process one host of several: it holds,
+    reads and budgets only its share of the routed experts (a percentage budget is of
+    that share), and the hosts' outputs are summed at every MoE layer, bit-identical to one host (edgemoe.distributed). The share
     is the one a shard pack carries (convert --shard), else balanced by the routing trace
     `partition` (a .npz), else round-robin. A collective waiting over `group_timeout`
     seconds means a host is gone: the process exits with an error naming it.
@@ -82,8 +77,10 @@ def load(
     KV caches. Its store is `model.expert_store` (see ExpertStore: `info()`,
     `snapshot()`, `start_trace()`).
     """
-    if routing not in ROUTING_MODES:
-        raise ValueError(f"--routing {routing!r}: choose one of {', '.join(ROUTING_MODES)}")
+    options = StreamOptions.of(options, **overrides)
+    expert_budget, io, verify = options.expert_budget, options.io, options.verify
+    if group is None and options.distributed:
+        group = connect(options.group_timeout)
     path = model_path(resolve_hub_id(path_or_hf_repo))
     source = opened = open_source(path, verify)
     if verify and source.resident_crc32 is None:  # in place, never indexed
@@ -92,13 +89,15 @@ def load(
               f"indexes them once)", file=sys.stderr)
     elif verify:
         source.verify_resident(uncached=io == "direct")
-    heads = _heads(path, routing, prerouter_path)  # fail before threads and weights
-    adapter = resolve_asset(adapter_path, path, "adapter", "--adapter-path")
+    routing = options.routing
+    heads = _heads(path, routing, options.prerouter_path)  # fail before threads and weights
+    adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
     # an adapter of the routed experts: their deltas stream with them
     deltas = None if adapter is None else expert_deltas(adapter, source)
     share = None
     if group is not None and group.size() > 1:
-        source, share = share_for(source, group, partition, group_timeout)
+        source, share = share_for(source, group, options.partition,
+                                  options.group_timeout)
     elif source.shard is not None and source.shard["hosts"] > 1:
         raise PackError(f"{path}: holds host {source.shard['index']}'s share of "
                         f"{source.shard['hosts']}; run it with its group (--distributed, "
@@ -107,9 +106,9 @@ def load(
         source = with_deltas(source, deltas)
     if is_auto(expert_budget):  # what fits in the memory available, before loading
         expert_budget = _auto_budget(source, path)
-    store = ExpertStore(source, expert_budget, cache_policy, io, readers,
+    store = ExpertStore(source, expert_budget, options.cache_policy, io, options.readers,
                         learned_policy=pack_asset(path, "cache_policy"),
-                        read_timeout_s=read_timeout)
+                        read_timeout_s=options.read_timeout)
     experts = {}
 
     def streaming_classes(config):
@@ -140,11 +139,9 @@ def load(
         for streaming in experts.values():
             object.__setattr__(streaming, "share", share)
         model.host_share = share
-    predictor = _predictor(routing, heads, model)
+    predictor = routing.predictor(heads, moe_blocks(model)) if routing.predicts else None
     if predictor is not None:
-        # an advisory prediction prefetches only where it proves right; a prerouted one
-        # is the routing itself
-        store.gate_prefetches(routing == "advisory")
+        store.gate_prefetches(routing.gates_prefetches)
         model.routing = PredictedRouting(predictor, store.prefetch)
         for layer, block in moe_blocks(model).items():
             object.__setattr__(experts[layer], "routing", model.routing)
@@ -186,9 +183,9 @@ def _auto_budget(source, path: Path) -> int:
     return budget
 
 
-def _heads(path: Path, routing: str, given) -> Optional[Path]:
+def _heads(path: Path, routing: RoutingMode, given) -> Optional[Path]:
     heads = resolve_asset(given, path, "prerouter", "--prerouter")
-    if heads is None and routing.startswith("prerouted"):
+    if heads is None and routing.needs_heads:
         heads = pack_asset(path, "prerouter")
         if heads is None:
             raise ValueError(f"--routing {routing} needs prerouter heads: pass --prerouter "
@@ -198,15 +195,3 @@ def _heads(path: Path, routing: str, given) -> Optional[Path]:
               file=sys.stderr)
     return heads
 
-
-def _predictor(routing: str, heads: Optional[Path], model):
-    if routing == "native":
-        return None
-    blocks = moe_blocks(model)
-    if routing.startswith("prerouted"):
-        return PreroutedPredictor(load_prerouter(heads), blocks,
-                                  confine=routing == "prerouted-set",
-                                  correction=load_correction(heads))
-    if heads is not None:
-        return HeadsPredictor(load_prerouter(heads), blocks)
-    return NextRouterPredictor(blocks)

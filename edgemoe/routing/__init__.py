@@ -4,7 +4,8 @@
     prerouter   the heads that predict the next layer's routing a token ahead
     predictors  next-router baseline, heads (advisory), prerouted
     state       routing state of a sequence, kept beside its KV cache
-    modes       the routing modes and the driver the model calls at each MoE layer
+    modes       the routing modes: what each needs and allows, its predictor
+    driver      runs a mode's predictor: the model calls it at each MoE layer
 
 The model side decides; the store is only told "prefetch these experts for layer l".
 """

@@ -1,91 +1,110 @@
-"""The routing modes, as the model side drives them.
+"""The routing modes: who decides which experts a token uses, and what that asks for.
 
-    native         the model's own router; experts load on demand (no driver)
+    native         the model's own router; experts load on demand
     advisory       a predictor prefetches later layers' experts; the router decides
     prerouted      the prerouter heads' prediction is the routing, read a token ahead
     prerouted-set  the predicted experts, weighed by the native router
 
-`PredictedRouting` is the driver of the non-native modes. The model's forward call
-opens `sequence(inputs, cache)`, which makes the calling sequence's RoutingState current;
-each streaming expert module calls `predict(layer, x, ids)` before its layer's routing
-is evaluated, so the predictor's graph is evaluated in the same host sync, and hands the
-evaluated predictions to `prefetch_all` once its own experts are in slots; that calls
-`prefetch(layer, experts, lead)`, the only thing the expert store is told of routing.
+A mode is a `RoutingMode`: the tools ask it what it needs and allows, not its name
+(`routing_mode("prerouted").exact` is False), and it builds the predictor that the
+driver (edgemoe.routing.driver) runs. The names are the --routing values. This module
+imports neither MLX nor PyTorch: the CUDA backend reads the same modes.
 """
 
-import contextlib
-import math
-from typing import Callable, Dict, Optional, Tuple
-
-import mlx.core as mx
-import numpy as np
-
-from .state import RoutingState, sequence_state
-
-ROUTING_MODES = ("native", "advisory", "prerouted", "prerouted-set")
-
-# (layer index, expert ids, lead, advisory: edgemoe.streaming.store.ExpertStore.prefetch)
-Prefetch = Callable[[int, np.ndarray, int, Optional[bool]], None]
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
 
 
-class PredictedRouting:
-    """Runs a predictor at each MoE layer on the current sequence's state."""
+@dataclass(frozen=True)
+class RoutingMode:
+    """One routing mode, by what it does."""
 
-    def __init__(self, predictor, prefetch: Prefetch):
-        self.predictor, self.prefetch = predictor, prefetch
-        self.state: Optional[RoutingState] = None
-        self.rows, self.length = 1, None  # of the current forward call
+    name: str
+    predicts: bool  # a predictor runs beside the model (every mode but native)
+    routes: bool  # the heads' prediction is the routing: not the native router's own
+    confined: bool = False  # the native router, confined to the predicted experts
 
-    @contextlib.contextmanager
-    def sequence(self, inputs: Optional[mx.array], cache):
-        """One forward call of the sequence(s) that own `cache` ((rows, L) `inputs`)."""
-        outer = self.state, self.rows, self.length
-        self.state = sequence_state(cache)
-        self.state.calls += 1
-        self.rows = inputs.shape[0] if inputs is not None and inputs.ndim > 1 else 1
-        self.length = None if inputs is None else inputs.shape[1 if inputs.ndim > 1 else 0]
-        try:
-            yield self.state
-        finally:
-            self.state, self.rows, self.length = outer
-            for gate in getattr(self.predictor, "gates", ()):
-                gate.set_prediction(None)  # a prediction never outlives its forward call
+    def __str__(self) -> str:
+        return self.name
 
-    def predict(self, layer: int, x: mx.array,
-                ids: mx.array) -> Dict[Tuple[int, int], mx.array]:
-        """Layer `layer` routes its input `x` to `ids`: the predictions it makes, lazy (the
-        caller evaluates them with `ids`, in one sync)."""
-        state = self.state if self.state is not None else RoutingState()
-        if x.ndim == 2:  # a block that flattens its tokens (OLMoE)
-            x = x.reshape(self.rows, -1, x.shape[-1])
-        x = x.reshape(-1, x.shape[-2], x.shape[-1])
-        ids = ids.reshape(x.shape[0], x.shape[1], ids.shape[-1])
-        predictions = self.predictor.predict(state, layer, x, ids)
-        state.rows = x.shape[0]
-        return predictions
+    @property
+    def exact(self) -> bool:
+        """Outputs bit-identical to native routing (the model's router decides)."""
+        return not self.routes
 
-    def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
-        """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
-        leads, targets = self.predictor.advisory_leads, self.predictor.advisory_targets
-        fixes = getattr(self.predictor, "fixes_next_call", None)
-        for (target, lead), experts in predictions.items():  # advisory: read only while
-            advisory = lead in leads or target in targets  # they earn it
-            self.prefetch(target, experts, lead, True if advisory else None)
-            if fixes is not None and self.state is not None and fixes(target):
-                self.state.known[target, self.state.calls + 1] = experts
+    @property
+    def needs_heads(self) -> bool:
+        """Prerouter heads are required (advisory uses them when given, native never)."""
+        return self.routes
 
-    def known_routing(self, layer: int, shape) -> Optional[np.ndarray]:
-        """This call's expert ids of `layer` (shaped as its router's `shape`), when a
-        prediction made in the sequence's last call fixed them and the host has them: a
-        decode step of predicted routing; else None (the router's ids must be evaluated)."""
-        state = self.state
-        if state is None:
+    @property
+    def uses_heads(self) -> bool:
+        """Prerouter heads, when given, drive the predictor."""
+        return self.predicts
+
+    @property
+    def advisory(self) -> bool:
+        """The prediction is advice: it prefetches, the router decides."""
+        return self.predicts and not self.routes
+
+    @property
+    def gates_prefetches(self) -> bool:
+        """Predictions prefetch only where they prove right: advice, where the prerouted
+        modes' prediction is the routing itself, always read ahead."""
+        return self.advisory
+
+    @property
+    def allows_drafts(self) -> bool:
+        """Speculative decoding: rejected drafts would leave a predicted routing of tokens
+        that are gone, so only an exact mode takes a draft."""
+        return self.exact
+
+    @property
+    def allows_prompt_cache(self) -> bool:
+        """A cached prefix would need the routing its heads predicted kept with it, so only
+        an exact mode reuses one."""
+        return self.exact
+
+    def predictor(self, heads: Optional[Path], blocks):
+        """The MLX predictor of this mode over the model's MoE `blocks`
+        (edgemoe.routing.gates.moe_blocks) with the heads folder `heads`; None in native."""
+        if not self.predicts:
             return None
-        ids = state.known.pop((layer, state.calls), None)
-        if ids is None:
-            return None
-        for key in [k for k in state.known if k[1] < state.calls]:  # unused (a prefill's)
-            del state.known[key]
-        if self.length != 1 or ids.size != math.prod(shape):
-            return None
-        return ids.reshape(shape)
+        from .predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
+        from .prerouter import load_correction, load_prerouter
+
+        if self.routes:
+            return PreroutedPredictor(load_prerouter(heads), blocks, confine=self.confined,
+                                      correction=load_correction(heads))
+        if heads is not None:
+            return HeadsPredictor(load_prerouter(heads), blocks)
+        return NextRouterPredictor(blocks)
+
+
+NATIVE = RoutingMode("native", predicts=False, routes=False)
+ADVISORY = RoutingMode("advisory", predicts=True, routes=False)
+PREROUTED = RoutingMode("prerouted", predicts=True, routes=True)
+PREROUTED_SET = RoutingMode("prerouted-set", predicts=True, routes=True, confined=True)
+ROUTING_MODES = (NATIVE, ADVISORY, PREROUTED, PREROUTED_SET)
+MODE_NAMES = tuple(mode.name for mode in ROUTING_MODES)
+
+
+def routing_mode(mode: Union[str, RoutingMode]) -> RoutingMode:
+    """The mode named `mode` (a mode is itself); an unknown name is a ValueError."""
+    if isinstance(mode, RoutingMode):
+        return mode
+    for known in ROUTING_MODES:
+        if known.name == mode:
+            return known
+    raise ValueError(f"--routing {mode!r}: choose one of {', '.join(MODE_NAMES)}")
+
+
+def parse_routing(text: str) -> RoutingMode:
+    """--routing's argparse type: an unknown name is a usage error."""
+    try:
+        return routing_mode(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(MODE_NAMES)})") from None

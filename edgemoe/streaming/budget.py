@@ -88,16 +88,19 @@ def auto_budget_bytes(total_bytes: int, minimum: int, resident_bytes: int, kv_by
     return min(room, total_bytes)
 
 
-def fitting_budget(pack, config: dict, memory_bytes: Optional[int] = None) -> int:
+def fitting_budget(pack, config: dict, memory_bytes: Optional[int] = None,
+                   resident_bytes: Optional[int] = None) -> int:
     """`--expert-budget auto` for a Pack: the bytes that fit in `memory_bytes` (default:
-    what is available now, edgemoe.streaming.telemetry)."""
+    what is available now, edgemoe.streaming.telemetry) beside `resident_bytes` (default:
+    the pack's resident weights as stored; the CUDA backend holds them dequantized)."""
     from ..format.families import kv_bytes_per_token
     from .telemetry import available_memory_bytes
 
     plan = SlotPlan.of(pack)
     memory = available_memory_bytes() if memory_bytes is None else memory_bytes
+    resident = pack.resident_bytes if resident_bytes is None else resident_bytes
     tokens = min(AUTO_KV_TOKENS, int(config.get("max_position_embeddings") or AUTO_KV_TOKENS))
-    return auto_budget_bytes(plan.total_bytes, plan.minimum_bytes, pack.resident_bytes,
+    return auto_budget_bytes(plan.total_bytes, plan.minimum_bytes, resident,
                              tokens * kv_bytes_per_token(config), memory)
 
 

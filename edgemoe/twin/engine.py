@@ -32,6 +32,7 @@ import numpy as np
 
 from ..cache_sim import trace_calls
 from ..format.pack import Pack, PackError, PackLayer, aligned
+from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
 from ..streaming.reader import BLOCK, Reader
@@ -214,7 +215,7 @@ def without_checksums(pack: Pack) -> Pack:
 @dataclass
 class TwinConfig:
     budget: str = "25%"
-    mode: str = "native"  # native | advisory | prerouted
+    mode: str = "native"  # native | advisory | prerouted (edgemoe.routing.modes' names)
     policy: str = "lfu"
     io: str = "direct"
     readers: int = 2
@@ -318,15 +319,16 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
     if cfg.mac_reads:
         store.reader.stretch = stretch
-    recorded = _prefetch_table(trace) if cfg.mode != "native" else {}
-    synthetic = cfg.mode != "native" and not recorded
+    mode = routing_mode(cfg.mode)
+    recorded = _prefetch_table(trace) if mode.predicts else {}
+    synthetic = mode.predicts and not recorded
     if synthetic:
-        notes.append(f"{cfg.mode}: predictions synthesized from the trace ("
+        notes.append(f"{mode}: predictions synthesized from the trace ("
                      + ("the next token's routing, exact: the prediction is the routing"
-                        if cfg.mode == "prerouted" else
+                        if mode.routes else
                         f"the next layer's experts of the same token at recall {cfg.recall}")
                      + ")")
-    store.gate_prefetches(cfg.mode == "advisory")
+    store.gate_prefetches(mode.gates_prefetches)
     rng = np.random.default_rng(cfg.seed)
     num_experts = pools[0].layer.num_experts
     decode_calls = [i for i, c in enumerate(calls) if decode[c.start]]
@@ -379,7 +381,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         tic = time.perf_counter()
         tokens = call.stop - call.start
         issue(c, -1)
-        known = (cfg.mode == "prerouted" and is_decode and c > 0
+        known = (mode.routes and is_decode and c > 0
                  and bool(decode[calls[c - 1].start]))
         for p, pool in enumerate(pools):
             waiter.wait(compute.resident_layer_s(tokens))
@@ -396,13 +398,13 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                 stats.host_syncs += 1
 
             def on_routed(c=c, p=p):
-                if cfg.mode != "prerouted" or not is_decode:
+                if not mode.routes or not is_decode:
                     issue(c, p)
-                if synthetic and cfg.mode == "advisory":
+                if synthetic and mode.advisory:
                     advise(c, p)
 
             run_call(pool, ids, compute_pass, on_routed)
-            if cfg.mode == "prerouted" and is_decode:
+            if mode.routes and is_decode:
                 issue(c, p)
                 if synthetic:
                     preroute(c, p)
