@@ -12,6 +12,8 @@ import functools
 import os
 import sys
 
+from .options import EXPERIMENTAL_TITLE, experimental_group
+
 EXPECTED = (ValueError, OSError)
 
 
@@ -74,23 +76,6 @@ ESSENTIAL = {
 EXPERIMENTAL = {
     "train_prerouter": ["--first-layer", "--history", "--inputs", "--depth"],
 }
-EXPERIMENTAL_TITLE = "experimental"
-
-
-def experimental_group(parser: argparse.ArgumentParser, description: str = None):
-    """The parser's "experimental" argument group (made once); `description` is added to
-    what it says."""
-    for group in parser._action_groups:
-        if group.title == EXPERIMENTAL_TITLE:
-            if description:
-                group.description = " ".join(filter(None, [group.description, description]))
-            return group
-    return parser.add_argument_group(
-        EXPERIMENTAL_TITLE, "Research variants, kept but measured not to pay on the bundled "
-                            "model (docs/benchmarks.md)." + (" " + description if description
-                                                            else ""))
-
-
 def arrange(parser: argparse.ArgumentParser, tool_name: str) -> argparse.ArgumentParser:
     """Order `parser`'s --help for a newcomer: the tool's ESSENTIAL flags first, in their
     own group and at the head of the usage line, its EXPERIMENTAL ones in the last group.

@@ -180,7 +180,22 @@ class StreamOptions:
                 group.add_argument(*names, **kwargs)
         notes = [note for name, note in EXPERIMENTAL_VALUES.items() if name in wanted]
         if notes:
-            from .cli import experimental_group
-
             experimental_group(parser, " ".join(notes))
         return parser
+
+
+EXPERIMENTAL_TITLE = "experimental"
+
+
+def experimental_group(parser: argparse.ArgumentParser, description: str = None):
+    """The parser's "experimental" argument group (made once); `description` is added to
+    what it says."""
+    for group in parser._action_groups:
+        if group.title == EXPERIMENTAL_TITLE:
+            if description:
+                group.description = " ".join(filter(None, [group.description, description]))
+            return group
+    return parser.add_argument_group(
+        EXPERIMENTAL_TITLE, "Research variants, kept but measured not to pay on the bundled "
+                            "model (docs/benchmarks.md)." + (" " + description if description
+                                                            else ""))
