@@ -146,7 +146,7 @@ def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
 
 
 def test_routing_errors_are_one_line(tmp_path):
-    cases = [(dict(routing="psychic"), ValueError, "routes native, advisory, prerouted"),
+    cases = [(dict(routing="psychic"), ValueError, "choose one of native, advisory, prerouted"),
              (dict(routing="prerouted", prerouter_path=tmp_path / "none"), FileNotFoundError,
               f"{tmp_path / 'none' / CONFIG}: no such file"),
              (dict(routing="advisory", prerouter_path=HEADS), ValueError, "advisory routing uses")]

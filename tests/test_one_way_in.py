@@ -85,3 +85,21 @@ def test_no_module_outside_routing_compares_a_routing_mode_to_a_string():
             if found:
                 offenders.append(f"{path.relative_to(package)}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_cuda_auto_budget_counts_the_resident_weights_as_the_device_holds_them():
+    torch = pytest.importorskip("torch", reason="the CUDA backend needs PyTorch")
+    pytest.importorskip("transformers", reason="the CUDA backend needs transformers")
+    import json
+
+    from edgemoe.cuda.model import _resident_bytes, load as cuda_load
+    from edgemoe.format.source import model_path, open_source
+
+    model, _ = cuda_load(None, device="cpu", tokenizer=False)  # expert_budget="auto"
+    path = model_path(None)
+    skip = tuple(f"{layer.module}." for layer in open_source(path).layers)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = json.loads((path / "config.json").read_text())
+    assert _resident_bytes(path, config, torch.float32, skip) == held  # dequantized
+    assert model.expert_store.budget_bytes > 0
+    model.expert_store.close()
