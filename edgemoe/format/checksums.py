@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .pack import Pack, PackError, read_json, resident_checksums
+from .pack import Pack, PackError, read_json, resident_checksums, resident_tensor_names
 
 INDEX_FILE = "edgemoe.checksums.json"
 FORMAT = "edgemoe.checksums"
@@ -73,8 +73,6 @@ def expert_crc32s(pack: Pack, progress: Callable[[int], None] = lambda n: None):
 def build_index(pack: Pack, progress: Callable[[int], None] = lambda n: None) -> dict:
     """Compute and write the index of an mlx-lm checkpoint read in place (atomically);
     return it."""
-    from .inplace import resident_tensor_names
-
     resident, experts = {}, [layer.module for layer in pack.layers]
     for f in pack.files:
         resident.update(resident_checksums(f, names=resident_tensor_names(f, experts)))

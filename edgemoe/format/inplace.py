@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .checksums import load_index, with_index
 from .families import check_supported, layer_index, routed_experts, skeleton
-from .pack import (Pack, PackError, PackLayer, Record, TensorLayout, read_json,
+from .pack import (Pack, PackError, PackLayer, Record, TensorLayout, expert_of, read_json,
                    read_safetensors_header)
 
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -24,19 +24,6 @@ def safetensors_header(path: Path):
     """(tensor name -> header entry, offset of the data section) of one file, checked
     (pack.read_safetensors_header: a damaged header is one line)."""
     return read_safetensors_header(Path(path))
-
-
-def resident_tensor_names(path: Path, expert_paths) -> set:
-    """The tensors of a shard that are not routed experts."""
-    return {name for name in safetensors_header(path)[0] if _expert_of(name, expert_paths) is None}
-
-
-def _expert_of(name: str, expert_paths):
-    """(expert module path, tensor name within it) of a routed-expert tensor, else None."""
-    for module in expert_paths:
-        if name.startswith(module + "."):
-            return module, name[len(module) + 1:]
-    return None
 
 
 def open_mlx_lm(path, verify: bool = True) -> Pack:
@@ -51,7 +38,7 @@ def open_mlx_lm(path, verify: bool = True) -> Pack:
     for i, f in enumerate(files):
         header, data_start = safetensors_header(f)
         for name, entry in header.items():
-            found = _expert_of(name, experts)
+            found = expert_of(name, experts)
             if found is not None:
                 tensors[found[0]][found[1]] = (i, data_start, entry)
     missing = [m for m in experts if m not in tensors]

@@ -505,6 +505,20 @@ def resident_checksums(path: Path, chunk: int = 16 * 2**20, names: Optional[set]
     return crcs
 
 
+def resident_tensor_names(path: Path, expert_paths) -> set:
+    """The tensors of a shard that are not routed experts."""
+    return {name for name in read_safetensors_header(Path(path))[0]
+            if expert_of(name, expert_paths) is None}
+
+
+def expert_of(name: str, expert_paths):
+    """(expert module path, tensor name within it) of a routed-expert tensor, else None."""
+    for module in expert_paths:
+        if name.startswith(module + "."):
+            return module, name[len(module) + 1:]
+    return None
+
+
 def safetensors_header(path: Path) -> Tuple[Dict[str, Tuple[int, int]], int]:
     """({tensor: (begin, end) of its bytes}, where the data starts) of a safetensors file,
     checked as `read_safetensors_header` checks it."""
