@@ -7,7 +7,8 @@ share one expert store.
     mlx.launch --backend ring --hosts IP1,IP2 -- python -m edgemoe.server --distributed --model M
         (several hosts as one: host 0 serves HTTP, each host streams its share of the experts)
 
-The HTTP layer is edgemoe.serving.http (with .openai, .anthropic and .ollama); the engine
+The HTTP layer is edgemoe.serving.app (the APIs .openai, .responses, .anthropic and .ollama
+over what .http shares); the engine
 thread that owns the model and decodes every request in flight together is
 edgemoe.serving.engine.
 """
@@ -24,8 +25,8 @@ from .options import StreamOptions, number
 from .serving.engine import Engine
 from .serving.guard import guarded_protocol, stop_within
 from .serving.templates import POLICY, RENDER_TIMEOUT_S
-from .serving.http import (DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server,
-                           make_app)
+from .serving.app import make_app
+from .serving.http import DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server
 
 log = logging.getLogger("edgemoe.server")
 SEND_BUFFER_BYTES = 256 * 1024

@@ -18,6 +18,7 @@ from edgemoe.cache_sim import simulate
 from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
 from edgemoe.model.experts import StreamingExperts
+from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
 from edgemoe.streaming.slots import IN_USE
 
@@ -100,7 +101,7 @@ def test_slots_never_released_are_an_error_not_a_hang(packs):
     from edgemoe.streaming.store import ExpertStore
 
     pack = open_source(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, minimum_bytes(pack))  # top-k = 2 slots a layer
+    store = ExpertStore(pack, minimum_bytes(pack), memory=MLXSlotMemory)  # top-k = 2 slots a layer
     pool = store.pool(pack.layers[0].index)
     pool.ensure(np.array([0, 1]))  # in use, and never released (a caller's bug)
     with deadline(1.0), pytest.raises(RuntimeError, match="never released"):
@@ -178,25 +179,71 @@ def test_prefetch_replay_matches_the_store_in_advisory_mode(packs, policy):
     assert plain.prefetches == 0 and plain.loads == plain.on_demand
 
 
-def test_the_layers_import_downwards_only():
-    """format imports nothing above it; streaming only format (and, to make its default
-    slot memory, model.slots, which imports no store); routing only format; and no
-    module of the package imports one that imports it back."""
+# the layers, lowest first; a module imports its own package and lower layers only (every
+# other module, the entry points, serving and twin included, is a tool: the top layer)
+LAYERS = ({"format", "kernels"}, {"streaming", "routing"}, {"hub", "distributed"},
+          {"model", "cuda"})
+APART = {("streaming", "routing"), ("routing", "streaming")}  # same layer, no imports
+
+
+def package_imports():
+    """{module: the package's modules it imports}: every import, absolute or relative, at
+    module level or inside a function (edgemoe.kernels is the repository's kernels/)."""
     import ast
     from pathlib import Path
 
     root = Path(edgemoe.__file__).parent
-    allowed = {"format": {"format"}, "streaming": {"format", "streaming", "model.slots"},
-               "routing": {"format", "routing"}}
-    for package, may in allowed.items():
-        for source in (root / package).glob("*.py"):
-            for node in ast.walk(ast.parse(source.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
-                    assert (node.module.split(".")[0] in may or node.module in may), \
-                        (source, node.module)
-    model_slots = ast.parse((root / "model" / "slots.py").read_text())
-    assert not any(isinstance(n, ast.ImportFrom) and n.module and "store" in n.module
-                   for n in ast.walk(model_slots))
+    files = {".".join(("edgemoe",) + f.relative_to(root).with_suffix("").parts): f
+             for f in root.rglob("*.py") if "models" not in f.relative_to(root).parts}
+    files.update({f"edgemoe.kernels.{f.stem}": f for f in (root.parent / "kernels").glob("*.py")})
+    modules = {name.removesuffix(".__init__"): f for name, f in files.items()}
+
+    def module_of(name):  # an imported name to the module that holds it
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {module_of(a.name) for a in node.names
+                            if a.name.split(".")[0] == "edgemoe"}
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package.split(".")[:len(package.split(".")) + 1 - node.level]
+                                 + [node.module or ""]).strip(".") if node.level
+                        else node.module)
+                if base.split(".")[0] == "edgemoe":
+                    targets |= {module_of(f"{base}.{a.name}") for a in node.names}
+        graph[name] = targets - {name}
+    return graph
+
+
+def layer_of(module: str):
+    """(the layer's index, the module's package below edgemoe)."""
+    package = module.split(".")[1] if "." in module else ""
+    return next((i for i, names in enumerate(LAYERS) if package in names),
+                len(LAYERS)), package
+
+
+def test_the_layers_import_downwards_only():
+    """format -> streaming / routing -> hub / distributed -> model / cuda -> tools: no
+    import goes up a layer (nor between streaming and routing), and no module imports
+    one that imports it back, through any chain."""
+    import graphlib
+
+    graph = package_imports()
+    assert len(graph) > 60 and "edgemoe.serving.openai" in graph["edgemoe.serving.app"]
+    upward = [(a, b) for a, targets in graph.items() for b in targets
+              if layer_of(b)[0] > layer_of(a)[0]
+              or (layer_of(a)[1], layer_of(b)[1]) in APART]
+    assert upward == []
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail(f"an import cycle: {' -> '.join(e.args[1])}")
 
 
 def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkeypatch):

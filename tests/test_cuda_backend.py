@@ -32,6 +32,7 @@ from edgemoe.cuda.host import HostTier  # noqa: E402
 from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
 from edgemoe.cuda.streams import HostStreams  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
+from edgemoe.model.slots import MLXSlotMemory  # noqa: E402
 from edgemoe.streaming.slots import FILLING, FREE, READY  # noqa: E402
 from edgemoe.streaming.store import ExpertStore  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
@@ -235,8 +236,8 @@ def test_same_evictions_as_the_mlx_backend(small, policy):
     rng = np.random.default_rng(3)
     calls = [rng.choice(16, size=2, replace=False) for _ in range(40)]
     results = []
-    for store in (ExpertStore(pack, budget * 3 // 2, policy), device_store(pack, budget * 3 // 2,
-                                                                           policy=policy)):
+    for store in (ExpertStore(pack, budget * 3 // 2, policy, memory=MLXSlotMemory),
+                  device_store(pack, budget * 3 // 2, policy=policy)):
         slots = store.layers[pack.layers[2].module]
         tables = []
         for experts in calls:

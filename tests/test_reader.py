@@ -13,6 +13,7 @@ from mlx_lm import load as mlx_lm_load
 import edgemoe
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import minimum_bytes
+from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.store import ExpertStore
 
 
@@ -264,7 +265,7 @@ def test_read_time_counts_the_reads_alone(packs, monkeypatch):
     from edgemoe.streaming import reader as reader_module
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 1.0, readers=1)
+    store = ExpertStore(pack, 1.0, readers=1, memory=MLXSlotMemory)
     clock, counts = FakeClock(), {"read": 0, "crc": 0}
     store.reader.clock = clock
     preadv, crc32 = os.preadv, zlib.crc32
@@ -293,7 +294,7 @@ def test_read_time_counts_the_reads_alone(packs, monkeypatch):
 
 def test_an_open_read_interval_is_split_at_a_snapshot(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 1.0, readers=1)
+    store = ExpertStore(pack, 1.0, readers=1, memory=MLXSlotMemory)
     reader, clock = store.reader, FakeClock()
     reader.clock = clock
     with reader.lock:  # a read in flight since t = 1

@@ -615,7 +615,7 @@ def serving_in_process(*argv):
     import uvicorn
 
     from edgemoe.server import build, setup_arg_parser
-    from edgemoe.serving.http import make_app
+    from edgemoe.serving.app import make_app
 
     engine, server = build(setup_arg_parser().parse_args(list(argv)))
     port = free_port()

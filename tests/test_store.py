@@ -13,6 +13,7 @@ from edgemoe.format.families import UnsupportedModelError
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import BudgetError, parse_budget
 from edgemoe.streaming.calls import passes, run_call
+from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_parse_budget():
 
 def test_slots_are_filled_in_place_with_the_records_bytes(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 0.25)
+    store = ExpertStore(pack, 0.25, memory=MLXSlotMemory)
     layer = pack.layers[1]
     slots = store.layers[layer.module]
     table = slots.ensure(np.array([5, 11]))
@@ -50,7 +51,8 @@ def test_slots_are_filled_in_place_with_the_records_bytes(packs):
 
 def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lru")  # 4 slots a layer
+    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lru",  # 4 slots a layer
+                        memory=MLXSlotMemory)
     slots = store.layers[pack.layers[0].module]
     assert slots.num_slots == 4
     for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1, least recently used
@@ -69,12 +71,12 @@ def test_budget_too_small_names_the_minimum(packs):
     minimum = minimum_bytes(pack)
     with pytest.raises(BudgetError, match=f"minimum is .*{minimum} bytes"):
         edgemoe.load(pack.path, expert_budget=minimum - 1)
-    ExpertStore(pack, minimum)
+    ExpertStore(pack, minimum, memory=MLXSlotMemory)
 
 
 def test_budget_counts_slot_memory(packs):
     pack = Pack.open(packs["qwen3_moe_large"]["hf"])
-    store = ExpertStore(pack, 0.25)
+    store = ExpertStore(pack, 0.25, memory=MLXSlotMemory)
     assert store.info().slot_bytes <= 0.25 * pack.expert_bytes
     assert store.slots_per_layer == 8  # 32 experts
 
@@ -88,7 +90,7 @@ def pack_copy(packs, tmp_path):
 
 def test_corrupt_record_names_layer_and_expert(pack_copy):
     layer = corrupt_record(pack_copy, layer=2, expert=3)
-    store = ExpertStore(Pack.open(pack_copy), 1.0)
+    store = ExpertStore(Pack.open(pack_copy), 1.0, memory=MLXSlotMemory)
     with pytest.raises(PackError, match=r"experts.bin: layer 2 expert 3: checksum mismatch "
                                         r"\(expected [0-9a-f]{8}, found [0-9a-f]{8}\)"):
         store.layers[layer.module].ensure(np.array([3]))
@@ -152,7 +154,7 @@ class GatedReader:
 def test_counters_by_value_at_the_minimum_budget(packs):
     """Known requests at 2 slots a layer under LRU: every counter, and the hit rate."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, minimum_bytes(pack), "lru")
+    store = ExpertStore(pack, minimum_bytes(pack), "lru", memory=MLXSlotMemory)
     layer = pack.layers[1]
     pool, size = store.pool(layer.index), layer.expert_bytes
     pool.ensure(np.array([0, 1]))  # 2 on demand
@@ -183,7 +185,8 @@ def test_counters_by_value_at_the_minimum_budget(packs):
 def test_a_batchs_prediction_reads_each_expert_once(packs):
     """A prediction for several rows names some experts twice: each is read once."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+                        memory=MLXSlotMemory)
     layer = pack.layers[1]
     store.prefetch(layer.index, np.array([[3, 1], [1, 3], [2, 3]], dtype=np.uint32), 1,
                    advisory=False)
@@ -198,7 +201,8 @@ def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
     """A call with more experts than slots runs in passes of half the pool; the next pass
     is read into the other half while one computes, and counted as loaded on demand."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+                        memory=MLXSlotMemory)
     pool = store.pool(pack.layers[1].index)
     assert [g.tolist() for g in passes(np.arange(6), pool.num_slots)] == [[0, 1], [2, 3], [4, 5]]
     slot_of = pool.ensure(np.array([0, 1]))
@@ -220,7 +224,8 @@ def test_a_call_over_the_pool_computes_what_is_in_slots_first(packs):
     already in slots make the first pass, so no earlier pass evicts them to read them
     again (in id order, the passes before them would)."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru")  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+                        memory=MLXSlotMemory)
     pool = store.pool(pack.layers[1].index)
     pool.ensure(np.array([4, 5]))
     pool.release()

@@ -24,6 +24,7 @@ from ..streaming.store import ExpertStore
 from ..streaming.telemetry import drop_cached_pages
 from .experts import hand_input, install, streaming_class
 from .lora import load_adapter
+from .slots import MLXSlotMemory
 
 
 def load(
@@ -108,7 +109,7 @@ def load(
         expert_budget = _auto_budget(source, path)
     store = ExpertStore(source, expert_budget, options.cache_policy, io, options.readers,
                         learned_policy=pack_asset(path, "cache_policy"),
-                        read_timeout_s=options.read_timeout)
+                        read_timeout_s=options.read_timeout, memory=MLXSlotMemory)
     experts = {}
 
     def streaming_classes(config):

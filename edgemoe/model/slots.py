@@ -1,6 +1,7 @@
 """The MLX backend's slot memory: a layer's slots as MLX arrays in unified memory.
 
-It imports nothing of the store, so the store can make it by default without a cycle.
+The loader hands it to the store (`ExpertStore(..., memory=MLXSlotMemory)`), as the CUDA
+loader hands its DeviceSlotMemory.
 """
 
 from typing import Dict

@@ -14,10 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .chat import BadRequest, Reply, arguments_object, render, text_of
+from .chat import Reply, arguments_object, no_tool_format, render, text_of
+from .constrain import forced_call
+from .errors import BadRequest
 from .http import NUMBER, Server, field, public, refuse_unknown, stop_strings
 from .http import sse as _sse
-from .openai import forced_call, no_tool_format
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
           "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",

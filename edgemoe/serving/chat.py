@@ -17,13 +17,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
+from .errors import BadRequest
+from .templates import bounded_render, check_client_args
+
 log = logging.getLogger("edgemoe.server")
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
 
 
 def text_of(content: Any, where: str) -> str:
@@ -89,6 +86,13 @@ def check_tools(tools: Any, param: str = "tools") -> Optional[list]:
     return tools or None
 
 
+def no_tool_format(tokenizer) -> str:
+    return ("this model's chat template has no tool-call format mlx-lm can read (no "
+            "tool parser), so calls it wrote on its own could not be returned: force one "
+            "(tool_choice \"required\" or a named function), send tool_choice \"none\", or "
+            "start the server with a --chat-template that has tools")
+
+
 def render(tokenizer, messages: List[dict], tools: Optional[list] = None,
            template_args: Optional[dict] = None, role_mapping=None) -> List[int]:
     """The prompt's tokens: the chat template's rendering of `messages` with `tools`."""
@@ -98,8 +102,6 @@ def render(tokenizer, messages: List[dict], tools: Optional[list] = None,
                              "tools")
         from mlx_lm.server import convert_chat
         return tokenizer.encode(convert_chat(messages, role_mapping))
-    from .templates import bounded_render, check_client_args
-
     check_client_args(template_args or {})
     try:  # bounded in time and size (edgemoe.serving.templates)
         text = bounded_render(lambda: tokenizer.apply_chat_template(

@@ -14,6 +14,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .errors import BadRequest
+
 # JSON as a model writes it: no whitespace but one space after ',' and ':', so that a
 # small or unsure model cannot spend its tokens on newlines
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -100,6 +102,22 @@ def tool_call_grammar(start: str, end: str, tools: list, name: Optional[str]) ->
 _SCHEMAS = ("items", "not", "additionalProperties", "contains", "if", "then", "else")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def forced_call(server, tools: list, name: Optional[str]):
+    """The grammar of one call of tool `name` (or of any of `tools`): between the tool
+    parser's markers where the model writes JSON calls (mlx-lm's json_tools), else the
+    call's JSON alone; either way the reply is read as that call (Reply(forced=True)),
+    with or without a parser. `server`: the http.Server (its tokenizer and grammar tokens)."""
+    tok = server.tokenizer
+    json_calls = tok.tool_parser is not None and \
+        tok.tool_parser.__module__.endswith(".json_tools")
+    start, end = (tok.tool_call_start, tok.tool_call_end) if json_calls else ("", "")
+    try:
+        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(start, end, tools,
+                                                                       name))
+    except GrammarError as e:
+        raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
 
 
 def generation_schema(schema):

@@ -1,24 +1,14 @@
-"""The HTTP side of the server: three APIs over one engine.
-
-- OpenAI's (and mlx_lm.server's): `POST /v1/chat/completions`, `POST /v1/completions`,
-  `GET /v1/models`, `GET /v1/models/{id}` (edgemoe.serving.openai), and its Responses
-  API, `POST /v1/responses` (edgemoe.serving.responses);
-- Anthropic's Messages: `POST /v1/messages`, `POST /v1/messages/count_tokens`
-  (edgemoe.serving.anthropic);
-- Ollama's: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
-  `GET /api/version` (edgemoe.serving.ollama);
-- and `GET /health`, `GET /metrics` (JSON: tokens per second, latency percentiles, expert
-  bytes read and reused, prompt-cache hits).
+"""What the three APIs share over one engine: reading bodies and fields, running a job,
+cancelling it when its client leaves, /health and /metrics (edgemoe.serving.app puts the
+APIs and these together into the app).
 
 The HTTP layer (Starlette on uvicorn, one asyncio loop) validates and tokenizes each
 request, then hands it to the engine thread (edgemoe.serving.engine), which owns the model
 and decodes every request in flight together, one step at a time. Each API module turns
-a body into an engine `Job` and the job's events into that API's responses; what they
-share (reading bodies, running a job, cancelling it when its client leaves) is here.
+a body into an engine `Job` and the job's events into that API's responses.
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -29,14 +19,11 @@ import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
 
-from .chat import BadRequest
+from .constrain import Tokens
+from .errors import BadRequest
 from .engine import Engine, Job, check_sampling
 
 log = logging.getLogger("edgemoe.server")
@@ -158,7 +145,6 @@ class Server:
     def grammar_tokens(self):
         """The tokenizer as the grammar engine sees it (made on first use)."""
         if self._grammar_tokens is None:
-            from .constrain import Tokens
             self._grammar_tokens = Tokens(self.tokenizer, self.vocab_size
                                           or len(self.tokenizer.get_vocab()))
         return self._grammar_tokens
@@ -478,68 +464,3 @@ def sse(obj: dict, event: Optional[str] = None) -> str:
 def event_stream(generator, media_type: str = "text/event-stream") -> StreamingResponse:
     return StreamingResponse(generator, media_type=media_type,
                              headers={"Cache-Control": "no-cache"})
-
-
-async def _http_error(request: Request, exc: HTTPException):
-    message = {404: f"no route {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(
-        exc.status_code, str(exc.detail))
-    return error_response(message, exc.status_code)
-
-
-async def _internal_error(request: Request, exc: Exception):
-    """A bug: logged with its traceback; the client gets JSON without server paths."""
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(f"internal server error: {type(exc).__name__}: "
-                          f"{public(str(exc))[:500]}", 500, kind="server_error")
-
-
-def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starlette:
-    """The app; `cors_origins`: web origins whose pages may read its responses."""
-    from .anthropic import AnthropicAPI
-    from .ollama import OllamaAPI
-    from .openai import OpenAIAPI
-    from .responses import ResponsesAPI
-
-    server.web_origins = list(cors_origins or [])
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.loop = asyncio.get_running_loop()
-        watch = asyncio.create_task(server.watch_sends())
-        yield
-        watch.cancel()
-        # uvicorn re-raises SIGTERM once the app has shut down: stop the engine here,
-        # so its thread frees the model and its MLX streams before the process ends.
-        await asyncio.to_thread(server.engine.stop)
-
-    class CheckHost:
-        """Refuses requests whose Host header is not this server's, or that a web page of
-        another origin sends, before any route."""
-
-        def __init__(self, app):
-            self.app = app
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http":
-                refused = server.refused(Request(scope))
-                if refused is not None:
-                    return await refused(scope, receive, send)
-            await self.app(scope, receive, send)
-
-    routes = [Route("/health", server.health, methods=["GET"]),
-              Route("/metrics", server.metrics, methods=["GET"])]
-    for api in (OpenAIAPI(server), ResponsesAPI(server), AnthropicAPI(server),
-                OllamaAPI(server)):
-        routes += api.routes()
-    middleware = [Middleware(CheckHost)]
-    if cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-        middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins,
-                                     allow_methods=["GET", "POST"], allow_headers=["*"]))
-    return Starlette(
-        lifespan=lifespan,
-        middleware=middleware,
-        routes=routes,
-        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
-    )

@@ -22,8 +22,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .chat import (BadRequest, Reply, arguments_object, check_tools, render, text_of,
-                   token_pieces)
+from .chat import (Reply, arguments_object, check_tools, render, text_of, token_pieces)
+from .constrain import Grammar, GrammarError
+from .errors import BadRequest
 from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, field, public, refuse_unknown,
                    stop_strings)
 
@@ -159,8 +160,6 @@ class OllamaAPI:
         fmt = body.get("format")
         if fmt in (None, ""):
             return None
-        from .constrain import Grammar, GrammarError
-
         try:
             if fmt == "json":
                 return Grammar.json(self.server.grammar_tokens())

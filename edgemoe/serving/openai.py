@@ -19,8 +19,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .chat import (BadRequest, Reply, check_tools, render, text_of, token_pieces,
+from .chat import (Reply, check_tools, no_tool_format, render, text_of, token_pieces,
                    tool_call_message, untrimmed_detokenizer)
+from .constrain import Grammar, GrammarError, forced_call
+from .errors import BadRequest
 from .http import (MAX_TOP_LOGPROBS, NUMBER, ClientGone, Server, error_response,
                    event_stream, field, public, refuse_unknown, sse, stop_strings)
 
@@ -155,8 +157,6 @@ class OpenAIAPI:
         how the reply's tool calls are read: "forced" (the grammar's one call), "parse"
         (the model's tool parser) or None (not at all)."""
         s = self.server
-        from .constrain import Grammar, GrammarError
-
         choice = body.get("tool_choice")
         fmt = field(body, "response_format", dict)
         grammar, parse = None, "parse" if tools else None
@@ -378,31 +378,6 @@ def _summed(usages: List[dict]) -> dict:
     return {**{k: sum(u[k] for u in usages) for k in keys},
             "prompt_tokens_details": {"cached_tokens": sum(
                 u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
-
-
-def forced_call(server: Server, tools: list, name: Optional[str]):
-    """The grammar of one call of tool `name` (or of any of `tools`): between the tool
-    parser's markers where the model writes JSON calls (mlx-lm's json_tools), else the
-    call's JSON alone; either way the reply is read as that call (Reply(forced=True)),
-    with or without a parser."""
-    from .constrain import Grammar, GrammarError, tool_call_grammar
-
-    tok = server.tokenizer
-    json_calls = tok.tool_parser is not None and \
-        tok.tool_parser.__module__.endswith(".json_tools")
-    start, end = (tok.tool_call_start, tok.tool_call_end) if json_calls else ("", "")
-    try:
-        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(start, end, tools,
-                                                                       name))
-    except GrammarError as e:
-        raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
-
-
-def no_tool_format(tokenizer) -> str:
-    return ("this model's chat template has no tool-call format mlx-lm can read (no "
-            "tool parser), so calls it wrote on its own could not be returned: force one "
-            "(tool_choice \"required\" or a named function), send tool_choice \"none\", or "
-            "start the server with a --chat-template that has tools")
 
 
 def check_reasoning_effort(server: Server, body: dict, name: str = "reasoning_effort"):

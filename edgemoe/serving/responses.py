@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .chat import BadRequest, Reply, check_tools, render, text_of, tool_call_message
+from .chat import Reply, check_tools, render, text_of, tool_call_message
+from .errors import BadRequest
 from .http import NUMBER, Server, field, public, refuse_unknown, sse
 from .openai import NO_EFFECT, OpenAIAPI, check_reasoning_effort
 

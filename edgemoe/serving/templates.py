@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from .chat import BadRequest
+from .errors import BadRequest
 
 RENDER_TIMEOUT_S = 5.0
 MAX_RENDER_CHARS = 16 * 2**20

@@ -6,7 +6,7 @@ It is the memory manager and nothing else: it is told which experts a call needs
 the model side (edgemoe.routing); a prediction reaches the store only as "prefetch these
 experts for layer l with this lead".
 
-    store = ExpertStore(open_source(path), expert_budget="25%")
+    store = ExpertStore(open_source(path), expert_budget="25%", memory=MLXSlotMemory)
     store.info()       # sizes: slots per layer, budget, bytes held, io mode, files
     store.snapshot()   # ExpertStats; subtract two for a span
     store.start_trace()  # record routing and prefetches for edgemoe.cache_sim
@@ -54,11 +54,12 @@ class ExpertStore:
 
     def __init__(self, pack: Pack, expert_budget: Budget = 1.0,
                  cache_policy: str = DEFAULT_POLICY, io: str = "buffered", readers: int = 2,
-                 memory: Optional[MemoryFactory] = None, reader=None,
+                 *, memory: MemoryFactory, reader=None,
                  learned_policy: Optional[Path] = None, read_timeout_s: Optional[float] = 30.0):
-        """`memory` makes each layer's SlotMemory (default: MLX arrays); `reader` fills
-        slots (default: `readers` threads of edgemoe.streaming.reader); `learned_policy`
-        holds the learned cache policy's weights (default: the bundled ones). A compute
+        """`memory` makes each layer's SlotMemory (the backend's: edgemoe.model.slots for
+        MLX, edgemoe.cuda.slots; NoMemory for a replay); `reader` fills slots (default:
+        `readers` threads of edgemoe.streaming.reader); `learned_policy` holds the
+        learned cache policy's weights (default: the bundled ones). A compute
         that waits longer than `read_timeout_s` for a read fails with a PackError, and
         the store reports itself unhealthy while a read takes that long."""
         self.read_timeout_s = read_timeout_s
@@ -71,8 +72,6 @@ class ExpertStore:
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
         self.gated = False  # see gate_prefetches
-        if memory is None:
-            from ..model.slots import MLXSlotMemory as memory  # imports MLX only when used
         if not callable(cache_policy):  # a bad name or file fails before threads start
             make_policy(cache_policy, learned_policy)
         self.reader = reader if reader is not None else Reader(pack, readers, io)
