@@ -217,7 +217,7 @@ def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
 
 
 def replay_hit_rate(trace: dict, pack: Pack, budget_bytes: int) -> float:
-    from .cache_sim import simulate
+    from .streaming.replay import simulate
 
     return simulate(trace, budget_bytes, DEFAULT_POLICY, pack.layers[0].num_experts,
                     learned=pack_asset(pack.path, "cache_policy")).decode_hit_rate

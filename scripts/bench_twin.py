@@ -53,7 +53,7 @@ def truncate(trace, max_decode):
     """The trace's first forward calls, up to `max_decode` decoded tokens (shorter runs)."""
     if not max_decode or int(trace["decode"].sum()) <= max_decode:
         return trace
-    from edgemoe.cache_sim import trace_calls
+    from edgemoe.streaming.replay import trace_calls
     calls, kept, decoded = trace_calls(trace), [], 0
     for c in calls:
         if trace["decode"][c.start]:
@@ -78,7 +78,7 @@ def shape_pack(shape, packs: Path, physical=None):
 
 def exact_limit(mapped, budget, compute: Compute, shape, profile, readers) -> dict:
     """max(compute, Belady's decode bytes / the profile's read rate), per decode token."""
-    from edgemoe.cache_sim import simulate
+    from edgemoe.streaming.replay import simulate
     r = simulate(mapped, budget, "belady")
     per_token = r.decode_bytes_read / max(r.decode_tokens, 1)
     rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)

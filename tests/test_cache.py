@@ -10,8 +10,9 @@ from mlx_lm.generate import generate_step
 import edgemoe
 from edgemoe.streaming import cache
 from edgemoe.streaming.cache import POLICIES, LearnedPolicy, NextUseModel, make_policy
-from edgemoe.cache_sim import (BeladyPolicy, Requests, forward_calls, layer_requests, run,
-                               replay, simulate, train_learned)
+from edgemoe.streaming.learned import train_learned
+from edgemoe.streaming.replay import (BeladyPolicy, Requests, forward_calls, layer_requests,
+                                      replay, run, simulate)
 from edgemoe.format.pack import Pack
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 
@@ -283,7 +284,7 @@ def test_the_readmes_policy_ranking_holds_on_the_shipped_traces():
 def replay_with(trace, budget, predict, gated):
     """The store's own slots over a trace's decode calls (cache_sim's replay), with
     `predict(call, position)` prefetched for each layer as the previous layer runs."""
-    from edgemoe.cache_sim import replay_pack, replay_store, trace_calls, trace_plan
+    from edgemoe.streaming.replay import replay_pack, replay_store, trace_calls, trace_plan
     from edgemoe.streaming.calls import passes
 
     routed, decode = trace["routed"], trace["decode"].astype(bool)
@@ -396,7 +397,7 @@ def test_an_advisory_guess_never_evicts_what_the_policy_ranks_hotter():
     """LFU, 4 slots: a guess takes the slot of an expert used less often than itself, and
     never that of one used as often or more (nor reads at all for a never-used guess);
     a prerouted prediction (the routing itself) takes the victim's slot regardless."""
-    from edgemoe.cache_sim import replay_pack, replay_store
+    from edgemoe.streaming.replay import replay_pack, replay_store
 
     def pool_after(history, gated=True):
         store = replay_store(replay_pack([100], [16], 2), 4, "lfu")
@@ -434,7 +435,8 @@ def test_windows_replay_decode_in_speculative_windows(tmp_path, capsys):
     import json
     from pathlib import Path
 
-    from edgemoe.cache_sim import compare_windows, main, simulate, windowed
+    from edgemoe.cache_sim import compare_windows, main, windowed
+    from edgemoe.streaming.replay import simulate
     from edgemoe.streaming.trace import load_trace
 
     shipped = Path(__file__).parent / "data" / "reference_traces" / "r0.npz"

@@ -14,12 +14,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 import edgemoe
-from edgemoe.cache_sim import simulate
 from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
 from edgemoe.model.experts import StreamingExperts
 from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
+from edgemoe.streaming.replay import simulate
 from edgemoe.streaming.slots import IN_USE
 
 TOKENS = mx.array(np.random.default_rng(4).integers(3, 500, (1, 9)))

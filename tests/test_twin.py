@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from edgemoe.cache_sim import simulate
+from edgemoe.streaming.replay import simulate
 from edgemoe.twin.engine import Compute, TwinConfig, Waiter, run_twin
 from edgemoe.twin.profiles import KINDS, Profile, all_profiles, load_profile
 from edgemoe.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,

@@ -9,9 +9,11 @@
     cache      eviction policies (LFU, LRU, LFU-DA, S3-FIFO, learned)
     stats      the counters and the one definition of a hit
     trace      routing and prefetch traces, for edgemoe.cache_sim
+    replay     traces replayed through the store's own slots; Belady's optimum
+    learned    the learned policy fitted to replays
     telemetry  peak RSS, page cache held by a file
 
 Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
-(edgemoe.cuda). Nothing here imports MLX, except the MLX slot memory (edgemoe.model.slots)
-that ExpertStore makes by default, imported when a store is made without one.
+(edgemoe.cuda), and hand the store their slot memory (`ExpertStore(..., memory=)`:
+edgemoe.model.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch.
 """

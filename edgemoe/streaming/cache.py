@@ -12,7 +12,7 @@ longer, comparable across one layer's experts, resident or not. An advisory pref
 evicts only an expert colder than its prediction (`edgemoe.streaming.slots`); under a
 policy without `heat` it takes free slots only.
 
-Belady's optimum needs the future; it lives in `edgemoe.cache_sim`, which replays
+Belady's optimum needs the future; it lives in `edgemoe.streaming.replay`, which replays
 recorded routing traces through these policies and measures them against it.
 """
 

@@ -16,7 +16,7 @@ evicts what the layer's last call used.
 The cache policy picks which ready slot to give up; filling and in-use slots are never
 evicted. Where a slot's bytes live is a backend's `SlotMemory`: MLX arrays in unified
 memory (edgemoe.model.experts), device tensors filled from pinned host rows
-(edgemoe.cuda.slots), or nothing at all (edgemoe.cache_sim replays traces through this
+(edgemoe.cuda.slots), or nothing at all (edgemoe.streaming.replay runs traces through this
 very state machine). This module needs neither MLX nor PyTorch.
 """
 

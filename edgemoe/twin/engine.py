@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..cache_sim import trace_calls
+from ..streaming.replay import recorded_prefetches, trace_calls
 from ..format.pack import Pack, PackError, PackLayer, aligned
 from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan
@@ -306,8 +306,7 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
 
 
 def _prefetch_table(trace) -> Dict[tuple, list]:
-    from ..cache_sim import _prefetches
-    return _prefetches(trace)
+    return recorded_prefetches(trace)
 
 
 def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch, probe, notes):

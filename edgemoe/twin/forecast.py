@@ -56,7 +56,7 @@ def shape_for(model: str) -> Shape:
 
 def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
                     readers: int = 2, policy: str = "lfu") -> dict:
-    from ..cache_sim import simulate
+    from ..streaming.replay import simulate
     mapped = [map_trace(t, shape) for t in traces]
     tokens = sum(int(m["decode"].sum()) for m in mapped)
     if not tokens:
