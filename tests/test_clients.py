@@ -407,7 +407,7 @@ def test_a_reply_is_split_into_reasoning_content_and_tool_calls(tmp_path):
         assert reply.finish_reason("stop") == "tool_calls"
     # the calls as each API gives them, read by its official client's own types
     from edgemoe.serving.anthropic import MessageView
-    from edgemoe.serving.engine import Job
+    from edgemoe.serving.job import Job
     from edgemoe.serving.ollama import Lines
 
     job = Job(id="x", prompt=[1, 2], max_tokens=8, emit=print)

@@ -246,6 +246,20 @@ def test_the_layers_import_downwards_only():
         pytest.fail(f"an import cycle: {' -> '.join(e.args[1])}")
 
 
+def test_the_engine_and_cache_sim_stay_split_by_job():
+    """The server's engine (scheduling, with its job, sampling, prompt cache, speculation,
+    lockstep and metrics beside it) and cache_sim (the questions and their CLI, over the
+    replay library) each stay under 400 lines."""
+    from pathlib import Path
+
+    root = Path(edgemoe.__file__).parent
+    parts = ["cache_sim.py", "streaming/replay.py", "streaming/learned.py"] + [
+        f"serving/{name}.py" for name in ("engine", "job", "sampling", "prompt_cache",
+                                          "speculation", "lockstep", "metrics")]
+    lines = {part: len((root / part).read_text().splitlines()) for part in parts}
+    assert max(lines.values()) < 400, lines
+
+
 def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkeypatch):
     from edgemoe.streaming import reader as reader_module
 

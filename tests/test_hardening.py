@@ -12,8 +12,9 @@ import time
 import mlx.core as mx
 import pytest
 
-from edgemoe.serving import engine as engine_mod
-from edgemoe.serving.engine import Engine, Job
+from edgemoe.serving import sampling
+from edgemoe.serving.engine import Engine
+from edgemoe.serving.job import Job
 
 PROMPTS = ["The quick brown fox", "import os\nimport sys\n", "Once upon a time there"]
 GOOD_TOKENS = 16
@@ -119,7 +120,7 @@ POISONS = {  # stage: Job fields of the poison request
 
 @pytest.mark.parametrize("stage", list(POISONS))
 def test_a_fault_in_one_rows_stage_ends_that_row_alone(engine, solo, stage, monkeypatch):
-    make_sampler = engine_mod.make_request_sampler
+    make_sampler = sampling.make_request_sampler
 
     def sampler(**kw):
         if kw.get("seed") == 41001:
@@ -128,7 +129,7 @@ def test_a_fault_in_one_rows_stage_ends_that_row_alone(engine, solo, stage, monk
             return lambda logprobs: mx.array([10**7])
         return make_sampler(**kw)
 
-    top = engine_mod._top
+    top = sampling.top_logprobs
 
     def top_of(logprobs, n):
         return _raise() if n == 7 else top(logprobs, n)
@@ -140,8 +141,8 @@ def test_a_fault_in_one_rows_stage_ends_that_row_alone(engine, solo, stage, monk
         if job.id.startswith("poison-detokenizer"):
             job.detokenizer = Detokenizer()
 
-    monkeypatch.setattr(engine_mod, "make_request_sampler", sampler)
-    monkeypatch.setattr(engine_mod, "_top", top_of)
+    monkeypatch.setattr(sampling, "make_request_sampler", sampler)
+    monkeypatch.setattr(sampling, "top_logprobs", top_of)
     monkeypatch.setattr(engine, "_start_prefill", start_prefill)
     fields = {"emit": lambda e: None, **POISONS[stage]}
     poison = Job(id=f"poison-{stage.replace(' ', '-')}",

@@ -336,7 +336,8 @@ def test_a_short_request_is_not_held_behind_a_long_one(server):
 def alone_and_together(checkpoint, n=6):
     """Greedy (token, logprob) lists of n prompts run one after another on the engine,
     then all at once against a batch of 4 (the second time over the prompt cache)."""
-    from edgemoe.serving.engine import Engine, Job
+    from edgemoe.serving.engine import Engine
+    from edgemoe.serving.job import Job
 
     engine = Engine(lambda: edgemoe.load(checkpoint, expert_budget=0.5, return_config=True),
                     max_batch=4)
@@ -389,21 +390,21 @@ def test_sliding_window_layers_batch_within_a_rounding_of_alone(tmp_path):
 
 
 def test_stop_strings_are_held_back_until_they_cannot_match():
-    from edgemoe.serving.engine import Engine, Job
+    from edgemoe.serving.job import Job
 
     job = Job(id="x", prompt=[1], max_tokens=9, emit=None, stop=["END", "!"])
     sent = []
     for piece in ["abc E", "N", "x E", "ND tail"]:
         job.text += piece
-        text, hit = Engine._releasable(job, final=False)
+        text, hit = job.releasable(final=False)
         sent.append(text)
         if hit:
             break
     assert sent == ["abc ", "", "ENx ", ""] and hit
     job = Job(id="y", prompt=[1], max_tokens=9, emit=None, stop=["END"])
     job.text = "so E"
-    assert Engine._releasable(job, final=False) == ("so ", False)
-    assert Engine._releasable(job, final=True) == ("E", False)  # the end flushes it
+    assert job.releasable(final=False) == ("so ", False)
+    assert job.releasable(final=True) == ("E", False)  # the end flushes it
 
 
 @pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
@@ -432,7 +433,8 @@ def test_server_serves_prerouted_routing_per_request(mode):
 def test_metrics_count_experts_as_the_store_does(packs):
     """Under advisory prefetch, /metrics' expert figures are the store's own counters
     (a prefetched expert later used is one load and one hit, not a miss)."""
-    from edgemoe.serving.engine import Engine, Job
+    from edgemoe.serving.engine import Engine
+    from edgemoe.serving.job import Job
 
     engine = Engine(lambda: edgemoe.load(packs[FAMILY]["hf"], expert_budget=0.25,
                                          routing="advisory", return_config=True),
@@ -476,7 +478,8 @@ def test_sampling_parameters_are_checked_before_a_request_joins_a_batch(server, 
 def test_a_request_whose_sampling_fails_fails_alone(packs):
     """A poisoned row beside innocent ones: it gets its own error, they go on and give
     their outputs alone."""
-    from edgemoe.serving.engine import Engine, Job
+    from edgemoe.serving.engine import Engine
+    from edgemoe.serving.job import Job
 
     engine = Engine(lambda: edgemoe.load(packs[FAMILY]["hf"], expert_budget=0.5,
                                          return_config=True), max_batch=4)

@@ -121,7 +121,8 @@ def engine_run(target, load_draft, requests, budget=0.25):
     together to an engine (batches of up to 4), and its metrics."""
     import threading
 
-    from edgemoe.serving.engine import Engine, Job
+    from edgemoe.serving.engine import Engine
+    from edgemoe.serving.job import Job
 
     engine = Engine(lambda: edgemoe.load(target, expert_budget=budget, return_config=True),
                     max_batch=4, load_draft=load_draft)

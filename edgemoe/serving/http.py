@@ -24,7 +24,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .constrain import Tokens
 from .errors import BadRequest
-from .engine import Engine, Job, check_sampling
+from .engine import Engine
+from .job import Job
+from .sampling import check_sampling
 
 log = logging.getLogger("edgemoe.server")
 
