@@ -17,6 +17,7 @@ No family's routing math is copied here, so a new family needs no code.
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -45,6 +46,15 @@ def router_name(block: nn.Module) -> str:
     return name
 
 
+@dataclass
+class TapCall:
+    """A RouterTap's prediction for its next call, (logits, allowed, fallback), and the
+    logits its native map last computed: a plain object, so never model parameters."""
+
+    pending: tuple = (None, None, True)
+    recorded: Optional[mx.array] = None
+
+
 class RouterTap(nn.Module):
     """Stands in for a router's linear map (`native`): returns its logits, or a prediction.
 
@@ -61,14 +71,20 @@ class RouterTap(nn.Module):
 
     def __init__(self, native: nn.Module, inline: bool = False):
         super().__init__()
-        self.native = native
-        object.__setattr__(self, "inline", inline)
-        self.set_prediction(None)
+        self.native, self.inline = native, inline
+        self.call = TapCall()
 
     def set_prediction(self, logits: Optional[mx.array] = None,
                        allowed: Optional[mx.array] = None, fallback: bool = True):
-        object.__setattr__(self, "pending", (logits, allowed, fallback))  # plain attributes
-        object.__setattr__(self, "recorded", None)
+        self.call = TapCall((logits, allowed, fallback))
+
+    @property
+    def pending(self) -> tuple:
+        return self.call.pending
+
+    @property
+    def recorded(self) -> Optional[mx.array]:
+        return self.call.recorded
 
     @property
     def num_experts(self) -> int:
@@ -87,8 +103,7 @@ class RouterTap(nn.Module):
 
     def __call__(self, x: mx.array):
         (predicted, allowed, fallback), native = self.pending, self.logits(x)
-        self.set_prediction(None)
-        object.__setattr__(self, "recorded", native)  # lazy: computed only if used
+        self.call = TapCall(recorded=native)  # lazy: computed only if used
         if predicted is None and allowed is None:
             return self.native(x) if self.inline else native
         if not fallback:  # the same as the `where` below on rows without NaN
@@ -149,7 +164,7 @@ def tapped(block: nn.Module):
         try:
             yield native
         finally:
-            object.__setattr__(native, "pending", pending)
+            native.call.pending = pending
         return
     tap = RouterTap(native, inline)
     setattr(owner, name, tap)
