@@ -109,6 +109,7 @@ class Heads(nn.Module):
         self.heads = nn.ModuleDict({f"layer_{t}": Head(config.hidden_size, config.num_experts,
                                                        config.head_hidden)
                                     for t in sorted(config.sources)})
+        self.correction: Optional["Heads"] = None  # same-token heads beside (load_heads)
 
     def logits(self, target: int, x, routed_now, routed_prev):
         """Target's predicted router logits from its source's input x (..., D) and expert
@@ -173,7 +174,7 @@ def load_heads(path, device) -> Heads:
                                    or correction.config.sources != config.sources):
         raise ValueError(f"{path / CORRECTION}: a correction is same-token heads for the "
                          f"layers of next-token ones (train_prerouter --same-token)")
-    object.__setattr__(heads, "correction", correction)  # not a submodule of the heads
+    heads.correction = correction
     return heads
 
 
