@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from .cli import add_debug_flag, arrange, tool
 from .format.source import source_kind
+from .model.experts import BlockInput, handing
 from .options import StreamOptions
 from .streaming.budget import is_auto
 from .routing.gates import (gate_logits, hidden_size, indices_from_logits, moe_blocks,
@@ -78,28 +79,22 @@ def text_windows(tokens: List[int], context: int) -> List[np.ndarray]:
 
 @contextmanager
 def block_inputs(blocks: Dict[int, nn.Module]):
-    """While active, each MoE block's input `x` and the logits its router computed land
-    in the yielded dict, {layer: (x, logits)}, flattened to rows, at every forward; the
-    blocks still route natively."""
-    captured = {}
-    originals = {}
-    with ExitStack() as taps:
+    """While active, the yielded function returns what each MoE block's last call saw:
+    {layer: (x, logits)}, its input and the logits its router computed, flattened to
+    rows; the blocks still route natively."""
+    with ExitStack() as stack:
+        seen = {}
         for layer, block in blocks.items():
-            cls = originals[layer] = type(block)
-            tap = taps.enter_context(tapped(block))  # records the router's logits
+            tap = stack.enter_context(tapped(block))  # records the router's logits
+            handed = stack.enter_context(handing(block, BlockInput()))
+            seen[layer] = tap, handed
 
-            def call(self, x, *args, _layer=layer, _cls=cls, _tap=tap, **kwargs):
-                out = _cls.__call__(self, x, *args, **kwargs)
-                captured[_layer] = (x.reshape(-1, x.shape[-1]),
-                                    _tap.recorded.reshape(-1, _tap.num_experts))
-                return out
+        def last_call():
+            return {layer: (handed.x.reshape(-1, handed.x.shape[-1]),
+                            tap.recorded.reshape(-1, tap.num_experts))
+                    for layer, (tap, handed) in seen.items()}
 
-            block.__class__ = type(f"Recording{cls.__name__}", (cls,), {"__call__": call})
-        try:
-            yield captured
-        finally:
-            for layer, block in blocks.items():
-                block.__class__ = originals[layer]
+        yield last_call
 
 
 def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
@@ -123,9 +118,10 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
     np.save(folder / "pos.npy", pos)
     files = {}
     row = 0
-    with block_inputs(blocks) as captured:
+    with block_inputs(blocks) as last_call:
         for window in tqdm(windows, desc=desc, unit="window"):
             model(mx.array(window[None]))
+            captured = last_call()
             arrays = {}
             for l in layers:
                 x, logits = captured[l]
@@ -143,7 +139,6 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
                         folder / f"{name}.npy", mode="w+", dtype=dtype, shape=(n, a.shape[-1]))
                 files[name][row:row + len(a)] = a
             row += len(window)
-            captured.clear()
     for f in files.values():
         f.flush()
     meta = {"key": key, "tokens": n, "windows": len(windows), "layers": layers}

@@ -266,7 +266,7 @@ def check_quantization(name: str, work: Path) -> dict:
                 got = greedy(model, tokens)
                 same = got[0] == expected[0] and mx.array_equal(got[1], expected[1]).item()
             else:  # the pools hold the same tensors mlx-lm's modules would, per slot
-                pools = {p: {k: v.shape[1:] for k, v in tree_flatten(m.pool.parameters())}
+                pools = {p: {k: v.shape[1:] for k, v in tree_flatten(m.pool.module.parameters())}
                          for p, m in _streaming_modules(model).items()}
                 same = pools == {p: {k: v[1:] for k, v in t.items()} for p, t in shapes.items()}
             model.expert_store.close()

@@ -6,8 +6,10 @@ router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
 remapped indices gives bit-identical results (tests/test_exact.py checks it per family).
 """
 
+import contextlib
 import math
-from typing import Dict
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,14 +23,49 @@ from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 
 
+@dataclass
+class Streaming:
+    """What a model edgemoe loaded carries beside mlx-lm's (`streaming_of(model)`): its
+    expert store; its share of the experts when it is one host of several
+    (edgemoe.distributed.HostShare), whose outputs are summed at every MoE layer; and its
+    predicted routing (edgemoe.routing.modes.PredictedRouting), None in native mode.
+    Every streaming expert module of the model holds this one object."""
+
+    store: ExpertStore
+    share: Optional[Any] = None
+    routing: Optional[Any] = None
+
+
+def streaming_of(model) -> Optional[Streaming]:
+    """The streaming side of a model edgemoe loaded; None for a plain mlx-lm model."""
+    return model.streaming if isinstance(model, StreamingModel) else None
+
+
+@dataclass
+class SlotPool:
+    """A layer's slots and mlx-lm's expert module over their arrays (`build_pool`). A
+    plain object: held by a module, neither is a child or a parameter of the model."""
+
+    slots: LayerSlots
+    module: nn.Module
+
+
+@dataclass
+class BlockInput:
+    """The input its MoE block was called with, handed to the block's streaming experts
+    (`hand_input`); None where nothing hands it (native mode)."""
+
+    x: Optional[mx.array] = None
+
+
 class StreamingExperts(nn.Module):
     """Drop-in replacement for a MoE block's `switch_mlp`; holds no parameters.
 
     It owns its compute pool: mlx-lm's own expert module over the layer's slot arrays
-    (`build_pool`). `routing`, when set, is told of each call's routing (advisory and
-    prerouted modes: edgemoe.routing.driver). `share`, when set, makes it one host of
-    several: it computes the rows routed to this host's experts, and the hosts' outputs
-    are summed (edgemoe.distributed).
+    (`build_pool`). Of the model's `streaming`: the routing, when set, is told of each
+    call's routing (advisory and prerouted modes: edgemoe.routing.driver); the share, when
+    set, makes it one host of several: it computes the rows routed to this host's experts,
+    and the hosts' outputs are summed (edgemoe.distributed).
 
     Its children are named as the expert module's projections (`gate_proj`, ...), so that
     a LoRA of the routed experts in mlx-lm's format (keys `...switch_mlp.gate_proj.lora_a`)
@@ -38,29 +75,27 @@ class StreamingExperts(nn.Module):
 
     routed_experts = True  # what edgemoe.routing.gates looks for beside mlx-lm's switch layers
 
-    def __init__(self, slots: LayerSlots, pool: nn.Module):
+    def __init__(self, pool: SlotPool, streaming: Streaming):
         super().__init__()
-        # plain attributes, not children: the slot arrays are not model parameters
-        object.__setattr__(self, "slots", slots)
-        object.__setattr__(self, "pool", pool)
-        object.__setattr__(self, "routing", None)
-        object.__setattr__(self, "block_input", None)  # set by its block (hand_input)
-        object.__setattr__(self, "share", None)  # a host's share of several (distributed)
-        for name, proj in pool.children().items():
+        self.pool, self.streaming = pool, streaming  # plain objects: not children
+        self.slots = pool.slots
+        self.block_input = BlockInput()
+        for name, proj in pool.module.children().items():
             proj = getattr(proj, "linear", proj)  # (a LoRASwitchLinear of streamed deltas)
             if isinstance(proj, (SwitchLinear, QuantizedSwitchLinear)):
-                setattr(self, name, ExpertProjection(slots.layer.num_experts,
+                setattr(self, name, ExpertProjection(pool.slots.layer.num_experts,
                                                      proj.input_dims, proj.output_dims))
-        object.__setattr__(self, "projections", [n for n in self if n in pool])
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
+        routing, share = self.streaming.routing, self.streaming.share
         predicted, ids = {}, None
-        if self.routing is not None:
-            seen = x if self.block_input is None else self.block_input
-            predicted = self.routing.predict(layer, seen, indices)
+        if routing is not None:
+            seen = x if self.block_input.x is None else self.block_input.x
+            self.block_input.x = None  # the block's next call hands its own
+            predicted = routing.predict(layer, seen, indices)
             # a decode step of next-token predicted routing: the host has the ids already
-            ids = self.routing.known_routing(layer, indices.shape)
+            ids = routing.known_routing(layer, indices.shape)
         routed, later = None, {}
         if ids is None:  # the host learns this layer's routing, and any prediction, in one sync
             mx.eval(indices, *predicted.values())
@@ -74,19 +109,20 @@ class StreamingExperts(nn.Module):
         def compute(rows, slot_ids):
             self._bind_deltas()
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots
-                out = self.pool(x, mx.array(slot_ids.astype(np.uint32)))
+                out = self.pool.module(x, mx.array(slot_ids.astype(np.uint32)))
             else:  # (token, k) rows of this pass
                 tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
-                out = self.pool(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
+                out = self.pool.module(tokens,
+                                       mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
             mx.eval(out, *later.values())  # every read of the slots is done before any
             self.slots.stats.host_syncs += 1  # can be refilled
             return out
 
-        if self.share is not None:
+        if share is not None:
             mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
             self._prefetch(later)
-            return self.share.combine(parts, ids.shape, layer)
+            return share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed)
         self._prefetch(later)
         if len(parts) == 1:
@@ -98,21 +134,22 @@ class StreamingExperts(nn.Module):
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
-        deltas = [(n, self[n]) for n in self.projections if isinstance(self[n], ExpertDeltas)]
+        deltas = [(n, c) for n, c in self.children().items() if isinstance(c, ExpertDeltas)]
         if not deltas:
             return
         experts = mx.array(np.maximum(self.slots.expert_in, 0))  # a free slot is never read
         for name, delta in deltas:
-            proj = self.pool[name]
+            proj = self.pool.module[name]
             if not isinstance(proj, LoRASwitchLinear):
                 proj = LoRASwitchLinear.from_base(proj, r=delta.rank, scale=delta.scale)
-                setattr(self.pool, name, proj)
+                setattr(self.pool.module, name, proj)
             proj.lora_a, proj.lora_b = delta.lora_a[experts], delta.lora_b[experts]
 
     def _prefetch(self, predicted: dict):
         """Hand evaluated predictions to the store (none: nothing)."""
         if predicted:
-            self.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()})
+            self.streaming.routing.prefetch_all({t: np.array(p)
+                                                 for t, p in predicted.items()})
 
 
 class ExpertProjection(nn.Module):
@@ -120,13 +157,13 @@ class ExpertProjection(nn.Module):
 
     def __init__(self, num_experts: int, input_dims: int, output_dims: int):
         super().__init__()
-        object.__setattr__(self, "shape", (num_experts, input_dims, output_dims))
+        self.num_experts, self.input_dims, self.output_dims = num_experts, input_dims, output_dims
 
     def to_lora(self, r: int, scale: float, dropout: float = 0.0) -> "ExpertDeltas":
         """mlx-lm's hook (linear_to_lora_layers): every expert's zero delta."""
         if dropout:
             raise ValueError(f"a LoRA of the routed experts takes no dropout ({dropout})")
-        return ExpertDeltas(*self.shape, r, scale)
+        return ExpertDeltas(self.num_experts, self.input_dims, self.output_dims, r, scale)
 
 
 class ExpertDeltas(nn.Module):
@@ -140,7 +177,7 @@ class ExpertDeltas(nn.Module):
         bound = 1 / math.sqrt(input_dims)
         self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
         self.lora_b = mx.zeros((num_experts, output_dims, rank))
-        object.__setattr__(self, "scale", scale)
+        self.scale = scale
 
     @property
     def rank(self) -> int:
@@ -183,9 +220,10 @@ def build_pool(module: nn.Module, layer: PackLayer, arrays: Dict[str, mx.array])
     return module
 
 
-def install(model: nn.Module, store: ExpertStore) -> Dict[int, StreamingExperts]:
-    """Replace every routed-expert module of `model` by a streaming one; return them by
-    decoder layer index."""
+def install(model: nn.Module, streaming: Streaming) -> Dict[int, StreamingExperts]:
+    """Replace every routed-expert module of `model` by a streaming one of `streaming`'s
+    store; return them by decoder layer index."""
+    store = streaming.store
     found = expert_modules(model)
     if set(found) != set(store.layers):
         raise PackError(
@@ -195,41 +233,68 @@ def install(model: nn.Module, store: ExpertStore) -> Dict[int, StreamingExperts]
     installed = {}
     for path, module in found.items():
         slots = store.layers[path]
-        streaming = StreamingExperts(slots, build_pool(module, slots.layer, slots.arrays))
+        pool = SlotPool(slots, build_pool(module, slots.layer, slots.arrays))
+        experts = StreamingExperts(pool, streaming)
         parent_path, name = path.rsplit(".", 1)
         parent = model
         for part in parent_path.split("."):
             parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
-        setattr(parent, name, streaming)
-        installed[slots.layer.index] = streaming
+        setattr(parent, name, experts)
+        installed[slots.layer.index] = experts
     return installed
 
 
 _HANDING = {}
 
 
-def hand_input(block: nn.Module, experts: StreamingExperts):
-    """Make a MoE block hand its input to its streaming experts before it runs (only
-    where a predictor sees it: native decode pays nothing).
+def hand_input(block: nn.Module, to: BlockInput):
+    """Make a MoE block hand its input to `to` (its streaming experts' `block_input`)
+    as it runs: only where a predictor sees it, so native decode pays nothing.
 
-    Predictors learn from the block's input (edgemoe.train_prerouter records it); what the
-    experts receive can differ: llama4 scales it by the router score, kimi_k3 projects it
-    to a latent, some blocks flatten it.
+    Predictors learn from the block's input (edgemoe.train_prerouter records it this way);
+    what the experts receive can differ: llama4 scales it by the router score, kimi_k3
+    projects it to a latent, gemma4's block is a whole decoder layer. The block's class
+    becomes a subclass whose call hands its input first: an mlx-lm block has no hook, and
+    its parent calls it by its class (the one class assignment left; test_core allows it
+    here and in `handing`).
     """
-    object.__setattr__(block, "streaming_experts", experts)
+    block.handed_input = to  # a plain object: not a child of the block
     cls = type(block)
-    if cls in _HANDING.values():
-        return
-    if cls not in _HANDING:
-        def call(self, x, *args, **kwargs):
-            object.__setattr__(self.streaming_experts, "block_input", x)
-            try:
+    if cls not in _HANDING.values():
+        if cls not in _HANDING:
+            def call(self, x, *args, **kwargs):
+                self.handed_input.x = x
                 return cls.__call__(self, x, *args, **kwargs)
-            finally:
-                object.__setattr__(self.streaming_experts, "block_input", None)
 
-        _HANDING[cls] = type(cls.__name__, (cls,), {"__call__": call})
-    block.__class__ = _HANDING[cls]
+            _HANDING[cls] = type(cls.__name__, (cls,), {"__call__": call})
+        block.__class__ = _HANDING[cls]
+
+
+@contextlib.contextmanager
+def handing(block: nn.Module, to: BlockInput):
+    """`hand_input` for the duration; then the block runs as before."""
+    cls = type(block)
+    before = block.handed_input if cls in _HANDING.values() else None
+    hand_input(block, to)
+    try:
+        yield to
+    finally:
+        block.handed_input = before
+        block.__class__ = cls
+
+
+class StreamingModel:
+    """What streaming adds to mlx-lm's model class for a family (`streaming_class`):
+    `streaming`, the model's Streaming (its store, share and routing), and
+    `forward_hook`, called with each forward call's inputs (generation's split)."""
+
+    streaming: Optional[Streaming] = None
+    forward_hook = None
+
+    @property
+    def expert_store(self) -> ExpertStore:
+        """The store of the model's experts (ExpertStore: `info()`, `snapshot()`, ...)."""
+        return self.streaming.store
 
 
 def streaming_class(model_class: type, expert_paths) -> type:
@@ -238,14 +303,11 @@ def streaming_class(model_class: type, expert_paths) -> type:
     `sanitize` drops the checkpoint's own routed-expert tensors (an mlx-lm checkpoint
     read in place has them): they are streamed, never loaded whole. `__call__` makes the
     calling sequence's routing state current while predicted routing runs
-    (edgemoe.routing.driver); `model.routing` is that driver, None in native mode.
+    (edgemoe.routing.driver).
     """
     prefixes = tuple(f"{path}." for path in expert_paths)
 
-    class Streaming(model_class):
-        routing = None
-        forward_hook = None  # called with each forward call's inputs (generation's split)
-
+    class Streaming(model_class, StreamingModel):
         def sanitize(self, weights):
             weights = super().sanitize(weights) if hasattr(super(), "sanitize") else weights
             return {k: v for k, v in weights.items() if not k.startswith(prefixes)}
@@ -254,9 +316,10 @@ def streaming_class(model_class: type, expert_paths) -> type:
             given = inputs if inputs is not None else kwargs.get("input_embeddings")
             if self.forward_hook is not None:
                 self.forward_hook(given)
-            if self.routing is None:
+            routing = self.streaming.routing
+            if routing is None:
                 return super().__call__(inputs, cache=cache, **kwargs)
-            with self.routing.sequence(given, cache):
+            with routing.sequence(given, cache):
                 return super().__call__(inputs, cache=cache, **kwargs)
 
     Streaming.__name__ = Streaming.__qualname__ = model_class.__name__

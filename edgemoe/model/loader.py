@@ -22,7 +22,7 @@ from ..routing.modes import RoutingMode
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.store import ExpertStore
 from ..streaming.telemetry import drop_cached_pages
-from .experts import hand_input, install, streaming_class
+from .experts import Streaming, hand_input, install, streaming_class
 from .lora import load_adapter
 from .slots import MLXSlotMemory
 
@@ -110,6 +110,7 @@ def load(
     store = ExpertStore(source, expert_budget, options.cache_policy, io, options.readers,
                         learned_policy=pack_asset(path, "cache_policy"),
                         read_timeout_s=options.read_timeout, memory=MLXSlotMemory)
+    streaming = Streaming(store, share)
     experts = {}
 
     def streaming_classes(config):
@@ -117,11 +118,12 @@ def load(
 
         def build(args):
             model = streaming_class(model_class, store.layers)(args)
+            model.streaming = streaming
             # a family with none is refused here; a config.json that routes otherwise than
             # the pack was written for, too
             opened.check_routing(*routed_experts(model, path / "config.json"),
                                  path / "config.json")
-            experts.update(install(model, store))
+            experts.update(install(model, streaming))
             return model
 
         return build, args_class
@@ -135,18 +137,12 @@ def load(
     except BaseException:
         store.close()
         raise
-    model.expert_store = store
-    if share is not None:
-        for streaming in experts.values():
-            object.__setattr__(streaming, "share", share)
-        model.host_share = share
     predictor = routing.predictor(heads, moe_blocks(model)) if routing.predicts else None
     if predictor is not None:
         store.gate_prefetches(routing.gates_prefetches)
-        model.routing = PredictedRouting(predictor, store.prefetch)
+        streaming.routing = PredictedRouting(predictor, store.prefetch)
         for layer, block in moe_blocks(model).items():
-            object.__setattr__(experts[layer], "routing", model.routing)
-            hand_input(block, experts[layer])
+            hand_input(block, experts[layer].block_input)
     if adapter is not None:
         model = load_adapter(model, adapter, streamed_experts=deltas is not None)
         model.eval()
