@@ -24,7 +24,7 @@ import sys
 import types
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "stream_generate"]
+__all__ = ["load", "generate", "stream_generate", "streaming_of"]
 
 
 def __getattr__(name):
@@ -38,13 +38,23 @@ def __getattr__(name):
         from .model import generation
 
         return getattr(generation, name)
+    if name == "streaming_of":  # what a loaded model streams by: store, host share, routing
+        from .model.experts import streaming_of
+
+        return streaming_of
     raise AttributeError(f"module 'edgemoe' has no attribute {name!r}")
 
 
 class _Package(types.ModuleType):
     """Importing the CLI module `edgemoe.generate` would bind it over the function of
     the same name; as in mlx_lm, the package's `generate` stays the function (the module
-    is in sys.modules, where `python -m` and `from edgemoe.generate import main` find it)."""
+    is in sys.modules, where `python -m` and `from edgemoe.generate import main` find it).
+
+    The one class assignment of the package (tests/test_core.py allows it, here only): the
+    import system binds a submodule on its package after running it, so neither the
+    submodule nor a module `__getattr__` (PEP 562: consulted only for a missing name) can
+    keep the function; mlx_lm's eager `from .generate import generate` would import MLX
+    with the package, which its MLX-free parts import without."""
 
     def __setattr__(self, name, value):
         if name in __all__ and isinstance(value, types.ModuleType):

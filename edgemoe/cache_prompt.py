@@ -19,6 +19,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from .cli import add_debug_flag, arrange, tool
+from .model.experts import streaming_of
 from .options import StreamOptions, number
 
 
@@ -71,7 +72,7 @@ def main(argv=None):
     print()
     metadata = {"model": args.model or "", "tokenizer_config": json.dumps({})}
     save_prompt_cache(args.prompt_cache_file, cache, metadata)
-    stats = model.expert_store.snapshot()
+    stats = streaming_of(model).store.snapshot()
     print(f"Saved the KV cache of {len(prompt)} tokens to {args.prompt_cache_file} "
           f"(experts read: {stats.bytes_read / 1e9:.3f} GB)")
 

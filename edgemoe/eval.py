@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from .cli import add_debug_flag, arrange, tool
 from .format.source import BUNDLED_MODEL, source_kind
+from .model.experts import streaming_of
 from .options import StreamOptions
 from .streaming.trace import routing_stats as trace_routing_stats
 
@@ -198,11 +199,11 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
              defaults: Optional[StreamOptions] = None, completions: int = 0,
              stepwise: bool = False) -> dict:
     models = [c.load(defaults) for c in configs]
-    first_store = getattr(models[0][0], "expert_store", None)
+    first = streaming_of(models[0][0])
     if routing_stats:
-        if first_store is None:
+        if first is None:
             raise ValueError("routing statistics need an edgemoe pack as the first model")
-        recorder = first_store.start_trace()
+        recorder = first.store.start_trace()
     tokens = models[0][1].encode(text)
     if max_tokens:
         tokens = tokens[:max_tokens + 1]
@@ -211,16 +212,16 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
               "configs": []}
     for config, (model, _), nll in zip(configs, models, scores["nll"]):
         entry = {"model": str(config), "nll": nll, "perplexity": math.exp(nll)}
-        store = getattr(model, "expert_store", None)
-        if store is not None:
-            entry["expert_hit_rate"] = store.snapshot().hit_rate
+        streaming = streaming_of(model)
+        if streaming is not None:
+            entry["expert_hit_rate"] = streaming.store.snapshot().hit_rate
         result["configs"].append(entry)
     for key in ("top1_agreement", "mean_kl"):
         if key in scores:
             result[key] = scores[key]
     if routing_stats:
         result["routing"] = trace_routing_stats(recorder.as_trace(),
-                                                first_store.info().experts_per_layer)
+                                                first.store.info().experts_per_layer)
     if completions:
         cases = completion_cases(text, completions)
         if not cases:

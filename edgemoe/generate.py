@@ -16,6 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .cli import add_debug_flag, arrange, tool
 from .hub import resolve as resolve_hub_id
+from .model.experts import streaming_of
 from .model.generation import generate
 from .options import StreamOptions, number
 
@@ -203,8 +204,8 @@ def main(argv=None):
             prompt = prompt[probe.index("<query>"):]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    store = model.expert_store
-    share = getattr(model, "host_share", None)
+    streaming = streaming_of(model)
+    store, share = streaming.store, streaming.share
     follower = share is not None and share.rank > 0  # every host computes; host 0 speaks
     if share is not None:  # hosts that sample draw alike
         mx.random.seed(args.seed if args.seed is not None else share.common_seed())

@@ -9,6 +9,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 from ..streaming.stats import ExpertStats
 from .drafts import DraftModel, stream_drafted
+from .experts import streaming_of
 from .lookup import PromptLookup
 from ..streaming.telemetry import peak_rss_bytes
 
@@ -54,8 +55,8 @@ class _Split:
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                     draft_model=None, **kwargs) -> Generator[GenerationResponse, None, None]:
     """`mlx_lm.stream_generate`, with expert statistics on every response."""
-    store = getattr(model, "expert_store", None)
-    snapshot = store.snapshot if store else ExpertStats
+    streaming = streaming_of(model)
+    snapshot = streaming.store.snapshot if streaming else ExpertStats
     if not isinstance(prompt, mx.array):  # as mlx_lm.stream_generate encodes it
         if isinstance(prompt, str):
             bos = getattr(tokenizer, "bos_token", None)
@@ -63,7 +64,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256,
                                       or not prompt.startswith(bos))
         prompt = mx.array(prompt)
     split = _Split(snapshot, len(prompt))
-    hooked = store is not None and draft_model is None and hasattr(model, "forward_hook")
+    hooked = streaming is not None and draft_model is None
     # (speculative steps feed several tokens: decode_forwards counts tokens there)
     if hooked:
         model.forward_hook = split
