@@ -36,11 +36,10 @@ from tqdm import tqdm
 
 from .cli import add_debug_flag, arrange, tool
 from .format.source import source_kind
-from .model.experts import BlockInput, handing
 from .options import StreamOptions
 from .streaming.budget import is_auto
-from .routing.gates import (gate_logits, hidden_size, indices_from_logits, moe_blocks,
-                            tapped, uses_sigmoid)
+from .routing.gates import (BlockInput, gate_logits, handing, hidden_size,
+                            indices_from_logits, moe_blocks, tapped, uses_sigmoid)
 from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
 # knobs

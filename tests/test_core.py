@@ -264,14 +264,12 @@ def test_no_runtime_class_surgery():
     """No `object.__setattr__` and no assignment to `__class__` in the package: a module
     holds what must not be a parameter in a plain object, and the model is built with its
     streaming parts. Allowed: the package's own class (edgemoe/__init__.py keeps
-    `edgemoe.generate` the function) and a MoE block's handing class (model/experts.py:
-    an mlx-lm block has no hook)."""
+    `edgemoe.generate` the function: the import system binds a submodule over it)."""
     import ast
     from pathlib import Path
 
     root = Path(edgemoe.__file__).parent
-    allowed = {("__init__.py", "<module>"), ("model/experts.py", "hand_input"),
-               ("model/experts.py", "handing")}
+    allowed = {("__init__.py", "<module>")}
     found = set()
     for source in root.rglob("*.py"):
         if "models" in source.relative_to(root).parts:

@@ -6,7 +6,6 @@ router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
 remapped indices gives bit-identical results (tests/test_exact.py checks it per family).
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -18,6 +17,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..format.pack import PackError, PackLayer
+from ..routing.gates import BlockInput
 from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
@@ -50,14 +50,6 @@ class SlotPool:
     module: nn.Module
 
 
-@dataclass
-class BlockInput:
-    """The input its MoE block was called with, handed to the block's streaming experts
-    (`hand_input`); None where nothing hands it (native mode)."""
-
-    x: Optional[mx.array] = None
-
-
 class StreamingExperts(nn.Module):
     """Drop-in replacement for a MoE block's `switch_mlp`; holds no parameters.
 
@@ -79,7 +71,7 @@ class StreamingExperts(nn.Module):
         super().__init__()
         self.pool, self.streaming = pool, streaming  # plain objects: not children
         self.slots = pool.slots
-        self.block_input = BlockInput()
+        self.block_input = BlockInput()  # handed by its block (routing.gates.hand_input)
         for name, proj in pool.module.children().items():
             proj = getattr(proj, "linear", proj)  # (a LoRASwitchLinear of streamed deltas)
             if isinstance(proj, (SwitchLinear, QuantizedSwitchLinear)):
@@ -242,45 +234,6 @@ def install(model: nn.Module, streaming: Streaming) -> Dict[int, StreamingExpert
         setattr(parent, name, experts)
         installed[slots.layer.index] = experts
     return installed
-
-
-_HANDING = {}
-
-
-def hand_input(block: nn.Module, to: BlockInput):
-    """Make a MoE block hand its input to `to` (its streaming experts' `block_input`)
-    as it runs: only where a predictor sees it, so native decode pays nothing.
-
-    Predictors learn from the block's input (edgemoe.train_prerouter records it this way);
-    what the experts receive can differ: llama4 scales it by the router score, kimi_k3
-    projects it to a latent, gemma4's block is a whole decoder layer. The block's class
-    becomes a subclass whose call hands its input first: an mlx-lm block has no hook, and
-    its parent calls it by its class (the one class assignment left; test_core allows it
-    here and in `handing`).
-    """
-    block.handed_input = to  # a plain object: not a child of the block
-    cls = type(block)
-    if cls not in _HANDING.values():
-        if cls not in _HANDING:
-            def call(self, x, *args, **kwargs):
-                self.handed_input.x = x
-                return cls.__call__(self, x, *args, **kwargs)
-
-            _HANDING[cls] = type(cls.__name__, (cls,), {"__call__": call})
-        block.__class__ = _HANDING[cls]
-
-
-@contextlib.contextmanager
-def handing(block: nn.Module, to: BlockInput):
-    """`hand_input` for the duration; then the block runs as before."""
-    cls = type(block)
-    before = block.handed_input if cls in _HANDING.values() else None
-    hand_input(block, to)
-    try:
-        yield to
-    finally:
-        block.handed_input = before
-        block.__class__ = cls
 
 
 class StreamingModel:

@@ -15,14 +15,14 @@ from ..format.families import routed_experts
 from ..format.pack import PackError
 from ..hub import resolve as resolve_hub_id
 from ..format.source import model_path, open_source, pack_asset, resolve_asset
-from ..routing.gates import moe_blocks
+from ..routing.gates import hand_input, moe_blocks
 from ..options import StreamOptions
 from ..routing.driver import PredictedRouting
 from ..routing.modes import RoutingMode
 from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
 from ..streaming.store import ExpertStore
 from ..streaming.telemetry import drop_cached_pages
-from .experts import Streaming, hand_input, install, streaming_class
+from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
 from .slots import MLXSlotMemory
 

@@ -47,6 +47,14 @@ def router_name(block: nn.Module) -> str:
 
 
 @dataclass
+class BlockInput:
+    """What its MoE block was last called with (`hand_input`): a plain object, read by the
+    block's streaming experts (model.experts) and by train_prerouter's recording."""
+
+    x: Optional[mx.array] = None
+
+
+@dataclass
 class TapCall:
     """A RouterTap's prediction for its next call, (logits, allowed, fallback), and the
     logits its native map last computed: a plain object, so never model parameters."""
@@ -66,13 +74,15 @@ class RouterTap(nn.Module):
     (ids -1: no prediction). A prediction is used once. `recorded` holds the last logits
     the native map computed. `inline` is a router module whose own `weight` is the map
     (`x @ self.weight.T`): the tap then stands in for the whole router and runs it on the
-    logits through an identity weight, which reproduces them exactly.
+    logits through an identity weight, which reproduces them exactly. `hands_to`, when
+    set, receives each input (`hand_input`): the map's input is its block's.
     """
 
     def __init__(self, native: nn.Module, inline: bool = False):
         super().__init__()
         self.native, self.inline = native, inline
         self.call = TapCall()
+        self.hands_to: Optional[BlockInput] = None
 
     def set_prediction(self, logits: Optional[mx.array] = None,
                        allowed: Optional[mx.array] = None, fallback: bool = True):
@@ -102,6 +112,8 @@ class RouterTap(nn.Module):
         return x @ self.native.weight.T if self.inline else self.native(x)
 
     def __call__(self, x: mx.array):
+        if self.hands_to is not None:
+            self.hands_to.x = x
         (predicted, allowed, fallback), native = self.pending, self.logits(x)
         self.call = TapCall(recorded=native)  # lazy: computed only if used
         if predicted is None and allowed is None:
@@ -172,6 +184,56 @@ def tapped(block: nn.Module):
         yield tap
     finally:
         setattr(owner, name, native)
+
+
+class InputTap(nn.Module):
+    """Stands in for the module a whole decoder layer calls first with its input (its
+    input norm) and hands that input to `hands_to`."""
+
+    def __init__(self, native: nn.Module, hands_to: BlockInput):
+        super().__init__()
+        self.native, self.hands_to = native, hands_to
+
+    def __call__(self, x: mx.array, *args, **kwargs):
+        self.hands_to.x = x
+        return self.native(x, *args, **kwargs)
+
+
+def hand_input(block: nn.Module, to: BlockInput):
+    """From now on each input of the MoE block lands in `to` as the block runs.
+
+    Predictors learn from the block's input (edgemoe.train_prerouter records it); what its
+    experts receive can differ (llama4 scales it by the router score, kimi_k3 projects it
+    to a latent, some blocks flatten it). The block's router map sees it first, in a
+    RouterTap; a block that is a whole decoder layer (gemma4's: its router sees a later
+    hidden state) is given it by its input norm, in an InputTap.
+    """
+    if "input_layernorm" in block:
+        if isinstance(block.input_layernorm, InputTap):
+            block.input_layernorm.hands_to = to
+        else:
+            block.input_layernorm = InputTap(block.input_layernorm, to)
+    else:
+        install_tap(block).hands_to = to
+
+
+@contextlib.contextmanager
+def handing(block: nn.Module, to: BlockInput):
+    """`hand_input` for the duration; then the block is as it was."""
+    if "input_layernorm" in block:
+        norm = block.input_layernorm
+        block.input_layernorm = InputTap(norm, to)
+        try:
+            yield to
+        finally:
+            block.input_layernorm = norm
+        return
+    with tapped(block) as tap:
+        before, tap.hands_to = tap.hands_to, to
+        try:
+            yield to
+        finally:
+            tap.hands_to = before
 
 
 def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
