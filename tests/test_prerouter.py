@@ -266,11 +266,11 @@ def test_advisory_with_prerouter_is_exact(packs, trained, family):
     if family == "qwen3_moe":  # the heads trained on this model, through load()
         model, _ = edgemoe.load(packs[family]["hf"], expert_budget=0.5, routing="advisory",
                                 prerouter_path=trained[0] / "prerouter")
-        assert isinstance(model.routing.predictor, HeadsPredictor)
+        assert isinstance(edgemoe.streaming_of(model).routing.predictor, HeadsPredictor)
         blocks = moe_blocks(model)
     else:
         prerouter, _ = new_prerouter(model, family)
-        model.routing.predictor = HeadsPredictor(prerouter, blocks)
+        edgemoe.streaming_of(model).routing.predictor = HeadsPredictor(prerouter, blocks)
     # every prediction read ahead, right or not (advisory gates them by their precision:
     # untrained heads would read nothing), and still the native output
     model.expert_store.gate_prefetches(False)
