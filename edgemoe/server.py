@@ -151,7 +151,7 @@ def build(args) -> Tuple[Engine, Server]:
     engine.start()
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
-    info = engine.model.expert_store.info()
+    info = engine.store.info()
     server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
                     context_length=context,
                     vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens,
@@ -228,7 +228,7 @@ def main(argv=None):
                  engine.share.watch.me)
         engine.thread.join()
         return
-    info = engine.model.expert_store.info()
+    info = engine.store.info()
     log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts), %s "
              "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,
              info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,

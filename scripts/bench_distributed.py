@@ -49,7 +49,8 @@ def worker(args):
     group = connect(120) if hosts > 1 else None
     model, tokenizer = edgemoe.load(args.model, expert_budget=args.budget, io=args.io,
                                     group=group, group_timeout=300)
-    store, share = model.expert_store, getattr(model, "host_share", None)
+    streaming = edgemoe.streaming_of(model)
+    store, share = streaming.store, streaming.share
     rng = np.random.default_rng(0)
     prompt = mx.array(rng.integers(100, 1000, size=args.prompt_tokens))
     steps = generate_step(prompt, model, max_tokens=args.max_tokens + 1)

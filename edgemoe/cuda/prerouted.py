@@ -5,7 +5,7 @@ in PyTorch, with the heads read from their folder (prerouter.safetensors +
 prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
 
 - At MoE layer l, a call of L tokens: the head of each target t whose source is l reads
-  the MoE block's input (what edgemoe.model.experts.hand_input gives the MLX path's heads;
+  the MoE block's input (what edgemoe.routing.gates.hand_input gives the MLX path's heads;
   gemma4's block is its decoder layer) and the experts l routed to at every position p and
   p-1 (the previous call's last token's for p = 0; none at a sequence's start), and
   gives t's router logits for position p+1.

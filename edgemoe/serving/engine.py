@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..distributed import GroupError
+from ..model.experts import streaming_of
 from ..routing.state import RoutingState, bind, sequence_state
 from . import sampling
 from .job import Job
@@ -76,6 +77,7 @@ class Engine:
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
         self.stopping = threading.Event()
+        self.store = None  # the model's ExpertStore, once loaded
         self.share = None  # the model's HostShare when it is one host of a group
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
 
@@ -101,7 +103,7 @@ class Engine:
 
     def store_healthy(self) -> bool:
         """False while an expert read is stuck past the read timeout (any thread may ask)."""
-        store = getattr(self.model, "expert_store", None)
+        store = self.store
         return store is None or store.healthy()
 
     def waiting(self) -> int:
@@ -126,9 +128,10 @@ class Engine:
     def _run(self):
         try:
             self.model, self.tokenizer, self.config = self._load()
-            self.metrics = Metrics(self.model.expert_store)
+            streaming = streaming_of(self.model)
+            self.store, self.share = streaming.store, streaming.share
+            self.metrics = Metrics(self.store)
             self.eos = set(self.tokenizer.eos_token_ids)
-            self.share = getattr(self.model, "host_share", None)
             if self._load_draft is not None:
                 self.draft = self._load_draft(self.tokenizer)
         except BaseException as e:  # reported by start()
@@ -184,10 +187,9 @@ class Engine:
         mlx 0.32.4 a process whose MLX worker thread ended without this aborts at
         exit now and then ("terminate called without an active exception")."""
         self._fail_all("the server is stopping")
-        store = getattr(self.model, "expert_store", None)
-        if store is not None:
-            store.close()
-        self.model = self.batch_cache = None
+        if self.store is not None:
+            self.store.close()
+        self.model = self.batch_cache = self.store = None
         self.metrics.store = None
         gc.collect()
         mx.synchronize()
