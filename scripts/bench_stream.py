@@ -54,6 +54,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
+    from edgemoe import streaming_of
     from edgemoe.streaming.telemetry import page_cache_bytes, peak_rss_bytes
 
     if kind == "mlx-lm":
@@ -71,7 +72,8 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         options = StreamOptions(float(budget), cache_policy, io, routing, prerouter_path=heads,
                                 adapter_path=adapter if lora else None, readers=readers)
         model, tokenizer = edgemoe.load(path, options)
-    store = getattr(model, "expert_store", None)
+    streaming = streaming_of(model)  # None: mlx-lm's own model
+    store = streaming.store if streaming is not None else None
     if text:  # real text: routing as in use, not as on random tokens
         ids = tokenizer.encode(Path(text).read_text())
         prompt = mx.array(ids[:prompt_len])
