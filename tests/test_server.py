@@ -698,9 +698,12 @@ def test_half_open_connections_are_closed_and_the_server_answers_again(packs):
             assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200  # room made
             time.sleep(3)
             assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
-            for s in half_open:  # the server closed each one
-                s.settimeout(5)
-                assert s.recv(100) == b""
+            for s in half_open:  # the server closed each one: an orderly close, or a reset
+                s.settimeout(5)  # where it closed before reading the half request
+                try:
+                    assert s.recv(100) == b""
+                except ConnectionResetError:
+                    pass
         finally:
             for s in half_open:
                 s.close()
