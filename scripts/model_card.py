@@ -178,8 +178,9 @@ ASSETS = "## Trained for it"
 def assets_section(pack: Path) -> str:
     """The card's section on the pack's prerouter heads, recovery LoRA and cache policy,
     from the reports their training wrote."""
+    model = "" if pack.name == "reference" else f"MODEL={pack.name} "
     lines = [ASSETS, "Distilled from this pack on the training split "
-             "(`scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
+             f"(`{model}scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
     heads = pack / "prerouter" / "report.json"
     if heads.exists():
         r = json.loads(heads.read_text())
