@@ -292,8 +292,9 @@ def test_lfu_leads_on_the_fine_grained_models_held_out_traces():
     fine = BUNDLED_MODEL.parent / "fine"
     folder = Path(__file__).parent / "data" / "fine_traces"
     traces = [load_trace(folder / f"{d}.npz") for d in ("docs", "man", "packages", "stdlib")]
+    pack = Pack.open(fine)
     for trace in traces:
-        check_trace_matches(trace, Pack.open(fine), "a shipped trace")
+        check_trace_matches(trace, pack, "a shipped trace")
     rates = {r.policy: r.decode_hit_rate for r in run(
         traces, ["0.25"], ["lfu", "lru", "lfuda", "s3fifo", "learned"],
         learned=folder / "learned_01.npz", model=NextUseModel.load(folder / "learned_01.npz"))}
