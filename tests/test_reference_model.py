@@ -124,7 +124,7 @@ def test_the_fine_grained_reference_routes_as_todays_moes_do():
     assert pack.model_type == "qwen3_moe" and pack.top_k == 8
     assert all(l.num_experts == 128 for l in pack.layers)
     shipped = [f for f in FINE.rglob("*") if f.is_file() and not f.name.startswith("expert_deltas.")]
-    assert sum(f.stat().st_size for f in shipped) < 42e6  # 36.6 MB pack (its card), 4.5 MB heads
+    assert sum(f.stat().st_size for f in shipped) < 50e6  # 36.6 MB pack (its card), 4.5 MB heads, 8.1 MB adapter
     report = json.loads((FINE / "routing_stats.json").read_text())
     assert report["num_experts"] == [128] * len(pack.layers) and report["tokens"] >= 4096
     assert all(report["within_targets"].values()), report["within_targets"]
