@@ -237,7 +237,7 @@ def main(argv=None):
                     "before any download.")
     p.add_argument("--model", default=str(BUNDLED_MODEL),
                    help="An edgemoe pack or an mlx-lm quantized checkpoint: a folder, or a "
-                        "hub id (org/name[@revision]) (default: the bundled reference MoE)")
+                        "hub id (org/name[@revision]) (default: the bundled model)")
     p.add_argument("--memory", default=None,
                    help="Memory to run in: GB (16) or a size (16GB, 12GiB) (default: what "
                         "is available here)")

@@ -9,7 +9,7 @@ KV cache, as decode runs it (for the routing modes, predictions carried from cal
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
 advisory, prerouted, prerouted-set), `prerouter=` (heads folder), `adapter=` (adapter
 folder); the streaming flags (--expert-budget, --routing, ...) give every configuration's
-defaults. Without --model the bundled reference model is evaluated. An edgemoe pack
+defaults. Without --model the bundled model is evaluated. An edgemoe pack
 loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given streaming
 options (read in place); any other folder (a Hugging Face or mlx-lm checkpoint) loads
 with mlx_lm.load, fully resident. With two configurations it reports, token by token over the same
@@ -237,7 +237,7 @@ def main(argv=None):
     p.add_argument("--model", action="append", default=None,
                    help="PATH or hub id (org/name[@revision])"
                         "[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
-                        "give two to compare them (default: the bundled reference model)")
+                        "give two to compare them (default: the bundled model)")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")
     p.add_argument("--routing-stats", action="store_true",

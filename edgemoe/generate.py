@@ -39,7 +39,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=str, default=None,
                    help="An edgemoe pack or mlx-lm quantized checkpoint: a folder, or a hub "
                         "id (org/name[@revision]), downloaded into the hub cache (default: "
-                        "the reference MoE bundled with edgemoe)")
+                        "the model bundled with edgemoe)")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                    help="Message to be processed by the model ('-' reads from stdin)")
     p.add_argument("--max-tokens", "-m", type=number(int, 1), default=DEFAULT_MAX_TOKENS)

@@ -39,7 +39,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="An edgemoe pack or mlx-lm quantized checkpoint: a folder, or a hub "
                         "id (org/name[@revision]), downloaded into the hub cache (default: "
-                        "the bundled reference MoE)")
+                        "the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--allowed-host", action="append", default=None,
@@ -152,7 +152,7 @@ def build(args) -> Tuple[Engine, Server]:
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
     info = engine.store.info()
-    server = Server(engine, model_id=str(args.model or "edgemoe-reference"),
+    server = Server(engine, model_id=str(args.model or "edgemoe-fine"),
                     context_length=context,
                     vocab_size=config.get("vocab_size"), default_max_tokens=args.max_tokens,
                     allowed_hosts=allowed_hosts(args.host, args.allowed_host),

@@ -37,7 +37,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None,
                    help="An edgemoe pack or mlx-lm quantized checkpoint (default: the bundled "
-                        "reference model)")
+                        "model)")
     p.add_argument("--rebuild", action="store_true",
                    help=f"For a checkpoint read in place: compute {INDEX_FILE} anew")
     add_debug_flag(p)

@@ -58,7 +58,7 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     dequantized to `dtype`, and a 4096-token KV cache. `distributed` is MLX's alone.
 
     `path_or_hf_repo` is a pack or an mlx-lm quantized checkpoint (a folder, or a hub id
-    as edgemoe.hub resolves it; default: the bundled reference model). `routing` (a
+    as edgemoe.hub resolves it; default: the bundled model). `routing` (a
     RoutingMode or its name) is "native" or "advisory": the next MoE layer's own router,
     applied to this layer's input, prefetches that layer's experts while this one
     computes (gated by its precision, as in the MLX path); the router still decides, so

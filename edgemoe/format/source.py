@@ -17,14 +17,14 @@ from .families import check_supported
 from .inplace import open_mlx_lm
 from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError, read_json
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "fine"
 PACK_ASSETS = {"prerouter": "prerouter", "adapter": "adapter", "cache_policy": "cache_policy.npz"}
 SHARD_INDEX = "model.safetensors.index.json"
 OWN = "pack"  # as a path (--prerouter pack, --adapter-path pack): the model folder's own
 
 
 def model_path(path=None) -> Path:
-    """The model folder: `path`, or the bundled reference model when None. It must exist
+    """The model folder: `path`, or the bundled model when None. It must exist
     and hold a config.json."""
     path = Path(path) if path is not None else BUNDLED_MODEL
     if not path.is_dir():

@@ -44,7 +44,7 @@ def load(
     (`load(path, expert_budget=0.25, routing="prerouted")`), as `edgemoe.cuda.load` takes
     them; `tokenizer_config`, `model_config`, `lazy`, `return_config` and `adapter_path`
     are mlx-lm's. `path_or_hf_repo` is an edgemoe pack or an mlx-lm quantized checkpoint,
-    read in place (default: the bundled reference model): a folder, or a Hugging Face hub
+    read in place (default: the bundled model): a folder, or a Hugging Face hub
     id (`org/name`, `org/name@revision`), downloaded once into the hub cache (edgemoe.hub).
     `routing` (a RoutingMode, or its name: edgemoe.routing.modes) is "native" (the model's
     own router, loads on demand), "advisory" (a predictor prefetches the next layer's

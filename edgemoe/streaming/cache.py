@@ -24,8 +24,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-# fitted on the bundled reference model's traces; a pack may carry its own (cache_policy.npz)
-DEFAULT_LEARNED = Path(__file__).resolve().parents[1] / "models" / "reference" / "cache_policy.npz"
+# fitted on the bundled model's traces; a pack may carry its own (cache_policy.npz)
+DEFAULT_LEARNED = Path(__file__).resolve().parents[1] / "models" / "fine" / "cache_policy.npz"
 
 
 class LRUPolicy:
@@ -281,7 +281,7 @@ POLICIES = {
     "s3fifo": S3FIFOPolicy,
     "learned": LearnedPolicy.from_file,  # weights from DEFAULT_LEARNED unless given
 }
-DEFAULT_POLICY = "lfu"  # best online policy in cache_sim replays of the reference model
+DEFAULT_POLICY = "lfu"  # best online policy in cache_sim replays of the bundled model
 
 
 def make_policy(name, learned=None):

@@ -28,7 +28,7 @@ from .engine import Compute
 from .profiles import Profile, load_profile
 from .shapes import SHAPES, Shape, map_trace, shape_from_config
 
-DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference_traces"
+DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "fine_traces"
 METHOD = ("FORECAST (analytic, unvalidated on a Mac): profile compute + cache_sim's bytes of "
           "a routing trace mapped onto the shape / the profile's SSD rate")
 
@@ -98,10 +98,10 @@ def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk
 
 def report(model: str, machine: str, budgets: Optional[List[str]] = None,
            trace: Optional[str] = None, memory: Optional[int] = None):
-    from ..streaming.trace import load_trace
+    from ..streaming.trace import load_trace, traces_in
     profile = load_profile(machine)
     shape = shape_for(model)
-    files = [Path(trace)] if trace else sorted(DEFAULT_TRACES.glob("*.npz"))
+    files = [Path(trace)] if trace else traces_in(DEFAULT_TRACES)
     if not files:  # an installed package carries no test traces
         raise SystemExit(f"error: --machine forecasts from routing traces: expected --trace TRACE.npz "
                          f"(scripts/routing_stats.py record writes them), found none in {DEFAULT_TRACES}")
