@@ -59,7 +59,7 @@ def run_one(args, budget, read_ahead) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ROOT / "edgemoe" / "models" / "reference"))
+    p.add_argument("--model", default=str(ROOT / "edgemoe" / "models" / "fine"))
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--budgets", default="0.1,0.25")
     p.add_argument("--read-bps", help="cap the disk's read rate, e.g. 20M (needs root)")

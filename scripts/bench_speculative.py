@@ -140,7 +140,7 @@ def plot(rows, png: Path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ROOT / "edgemoe" / "models" / "reference"))
+    p.add_argument("--model", default=str(ROOT / "edgemoe" / "models" / "fine"))
     p.add_argument("--draft-model", default=None, help="An mlx-lm draft model (resident)")
     p.add_argument("--sources", default=None,
                    help="Draft sources to run, comma-separated (default: plain,lookup, and "

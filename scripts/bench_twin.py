@@ -29,21 +29,21 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.streaming.trace import load_trace  # noqa: E402
+from edgemoe.streaming.trace import load_trace, traces_in  # noqa: E402
 from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
 
 DEFAULT_PACKS = Path(os.environ.get("EDGEMOE_TWIN_PACKS", "/work/runs/twin/packs"))
-DEFAULT_TRACES = ROOT / "tests" / "data" / "reference_traces"  # greedy: only a fallback
+DEFAULT_TRACES = ROOT / "tests" / "data" / "fine_traces"  # held-out, teacher-forced
 
 
 def trace_files(spec: str):
     files = []
     for part in spec.split(","):
         p = Path(part)
-        files += sorted(p.glob("*.npz")) if p.is_dir() else [p]
+        files += traces_in(p) if p.is_dir() else [p]
     if not files:
         raise SystemExit(f"bench_twin: no .npz traces in {spec}")
     return files
@@ -298,7 +298,7 @@ def main(argv=None):
                    help="Measure this machine's profile (reads from --read-file) and write it")
     p.add_argument("--read-file", default=None, help="A large file to read for --measure")
     p.add_argument("--validate", action="store_true")
-    p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "reference"),
+    p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "fine"),
                    help="--validate: edgemoe packs, comma-separated")
     p.add_argument("--kinds", default="1.0:native,0.25:native,0.1:native,0.25:advisory,"
                                       "0.1:advisory,0.25:prerouted,0.1:prerouted",

@@ -4,12 +4,12 @@ against its reference, and a short decode benchmark; a summary, and JSON with --
     scripts/gpu_check.sh             # installs what is missing, then runs this
     python scripts/gpu_check.py --device cpu   # the same checks on the CPU (a dry run)
 
-Exactness: the bundled reference model, native routing, a 64-token prompt then 32
+Exactness: the bundled model, native routing, a 64-token prompt then 32
 tokens decoded with the MLX path's greedy tokens forced, so that every position's logits
 compare even where an argmax would flip. Benchmark: decode at 10% and 25% expert budgets,
 each with only the staging rows and with a host-memory tier of half the experts (SSD ->
 RAM -> VRAM), with one copy stream and with two, and fully resident (every expert loaded
-before timing), buffered and O_DIRECT, on the reference model and on a synthetic pack
+before timing), buffered and O_DIRECT, on the bundled model and on a synthetic pack
 with Qwen3-30B-A3B's expert shapes (random weights, so routing is near uniform: a worst
 case for the cache); each step feeds a random token, so that routing varies as it does
 over text. Each row gives the hits per tier: device slots, host tier, disk reads.
@@ -35,7 +35,8 @@ PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
 # logit for logit (max |difference| < 1e-3; logits reach ~16); bfloat16 rounds every
 # activation, so it is judged on distributions: mean KL(MLX || backend) per position < 0.01
 # nats, and the argmax agreeing with MLX's greedy token at all but one of the positions (a
-# near-tie may flip). Measured with PyTorch on the CPU (--device cpu, reference model):
+# near-tie may flip). Measured with PyTorch on the CPU (--device cpu, the coarse reference model,
+# bundled then):
 # float32 1.3e-5; bfloat16 max |difference| 1.5, argmax agreement 100%.
 TOLERANCE = {"float32": {"max_abs_diff": 1e-3, "argmax_agreement": 1.0},
              "bfloat16": {"mean_kl": 1e-2, "argmax_agreement": 1 - 1 / DECODE}}
@@ -268,7 +269,7 @@ def verdict(exactness, kernel, cuda: bool) -> bool:
 
 def summary(result) -> str:
     lines = [f"edgemoe gpu_check on {result['device_name']} (torch {result['torch']})",
-             "exactness vs the CPU MLX path (reference model, native routing, forced tokens):"]
+             "exactness vs the CPU MLX path (bundled model, native routing, forced tokens):"]
     for r in result["exactness"]:
         bounds = ", ".join(f"{k} {'>=' if k == 'argmax_agreement' else '<'} {v}"
                            for k, v in r["tolerance"].items())

@@ -10,7 +10,7 @@ default to Qwen3-30B-A3B's; the number of layers is what reaches `--size`. Weigh
 random (quantized codes and floats uniform, scaled to keep activations near 1),
 the routers decisive (large logits, so each token has a clear top-k). Each layer goes to
 its own shard as it is made, so memory holds one layer whatever the size. The tokenizer is
-the bundled reference model's. Never commit the output; delete it when done.
+the bundled model's. Never commit the output; delete it when done.
 """
 
 import argparse
@@ -23,10 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
+from edgemoe.format.source import BUNDLED_MODEL
 from edgemoe.streaming.budget import parse_budget
 
-ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT / "edgemoe" / "models" / "reference"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 BITS, GROUP, ROUTER_BITS = 4, 64, 8
 
@@ -101,7 +100,7 @@ def nbytes(tensors: dict) -> int:
 
 
 def write(out: Path, args):
-    vocab = json.loads((REFERENCE / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((BUNDLED_MODEL / "config.json").read_text())["vocab_size"]
     mx.random.seed(args.seed)
     dt = getattr(mx, args.dtype)
     outer = {"model.embed_tokens": linear("model.embed_tokens", vocab, args.hidden,
@@ -114,7 +113,7 @@ def write(out: Path, args):
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config_for(args, layers, vocab), indent=1))
     for name in TOKENIZER_FILES:
-        shutil.copy(REFERENCE / name, out)
+        shutil.copy(BUNDLED_MODEL / name, out)
     shards = layers + 1
     weight_map = {}
     total = nbytes(outer) + per_layer * layers

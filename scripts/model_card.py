@@ -1,11 +1,11 @@
-"""Measure the bundled reference MoE and write its model card (README.md + a PNG).
+"""Measure a reference MoE and write its model card (README.md + a PNG).
 
-    python scripts/model_card.py --run /work/ref_run --pack edgemoe/models/reference
-    python scripts/model_card.py --draft --run /work/ref_run/draft --pack edgemoe/models/reference-draft
+    python scripts/model_card.py --run /work/fine_run --pack edgemoe/models/fine
+    python scripts/model_card.py --draft --run /work/fine_run/draft --pack edgemoe/models/fine-draft
 
 --draft: the card of the speculative draft (train_reference_moe.py --draft) instead: its
-perplexity, fp32 and int4, and its top-1 agreement with the bundled MoE (the share of
-greedy drafts the target keeps, token by token).
+perplexity, fp32 and int4, and its top-1 agreement with its MoE, the pack beside it named
+without "-draft" (the share of greedy drafts the target keeps, token by token).
 
 --assets: rewrite only the card's section on what was trained for the pack (its prerouter
 heads, recovery LoRA and cache policy, from their reports), as rebuild_reference.sh does
@@ -80,9 +80,9 @@ on this machine wrote byte-identical safetensors).
 
 DRAFT_CARD = """# edgemoe reference draft
 
-The speculative draft of the bundled reference MoE (`edgemoe/models/reference`): a small dense
+The speculative draft of the reference MoE `{target}`: a small dense
 model trained by edgemoe on the same corpus, split and tokenizer, so that
-`--draft-model edgemoe/models/reference-draft` drafts tokens the MoE verifies (edgemoe.generate,
+`--draft-model {pack}` drafts tokens the MoE verifies (edgemoe.generate,
 edgemoe.server, scripts/bench_speculative.py).
 
 ## Architecture
@@ -92,7 +92,7 @@ MoE's tokenizer); tied embeddings. {params:,} parameters. int4 (group 64, `mlx_l
 {size_mb:.1f} MB.
 
 ## Data
-The MoE's: Python's standard library sources (CPython {python}), 1 file in 20 held out.
+The MoE's: {data}
 Trained with PyTorch on 2 CPU cores: {tokens:,} tokens seen ({epochs:.2f} passes) in
 {minutes:.0f} minutes, {steps} steps.
 
@@ -101,30 +101,31 @@ Trained with PyTorch on 2 CPU cores: {tokens:,} tokens seen ({epochs:.2f} passes
 |---|---|---|
 | this draft, fp32 | {fp32_nll:.3f} | {fp32_ppl:.2f} |
 | this draft, int4 | {int4_nll:.3f} | {int4_ppl:.2f} |
-| the reference MoE, int4 pack | {moe_nll:.3f} | {moe_ppl:.2f} |
+| the MoE, int4 pack | {moe_nll:.3f} | {moe_ppl:.2f} |
 
 Top-1 agreement of this draft (int4) with the MoE: {agree:.1%} of next tokens (mean KL(MoE ||
 draft) {kl:.3f} nats/token): about the share of greedy drafts the MoE keeps.
 
 ## Reproduce
 ```
-python scripts/train_reference_moe.py --draft --tokenizer edgemoe/models/reference --out RUN --steps {steps}
-python -m mlx_lm convert --hf-path RUN/hf --mlx-path edgemoe/models/reference-draft -q
-python scripts/model_card.py --draft --run RUN --pack edgemoe/models/reference-draft
+python scripts/train_reference_moe.py --draft{shape_flag} --tokenizer {target} --out RUN --steps {steps}
+python -m mlx_lm convert --hf-path RUN/hf --mlx-path {pack} -q
+python scripts/model_card.py --draft --run RUN --pack {pack}
 ```
 """
 
 
 REFERENCE_INTRO = """A small Mixture-of-Experts language model trained from scratch by edgemoe, so that routing,
-prefetch and cache measurements run on learned routing rather than random weights. It is the
-default model of `edgemoe.load()` and `python -m edgemoe.generate`."""
+prefetch and cache measurements run on learned routing rather than random weights. No longer
+bundled (the fine-grained reference replaced it); load it by its folder:
+`python -m edgemoe.generate --model {pack}`."""
 
 FINE_INTRO = """A small Mixture-of-Experts language model trained from scratch by edgemoe with fine-grained
 experts, routed as today's MoEs are (128 experts, top-8, as Qwen3-30B-A3B), so that cache,
-prefetch and routing measurements run on routing like theirs: the default reference model's 32
-coarse experts are far more skewed. Its active expert width per token is the default model's
-(8 x 64 = 2 x 256), and so is its tokenizer. Load it by its folder:
-`python -m edgemoe.generate --model {pack}`."""
+prefetch and routing measurements run on routing like theirs: the coarse reference model's 32
+experts (top-2) are far more skewed. Its active expert width per token is the coarse model's
+(8 x 64 = 2 x 256), and so is its tokenizer. It is the bundled model: the default of
+`edgemoe.load()` and `python -m edgemoe.generate`."""
 
 STDLIB_DATA = """Python's own standard library sources (CPython {python}, `.py` files, tests and idlelib excluded),
 split by file: 1 file in 20 held out, never trained on."""
@@ -178,7 +179,7 @@ ASSETS = "## Trained for it"
 def assets_section(pack: Path) -> str:
     """The card's section on the pack's prerouter heads, recovery LoRA and cache policy,
     from the reports their training wrote."""
-    model = "" if pack.name == "reference" else f"MODEL={pack.name} "
+    model = "" if pack.name == "fine" else f"MODEL={pack.name} "
     lines = [ASSETS, "Distilled from this pack on the training split "
              f"(`{model}scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
     heads = pack / "prerouter" / "report.json"
@@ -231,11 +232,11 @@ def update_assets(pack: Path):
 
 
 def draft_card(args):
-    """The draft's card: its quality and its agreement with the bundled MoE."""
-    from edgemoe.format.source import BUNDLED_MODEL
-
+    """The draft's card: its quality and its agreement with its MoE (edgemoe/models/fine for
+    edgemoe/models/fine-draft)."""
+    target = args.pack.with_name(args.pack.name.removesuffix("-draft"))
     text = (args.run / "heldout.txt").read_text()
-    versus = evaluate([ModelConfig(str(BUNDLED_MODEL)), ModelConfig(str(args.pack))],
+    versus = evaluate([ModelConfig(str(target)), ModelConfig(str(args.pack))],
                       text, args.window, args.max_tokens)
     fp32 = evaluate([ModelConfig(str(args.run / "hf"))], text, args.window,
                     args.max_tokens)["configs"][0]
@@ -244,13 +245,15 @@ def draft_card(args):
     start = next(e for e in log if e["event"] == "start")
     tokens_seen = max(e.get("tokens_seen", 0) for e in log)
     config = json.loads((args.pack / "config.json").read_text())
+    fine = json.loads((target / "config.json").read_text())["num_experts"] > 32
     card = DRAFT_CARD.format(
+        target=target, pack=args.pack, data=data_section(args.run),
+        shape_flag=" --shape fine" if fine else "",
         layers=config["num_hidden_layers"], hidden=config["hidden_size"],
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], ffn=config["intermediate_size"],
         vocab=config["vocab_size"], params=start["params"]["total"],
-        size_mb=sum(f.stat().st_size for f in args.pack.iterdir()) / 1e6,
-        python=platform.python_version(), tokens=tokens_seen,
+        size_mb=sum(f.stat().st_size for f in args.pack.iterdir()) / 1e6, tokens=tokens_seen,
         epochs=tokens_seen / start["train_tokens"], minutes=train_minutes(log),
         steps=max(e.get("step", 0) for e in log), eval_tokens=versus["tokens"],
         window=args.window, fp32_nll=fp32["nll"], fp32_ppl=fp32["perplexity"],
@@ -347,7 +350,7 @@ def main():
         intro=(FINE_INTRO if fine else REFERENCE_INTRO).format(pack=args.pack),
         data=data_section(args.run), routing_stats=routing_stats_section(args.pack),
         shape_flag=" --shape fine" if fine else "", pack=args.pack,
-        rebuild="MODEL=fine scripts/rebuild_reference.sh" if fine else "scripts/rebuild_reference.sh",
+        rebuild="scripts/rebuild_reference.sh" if fine else "MODEL=reference scripts/rebuild_reference.sh",
         layers=config["num_hidden_layers"], hidden=config["hidden_size"],
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], experts=config["num_experts"],

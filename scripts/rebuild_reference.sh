@@ -7,16 +7,17 @@
 #
 #   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces|draft]...   (default: all)
 #
-# MODEL names the bundled model: reference (default; 32 experts, top-2, trained with the
-# default --shape) or fine (128 experts, top-8: train_reference_moe.py --shape fine).
+# MODEL names the model: fine (default; the bundled one, 128 experts, top-8:
+# train_reference_moe.py --shape fine) or reference (32 experts, top-2, the default --shape;
+# no longer bundled, rebuilt from its run).
 set -euo pipefail
 RUN=${1:?usage: scripts/rebuild_reference.sh RUN [step ...]}
 shift
 STEPS=${*:-pack card heads lora traces draft}
 PY=${PYTHON:-python}
-MODEL=${MODEL:-reference}
+MODEL=${MODEL:-fine}
 # the fine model's expert deltas at rank 4 (7.9 MB; rank 16 would be 31 MB) keep both
-# bundled models within ~90 MB; 600 steps fit a session on 2 cores (the card has its report)
+# models within ~90 MB; 600 steps fit a session on 2 cores (the card has its report)
 case $MODEL in reference) SHAPE=reference; RANK=16; LORA_STEPS=1200 ;; fine) SHAPE=fine; RANK=4; LORA_STEPS=600 ;; *) echo "MODEL=$MODEL: expected reference or fine" >&2; exit 2 ;; esac
 PACK=edgemoe/models/$MODEL
 HEADS=$PACK/prerouter
@@ -27,10 +28,15 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     pack)  # replaces the whole folder, its heads, adapter and cache policy too: run all steps
+      # the fine model trains on the bundled tokenizer: keep the tokenizer files of the pack
+      # replaced as they are (convert's, from RUN/hf, add mlx-lm's tool_parser_type)
+      TOKENIZER=$(mktemp -d)
+      if [ "$MODEL" != reference ] && [ -f "$PACK/tokenizer.json" ]; then
+        cp "$PACK"/{chat_template.jinja,tokenizer.json,tokenizer_config.json} "$TOKENIZER/"
+      fi
       $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite
-      if [ "$MODEL" != reference ]; then  # the same tokenizer and chat template (with tools)
-        cp edgemoe/models/reference/{chat_template.jinja,tokenizer.json,tokenizer_config.json} "$PACK/"
-      fi ;;
+      if [ -f "$TOKENIZER/tokenizer.json" ]; then cp "$TOKENIZER"/* "$PACK/"; fi
+      rm -rf "$TOKENIZER" ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
     heads)  # next-token heads, distilled from the pack's own routers

@@ -33,12 +33,14 @@ of the recovery LoRA, which is too large for git, is rebuilt this way).
 
     python scripts/train_reference_moe.py --out /work/ref_run --steps 900
 
-`--shape fine` trains the fine-grained reference instead: 8 layers of 128 experts of width 64,
-top-8 (Qwen3-30B-A3B's routing shape; the same active expert width per token as the default
-shape's 2 x 256), with a per-layer load-balancing loss, on four domains read from this
-machine, each split by file as above and thinned to about DOMAIN_CHARS: the standard library,
+`--shape fine` trains the fine-grained reference instead, the bundled model (edgemoe/models/fine):
+8 layers of 128 experts of width 64, top-8 (Qwen3-30B-A3B's routing shape; the same active
+expert width per token as the default shape's 2 x 256), with a per-layer load-balancing loss,
+on four domains read from this machine, each split by file as above and thinned to about
+DOMAIN_CHARS: the standard library,
 the Python documentation's reStructuredText (Debian's python3-doc), the manual pages
-(rendered by man), and SOURCE_PACKAGES' sources; its tokenizer is the bundled model's.
+(rendered by man), and SOURCE_PACKAGES' sources; its tokenizer is the bundled model's
+(first trained with the default shape, as above).
 
     python scripts/train_reference_moe.py --shape fine --out /work/runs/fine --steps 1000 --threads 1
 
@@ -46,8 +48,8 @@ the Python documentation's reStructuredText (Debian's python3-doc), the manual p
 `qwen3`; DRAFT_* shape, tied embeddings) on the same corpus, split and schedule, with the
 tokenizer read from `--tokenizer` (the bundled pack's), so that its tokens are the target's.
 
-    python scripts/train_reference_moe.py --draft --tokenizer edgemoe/models/reference \
-        --out /work/draft_run --steps 900
+    python scripts/train_reference_moe.py --draft --shape fine --tokenizer edgemoe/models/fine \
+        --out /work/draft_run --steps 1000
 """
 
 import argparse
@@ -119,7 +121,7 @@ TRAIN_SAMPLE_CHARS = 20000
 END_RESERVE_S = 60          # stop the loop this long before the deadline for the final save
 EOT = "<|endoftext|>"
 # the bundled model's ChatML with tool calls (renders plain chats exactly as ChatML does)
-CHAT_TEMPLATE = (Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
+CHAT_TEMPLATE = (Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "fine"
                  / "chat_template.jinja").read_text()
 EXCLUDE_DIRS = {"test", "tests", "idlelib", "site-packages"}
 
@@ -441,12 +443,13 @@ def main():
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="folder whose tokenizer.json to use (a draft's target) instead of training one")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="reference",
-                    help="reference: the bundled model (32 experts, top-2, stdlib); fine: 128 experts of "
-                         "width 64, top-8, on mixed domains, with the bundled model's tokenizer")
+                    help="reference: 32 experts, top-2, stdlib, its own tokenizer (no longer bundled); fine: "
+                         "the bundled model, 128 experts of width 64, top-8, on mixed domains, "
+                         "with the bundled tokenizer")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     if args.shape == "fine" and args.tokenizer is None:
-        args.tokenizer = Path(__file__).resolve().parent.parent / "edgemoe/models/reference"
+        args.tokenizer = Path(__file__).resolve().parent.parent / "edgemoe/models/fine"
     t_start = time.time()
     deadline = float("inf") if args.steps else t_start + args.minutes * 60
     torch.set_num_threads(args.threads)
