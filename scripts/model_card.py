@@ -179,9 +179,8 @@ ASSETS = "## Trained for it"
 def assets_section(pack: Path) -> str:
     """The card's section on the pack's prerouter heads, recovery LoRA and cache policy,
     from the reports their training wrote."""
-    model = "" if pack.name == "fine" else f"MODEL={pack.name} "
     lines = [ASSETS, "Distilled from this pack on the training split "
-             f"(`{model}scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
+             f"(`MODEL={pack.name} scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
     heads = pack / "prerouter" / "report.json"
     if heads.exists():
         r = json.loads(heads.read_text())
@@ -350,7 +349,7 @@ def main():
         intro=(FINE_INTRO if fine else REFERENCE_INTRO).format(pack=args.pack),
         data=data_section(args.run), routing_stats=routing_stats_section(args.pack),
         shape_flag=" --shape fine" if fine else "", pack=args.pack,
-        rebuild="scripts/rebuild_reference.sh" if fine else "MODEL=reference scripts/rebuild_reference.sh",
+        rebuild=f"MODEL={args.pack.name} scripts/rebuild_reference.sh",
         layers=config["num_hidden_layers"], hidden=config["hidden_size"],
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], experts=config["num_experts"],

@@ -216,7 +216,7 @@ def test_openai_fields_not_implemented_are_a_400_naming_them(oa, extra, message)
 
 
 def test_openai_models_and_unknown_names(oa):
-    assert {m.id for m in oa.models.list()} >= {MODEL, "edgemoe-reference"}
+    assert {m.id for m in oa.models.list()} >= {MODEL, "edgemoe-fine"}
     assert oa.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oa.models.retrieve("gpt-5")
@@ -273,7 +273,7 @@ def test_anthropic_errors_are_anthropic_errors(an):
 # ---- Ollama ------------------------------------------------------------------------------
 
 def test_ollama_models_chat_and_generate(ol):
-    assert [m.model for m in ol.list().models] == ["edgemoe-reference:latest"]
+    assert [m.model for m in ol.list().models] == ["edgemoe-fine:latest"]
     shown = ol.show(MODEL)
     assert "tools" in shown.capabilities and "<tool_call>" in shown.template
     options = {"temperature": 0, "num_predict": 10}
@@ -387,7 +387,7 @@ def test_a_reply_is_split_into_reasoning_content_and_tool_calls(tmp_path):
     import edgemoe
     from edgemoe.serving.chat import Reply
 
-    hf = AutoTokenizer.from_pretrained(Path(edgemoe.__file__).parent / "models" / "reference")
+    hf = AutoTokenizer.from_pretrained(Path(edgemoe.__file__).parent / "models" / "fine")
     hf.add_tokens(["<think>", "</think>"])
     hf.chat_template = TEMPLATE.read_text()
     hf.save_pretrained(tmp_path)

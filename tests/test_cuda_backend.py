@@ -4,7 +4,8 @@ checks every operation), the int4 math against MLX's, and whole decodes on the C
 against the MLX path.
 
 Tolerance: fp32 logits on the CPU differ from the MLX path's by at most 1.4e-5 on the
-bundled reference model (logits up to about 16), from summation order alone; the tests
+coarse reference model bundled before the fine one (logits up to about 16), from summation
+order alone; the tests
 allow 1e-3 and require the same greedy tokens.
 """
 
@@ -572,9 +573,9 @@ def mlx_runs():
 
 @pytest.mark.parametrize("model, budget", [
     ("qwen3_moe", "100%"), ("qwen3_moe", "minimum"), ("mixtral", "minimum"),
-    ("olmoe", "minimum"), ("reference", "100%"), ("reference", "minimum")])
+    ("olmoe", "minimum"), ("bundled", "100%"), ("bundled", "minimum")])
 def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
-    path = str(DEFAULT_MODEL if model == "reference" else packs[model]["hf"])
+    path = str(DEFAULT_MODEL if model == "bundled" else packs[model]["hf"])
     amount = 1.0 if budget == "100%" else minimum_bytes(Pack.open(path))
     ref_tokens, ref_logits = mlx_runs(path, amount)
     torch_model, _ = load(path, expert_budget=amount, device="cpu", tokenizer=False)
@@ -587,12 +588,12 @@ def test_cpu_logits_match_the_mlx_path(model, budget, packs, mlx_runs):
         assert stats.evictions > 0
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "olmoe", "reference"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "olmoe", "bundled"])
 def test_advisory_routing_prefetches_and_keeps_the_mlx_paths_tokens(model, packs, mlx_runs):
     """Advisory on the CUDA backend (CPU mode): the next layer's router prefetches (gate
     off, so every prediction is read ahead), the router still decides: the MLX path's
     tokens, and the backend's own native logits bit for bit."""
-    path = str(DEFAULT_MODEL if model == "reference" else packs[model]["hf"])
+    path = str(DEFAULT_MODEL if model == "bundled" else packs[model]["hf"])
     amount = minimum_bytes(Pack.open(path)) * 2
     ref_tokens, ref_logits = mlx_runs(path, amount)
     runs, stats = {}, {}

@@ -1,9 +1,10 @@
 """A recovery LoRA served unmerged by the CUDA backend (edgemoe.cuda.lora), on the CPU,
 against the MLX path serving the same adapter (edgemoe.load(..., adapter_path=...)).
 
-The bundled reference model's own adapter moves its logits by about 3 (logits reach
-~16), far beyond the 1e-3 the backends must agree within (they agree within ~1.2e-5):
-a backend that dropped the delta, or applied it wrongly, could not pass.
+The bundled model's own adapter moves its logits by more than 0.1 (ADAPTER_EFFECT; the coarse
+model's moved them by about 3), far beyond the 1e-3 the backends must agree within (they
+agree within ~1.2e-5): a backend that dropped the delta, or applied it wrongly, could not
+pass.
 """
 
 import json
@@ -27,7 +28,7 @@ from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from test_cuda_backend import DECODE, LOGIT_TOLERANCE, mlx_greedy, prompt  # noqa: E402
 
 PACK_ADAPTER = DEFAULT_MODEL / "adapter"
-ADAPTER_EFFECT = 100 * LOGIT_TOLERANCE  # the least the reference adapter moves a logit
+ADAPTER_EFFECT = 100 * LOGIT_TOLERANCE  # the least the bundled adapter moves a logit
 TARGET = "model.layers.2.self_attn.q_proj"  # the module a wrong adapter spoils
 
 
@@ -43,7 +44,7 @@ def budget(name):
 
 @pytest.fixture(scope="module")
 def runs():
-    """(backend, adapter, budget) -> (tokens, logits, store stats) on the reference model:
+    """(backend, adapter, budget) -> (tokens, logits, store stats) on the bundled model:
     backend "mlx" (edgemoe.load) or "cpu" (edgemoe.cuda.load on the CPU)."""
     cache = {}
 
@@ -175,7 +176,7 @@ def test_a_missing_adapter_folder_is_named(tmp_path):
     ("model.layers.9.self_attn.q_proj", "names no module of the qwen3_moe model"),
     ("model.layers.2.mlp.gate", "is a router"),
     ("model.layers.2.input_layernorm", "is a Qwen3MoeRMSNorm, not a linear layer"),
-    ("model.layers.2.mlp.switch_mlp.gate_proj", "expected 32 experts' deltas, found F32 [256, "),
+    ("model.layers.2.mlp.switch_mlp.gate_proj", "expected 128 experts' deltas, found F32 [256, "),
 ])
 def test_a_key_naming_no_linear_layer_is_refused(tmp_path, renamed, found):
     bad = wrong_adapter(tmp_path, lambda n, t: t)

@@ -1,6 +1,6 @@
 """Prerouted routing on the CUDA backend (CPU mode, float32) against the MLX path's.
 
-The bundled reference model with the heads its pack carries: the same greedy tokens as
+The bundled model with the heads its pack carries: the same greedy tokens as
 edgemoe.load(..., routing="prerouted"), logits within the backend's tolerance, logits
 that are not native's (so a backend that ignored the heads would fail), prefetches that
 save on-demand loads, and routing state that belongs to the sequence; a router that

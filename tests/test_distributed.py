@@ -119,14 +119,14 @@ def test_two_hosts_equal_one(checkpoints, packs, shards, tmp_path):
                   (f"{family}-advisory", mlx, "advisory", mlx, "native"),
                   (f"{family}-pack", shards / "mixtral-shard{rank}" if family == "mixtral"
                    else pack, "native", pack, "native")]
-    cases.append(("reference-prerouted", BUNDLED_MODEL, "prerouted", BUNDLED_MODEL,
+    cases.append(("bundled-prerouted", BUNDLED_MODEL, "prerouted", BUNDLED_MODEL,
                   "prerouted"))
     mlx = checkpoints["qwen3_moe"][1]
     cases.append(("qwen3_moe-partition", mlx, "native", mlx, "native"))
     half = checkpoints["qwen3_moe_bf16"][1]  # bfloat16 activations: all_sum of bf16 rows
     cases.append(("qwen3_moe_bf16-inplace", half, "native", half, "native"))
     trace = _skewed_trace(Pack.open(packs["qwen3_moe"]["mlx"]), tmp_path / "trace.npz")
-    budget = lambda name: 0.25 if name.startswith("reference") else 0.5
+    budget = lambda name: 0.25 if name.startswith("bundled") else 0.5
     launch([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"g-{n}"),
              "partition": str(trace) if n.endswith("partition") else None}
             for n, m, r, _, _ in cases], tmp_path)

@@ -172,18 +172,19 @@ from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 
-REFERENCE = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "reference"
+from edgemoe.format.source import BUNDLED_MODEL  # noqa: E402
+
 TIMEOUT = httpx.Timeout(60.0)
 START_TIMEOUT_S = 300  # a loaded 2-core machine starts a server in 5-60 s
 
 
 def start_server(log_path, *args):
-    """`python -m edgemoe.server` on the reference model; (process, url) once healthy."""
+    """`python -m edgemoe.server` on the bundled model; (process, url) once healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgemoe.server", "--model", str(REFERENCE), "--host",
+        [sys.executable, "-m", "edgemoe.server", "--model", str(BUNDLED_MODEL), "--host",
          "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
     url = f"http://127.0.0.1:{port}"
@@ -249,7 +250,7 @@ def chat_stream(url, content, max_tokens=12, **extra):
 GOOD = ["Tell me about foxes.", "Write a list of numbers.", "What is Python?"]
 POISON = {
     "ollama temperature 1e308 with format json": (
-        "/api/chat", {"model": "reference", "stream": False,
+        "/api/chat", {"model": "fine", "stream": False,
                       "messages": [{"role": "user", "content": "hi"}],
                       "format": "json", "options": {"temperature": 1e308}},
         "options.temperature"),
@@ -305,10 +306,10 @@ def test_a_5000_digit_integer_is_a_400_and_the_connection_lives(server):
 
 
 def test_no_response_shows_the_servers_folders(server):
-    folder = str(REFERENCE.parent)
+    folder = str(BUNDLED_MODEL.parent)
     r = httpx.post(server + "/v1/chat/completions", timeout=TIMEOUT, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert r.status_code == 200 and r.json()["model"] == "reference", r.text
+    assert r.status_code == 200 and r.json()["model"] == "fine", r.text
     for method, path, body in [("GET", "/v1/models", None), ("GET", "/api/tags", None),
                                ("POST", "/v1/chat/completions", {"model": "nope",
                                 "messages": [{"role": "user", "content": "hi"}]}),
@@ -317,7 +318,7 @@ def test_no_response_shows_the_servers_folders(server):
         assert folder not in r.text, (path, r.text)
     # the folder's full path is still taken as the model's name
     r = httpx.post(server + "/v1/chat/completions", timeout=TIMEOUT, json={
-        "model": str(REFERENCE), "messages": [{"role": "user", "content": "hi"}],
+        "model": str(BUNDLED_MODEL), "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2})
     assert r.status_code == 200, r.text
 
@@ -424,7 +425,7 @@ def _adapter_copy(tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     for name in ("adapter_config.json", "adapters.safetensors"):
-        shutil.copy(REFERENCE / "adapter" / name, adapter)
+        shutil.copy(BUNDLED_MODEL / "adapter" / name, adapter)
     return adapter
 
 
@@ -456,7 +457,7 @@ def test_a_full_disk_at_the_first_load_names_the_file_and_leaves_nothing(tmp_pat
     from edgemoe.format.pack import Pack, PackError
 
     adapter = _adapter_copy(tmp_path)
-    pack = Pack.open(REFERENCE)
+    pack = Pack.open(BUNDLED_MODEL)
     real_open = builtins.open
 
     def full(path, mode="r", *a, **kw):

@@ -1,9 +1,8 @@
-"""The bundled reference MoE: the default of load() and of the generate CLI."""
+"""The bundled MoE, the fine-grained reference (128 experts, top-8): the default of load()
+and of the generate CLI."""
 
 import subprocess
 import sys
-
-import pytest
 
 import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL as DEFAULT_MODEL
@@ -12,41 +11,35 @@ from edgemoe.format.pack import Pack
 
 def test_bundled_pack_is_whole_and_small():
     pack = Pack.open(DEFAULT_MODEL)
-    assert pack.model_type == "qwen3_moe" and len(pack.layers) >= 4
-    assert pack.layers[0].num_experts >= 32 and pack.top_k >= 2
-    assert pack.expert_bytes > 0.8 * (pack.expert_bytes + pack.resident_bytes)
+    assert pack.model_type == "qwen3_moe" and len(pack.layers) == 8 and pack.top_k == 8
+    assert all(l.num_experts == 128 for l in pack.layers)
+    assert pack.expert_bytes > 0.9 * (pack.expert_bytes + pack.resident_bytes)  # 93%
     shipped = [f for f in DEFAULT_MODEL.rglob("*")  # less what a load writes beside them
                if f.is_file() and not f.name.startswith("expert_deltas.")]
-    assert sum(f.stat().st_size for f in shipped) < 42e6  # README and docs: 40 MB
+    # 36.6 MB pack (its card), 4.5 MB heads, 8.1 MB adapter
+    assert sum(f.stat().st_size for f in shipped) < 50e6
 
 
-def test_load_without_a_path_gives_the_reference_model():
+def test_load_without_a_path_gives_the_bundled_model():
     model, tokenizer = edgemoe.load(expert_budget=0.25)
     assert model.expert_store.info().path == DEFAULT_MODEL
     text = edgemoe.generate(model, tokenizer, "import os\n", max_tokens=12)
     assert len(text) > 0
 
 
-def test_generate_cli_defaults_to_the_reference_model():
+def test_generate_cli_defaults_to_the_bundled_model():
     out = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--prompt", "def ",
                           "--ignore-chat-template", "--max-tokens", "8"],
                          capture_output=True, text=True, check=True).stdout
     assert "Generation: " in out
 
 
-FINE = DEFAULT_MODEL.parent / "fine"
+DRAFT = DEFAULT_MODEL.parent / "fine-draft"
 
 
-def shipped(asset):
-    """Both bundled models, the fine-grained one once it ships `asset`."""
-    return [DEFAULT_MODEL, pytest.param(FINE, marks=pytest.mark.skipif(
-        not (FINE / asset).exists(), reason=f"the fine-grained reference has no {asset} yet"))]
-
-
-@pytest.mark.parametrize("pack", shipped("prerouter"), ids=["reference", "fine"])
-def test_shipped_prerouter_heads_serve_the_bundled_models(pack):
+def test_shipped_prerouter_heads_serve_the_bundled_model():
     """With no --prerouter, the prerouted modes use the heads the bundled pack carries."""
-    model, tokenizer = edgemoe.load(pack, expert_budget=0.25, routing="prerouted")
+    model, tokenizer = edgemoe.load(expert_budget=0.25, routing="prerouted")
     store = model.expert_store
     counts = []
     for _ in edgemoe.stream_generate(model, tokenizer, "def read_lines(path):", max_tokens=16):
@@ -57,8 +50,7 @@ def test_shipped_prerouter_heads_serve_the_bundled_models(pack):
     assert store.snapshot().prefetches > 0
 
 
-@pytest.mark.parametrize("pack", shipped("adapter"), ids=["reference", "fine"])
-def test_shipped_lora_serves_the_prerouted_bundled_models_unmerged(pack):
+def test_shipped_lora_serves_the_prerouted_bundled_model_unmerged():
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -67,8 +59,7 @@ def test_shipped_lora_serves_the_prerouted_bundled_models_unmerged(pack):
     tokens = mx.array([[3, 17, 250, 4000, 12, 99]])
     outputs = []
     for adapter in (None, "pack"):  # "pack": the adapter the bundled pack carries
-        model, _ = edgemoe.load(pack, routing="prerouted", prerouter_path="pack",
-                                adapter_path=adapter)
+        model, _ = edgemoe.load(routing="prerouted", prerouter_path="pack", adapter_path=adapter)
         outputs.append(model(tokens))
     assert len(lora_layers(model)) == 4 * len(model.layers)  # attention, unmerged
     assert not mx.allclose(outputs[0], outputs[1])
@@ -106,34 +97,24 @@ def test_the_model_card_states_what_the_pack_carries():
     card = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(card)
     section = card.assets_section(DEFAULT_MODEL)
-    assert "| 5 | 4 | 61.0% |" in section and "the attention and every routed expert" in section
+    assert "| 5 | 4 | 47.4% |" in section and "the attention and every routed expert" in section
     assert section in (DEFAULT_MODEL / "README.md").read_text()
 
 
-@pytest.mark.skipif(not (FINE / "manifest.json").exists(),
-                    reason="the fine-grained reference (scripts/train_reference_moe.py --shape fine) "
-                           "is not bundled yet")
-def test_the_fine_grained_reference_routes_as_todays_moes_do():
-    """The fine-grained model (128 experts, top-8) ships whole, small, with its card, and the
-    routing statistics of its held-out text within the targets of a realistic reference
-    (scripts/routing_stats.py: busiest expert <= 10% and 90% of selections needing >= 35% of
-    the experts in every layer, next-token overlap 0.2-0.5)."""
+def test_the_bundled_model_routes_as_todays_moes_do():
+    """Its card carries the routing statistics of its held-out text, within the targets of a
+    realistic reference (scripts/routing_stats.py: busiest expert <= 10% and 90% of selections
+    needing >= 35% of the experts in every layer, next-token overlap 0.2-0.5)."""
     import json
 
-    pack = Pack.open(FINE)
-    assert pack.model_type == "qwen3_moe" and pack.top_k == 8
-    assert all(l.num_experts == 128 for l in pack.layers)
-    shipped = [f for f in FINE.rglob("*") if f.is_file() and not f.name.startswith("expert_deltas.")]
-    assert sum(f.stat().st_size for f in shipped) < 50e6  # 36.6 MB pack (its card), 4.5 MB heads, 8.1 MB adapter
-    report = json.loads((FINE / "routing_stats.json").read_text())
-    assert report["num_experts"] == [128] * len(pack.layers) and report["tokens"] >= 4096
+    report = json.loads((DEFAULT_MODEL / "routing_stats.json").read_text())
+    assert report["num_experts"] == [128] * 8 and report["tokens"] >= 4096
     assert all(report["within_targets"].values()), report["within_targets"]
-    assert "### Routing statistics" in (FINE / "README.md").read_text()
-    # the same tokenizer as the default model: drafts and prompts carry over
-    assert (FINE / "tokenizer.json").read_bytes() == (DEFAULT_MODEL / "tokenizer.json").read_bytes()
+    assert "### Routing statistics" in (DEFAULT_MODEL / "README.md").read_text()
+    # its draft's tokenizer is its own: drafted tokens are the MoE's
+    assert (DRAFT / "tokenizer.json").read_bytes() == (DEFAULT_MODEL / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.skipif(not (FINE / "manifest.json").exists(), reason="not bundled yet")
 def test_a_whole_layer_of_fine_grained_experts_reads_at_once():
     """At a full budget a long prompt needs every expert of a layer: one merged read of
     128 records would pass preadv's buffer limit (EINVAL) if the reader did not cut it."""
@@ -142,7 +123,7 @@ def test_a_whole_layer_of_fine_grained_experts_reads_at_once():
 
     import mlx.core as mx
 
-    model, tokenizer = edgemoe.load(FINE, expert_budget=1.0)
+    model, tokenizer = edgemoe.load(expert_budget=1.0)
     text = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()
     mx.eval(model(mx.array(tokenizer.encode(text)[:512])[None]))
     store = model.expert_store  # nearly every expert of every layer, read without error

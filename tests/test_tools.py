@@ -248,12 +248,12 @@ def test_eval_without_a_model_scores_the_bundled_one(tmp_path, capsys):
     edgemoe_eval.main(["--text", str(text), "--context", "16", "--max-tokens", "32",
                        "--expert-budget", "50%"])
     out = capsys.readouterr().out
-    assert "reference: perplexity" in out
+    assert "fine: perplexity" in out
 
 
 def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
     """`pip install .` (not editable) ships the bundled pack with its heads, adapter and
-    learned cache policy. Installed into a folder of its own, without dependencies
+    learned cache policy, and its draft. Installed into a folder of its own, without dependencies
     (this environment has them), and run from outside the repository."""
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
@@ -269,10 +269,11 @@ def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].startswith(str(target))  # the installed copy ran
     assert "Generation: 5 tokens" in r.stdout
-    installed = target / "edgemoe" / "models" / "reference"
-    for asset in ("prerouter/prerouter.safetensors", "adapter/adapters.safetensors",
-                  "cache_policy.npz"):
+    installed = target / "edgemoe" / "models"
+    for asset in ("fine/prerouter/prerouter.safetensors", "fine/adapter/adapters.safetensors",
+                  "fine/cache_policy.npz", "fine-draft/model.safetensors"):
         assert (installed / asset).exists(), asset
+    assert not (installed / "reference").exists()
 
 
 @pytest.mark.parametrize("flag,value", [("--temp", "-1"), ("--temp", "nan"), ("--temp", "inf"),
