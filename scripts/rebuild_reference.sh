@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuild everything shipped for a bundled reference MoE from one training run:
+# Rebuild everything shipped for a reference MoE from one training run:
 # the int4 pack and its card, the prerouter heads, the recovery LoRA, the learned cache
 # policy's weights, the speculative draft. RUN is the folder of `scripts/train_reference_moe.py --out RUN --steps N`
 # (hf/ is the unquantized model the pack converts). Each step keeps its output under RUN/

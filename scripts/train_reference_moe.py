@@ -79,7 +79,7 @@ HEADS = 8
 KV_HEADS = 4
 HEAD_DIM = 32
 SHAPES = {
-    # the bundled model: 32 coarse experts, top-2
+    # the coarse reference (bundled before the fine one): 32 experts, top-2
     # balanced as transformers does, over all layers' selections together (per-layer skew stays)
     "reference": dict(layers=6, experts=32, top_k=2, expert_width=256, max_params=45_500_000,
                       balance="global", balance_coef=AUX_LOSS_COEF, domains=("stdlib",)),
