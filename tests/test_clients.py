@@ -732,7 +732,9 @@ def test_responses_create_and_stream(oa):
                             max_output_tokens=8, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 8 and r.output_text
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}},
+    # bounded, so that it closes: the bundled model writes an unbounded integer's digits on
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
     text = {"format": {"type": "json_schema", "name": "n", "schema": schema}}
     with oa.responses.stream(model=MODEL, input=[{"role": "user", "content": "a number"}],
