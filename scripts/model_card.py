@@ -181,15 +181,19 @@ def assets_section(pack: Path) -> str:
     from the reports their training wrote."""
     lines = [ASSETS, "Distilled from this pack on the training split "
              f"(`MODEL={pack.name} scripts/rebuild_reference.sh RUN heads lora traces`).", ""]
-    heads = pack / "prerouter" / "report.json"
-    if heads.exists():
+    for folder in ("prerouter", "prerouter-same-token"):  # the second: --prerouter PACK/folder
+        heads = pack / folder / "report.json"
+        if not heads.exists():
+            continue
         r = json.loads(heads.read_text())
-        lines += [f"`prerouter/`: {r['variant'].replace('_', '-')} prerouter heads (hidden "
+        use = ("" if folder == "prerouter" else
+               f" (route by them: `--prerouter edgemoe/models/{pack.name}/{folder}`)")
+        lines += [f"`{folder}/`: {r['variant'].replace('_', '-')} prerouter heads (hidden "
                   f"{r['head_hidden']}, {r['train_tokens']:,} training tokens, {r['epochs']} "
                   f"epochs). Held-out recall of the top-{r['top_k']} experts ({r['eval_tokens']:,} "
                   f"tokens), beside two guesses that need no training: the layer's own router "
                   f"applied to the source layer's input of the same token, and the previous "
-                  f"token's routing repeated:", "",
+                  f"token's routing repeated{use}:", "",
                   "| layer | from layer | head | exact set | router, same token | previous token's |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {l['target']} | {l['source']} | {l['head']['recall']:.1%} | "

@@ -39,12 +39,16 @@ for step in $STEPS; do
       rm -rf "$TOKENIZER" ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
-    heads)  # next-token heads, distilled from the pack's own routers
-      $PY -m edgemoe.train_prerouter --model "$PACK" --data "$RUN/train.txt" \
-          --eval-data "$RUN/heldout.txt" --out "$RUN/prerouter" \
-          --max-train-tokens 64000 --max-eval-tokens 16384
-      rm -rf "$HEADS" && mkdir -p "$HEADS"
-      cp "$RUN"/prerouter/prerouter/* "$RUN/prerouter/report.json" "$HEADS/"
+    heads)  # next-token heads (the pack's, for the prerouted modes) and same-token heads
+      # (PACK/prerouter-same-token, the near-exact option), distilled from the pack's routers
+      for variant in prerouter prerouter-same-token; do
+        $PY -m edgemoe.train_prerouter --model "$PACK" --data "$RUN/train.txt" \
+            --eval-data "$RUN/heldout.txt" --out "$RUN/$variant" \
+            --max-train-tokens 64000 --max-eval-tokens 16384 \
+            $([ $variant = prerouter-same-token ] && echo --same-token)
+        rm -rf "${PACK:?}/$variant" && mkdir -p "$PACK/$variant"
+        cp "$RUN/$variant"/prerouter/* "$RUN/$variant/report.json" "$PACK/$variant/"
+      done
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
     lora)  # distilled from the pack's int4 native routing into its prerouted routing, the
       # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)
