@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.streaming.trace import load_trace, traces_in  # noqa: E402
+from edgemoe.streaming.trace import load_trace  # noqa: E402
 from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
@@ -43,7 +43,7 @@ def trace_files(spec: str):
     files = []
     for part in spec.split(","):
         p = Path(part)
-        files += traces_in(p) if p.is_dir() else [p]
+        files += sorted(p.glob("*.npz")) if p.is_dir() else [p]
     if not files:
         raise SystemExit(f"bench_twin: no .npz traces in {spec}")
     return files

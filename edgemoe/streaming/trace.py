@@ -115,15 +115,6 @@ def load_trace(path) -> Dict[str, np.ndarray]:
     return trace
 
 
-def traces_in(folder) -> List[Path]:
-    """The routing traces among a folder's .npz files (a learned cache policy's weights may
-    lie beside them, as in tests/data/fine_traces)."""
-    def is_trace(path):
-        with np.load(path) as data:
-            return {"layers", "routed", "decode"} <= set(data.files)
-    return [p for p in sorted(Path(folder).glob("*.npz")) if is_trace(p)]
-
-
 def check_trace_matches(trace: Dict[str, np.ndarray], pack, where) -> None:
     """Refuse a trace recorded on another model than `pack` (by fingerprint, or for
     older traces by layers, expert counts and record sizes)."""

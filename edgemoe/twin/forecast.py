@@ -98,10 +98,10 @@ def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk
 
 def report(model: str, machine: str, budgets: Optional[List[str]] = None,
            trace: Optional[str] = None, memory: Optional[int] = None):
-    from ..streaming.trace import load_trace, traces_in
+    from ..streaming.trace import load_trace
     profile = load_profile(machine)
     shape = shape_for(model)
-    files = [Path(trace)] if trace else traces_in(DEFAULT_TRACES)
+    files = [Path(trace)] if trace else sorted(DEFAULT_TRACES.glob("*.npz"))
     if not files:  # an installed package carries no test traces
         raise SystemExit(f"error: --machine forecasts from routing traces: expected --trace TRACE.npz "
                          f"(scripts/routing_stats.py record writes them), found none in {DEFAULT_TRACES}")
