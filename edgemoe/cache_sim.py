@@ -1,7 +1,7 @@
 """Questions about the expert cache, asked of routing traces (edgemoe.generate --trace).
 
     python -m edgemoe.cache_sim replay TRACE [TRACE ...] --budget 0.1,0.25,0.5 \\
-        [--policies lru,lfu,lfuda,s3fifo,learned] [--prefetch] [--png hit_rate.png] [--json out.json]
+        [--policies lfu,learned,belady] [--prefetch] [--png hit_rate.png] [--json out.json]
     python -m edgemoe.cache_sim train-learned TRACE [TRACE ...] --out cache_policy.npz
     python -m edgemoe.cache_sim split TRACE [TRACE ...] --budget 0.1,0.25 [--policy lfu]
     python -m edgemoe.cache_sim windows TRACE [TRACE ...] --budget 0.1,0.25 --window 1,2,4,8
@@ -9,8 +9,8 @@
 Each subcommand has its own --help; `replay` is the default (`cache_sim TRACE --budget 0.1`).
 
 `replay` compares the cache policies with Belady's optimum: the traces replayed through
-the store's own slots (edgemoe.streaming.replay). `train-learned` fits the learned
-policy's weights (edgemoe.streaming.learned).
+the store's own slots (edgemoe.streaming.replay). `train-learned` fits the weights of the
+learned policy, which is experimental (edgemoe.streaming.experimental).
 
 `windows` asks what speculative decoding can save in reads at best: the decoded tokens
 verified in windows, every draft kept, each window one call over the union of its
@@ -31,8 +31,9 @@ from typing import Dict, List
 import numpy as np
 
 from .cli import add_debug_flag, tool
-from .streaming.cache import DEFAULT_LEARNED, POLICIES, NextUseModel, make_policy
-from .streaming.learned import train_learned
+from .streaming.cache import DEFAULT_POLICY, POLICIES, make_policy
+from .streaming.experimental.fit_learned import train_learned
+from .streaming.experimental.learned import DEFAULT_LEARNED, NextUseModel
 from .streaming.replay import (Result, layer_requests, replay, run, simulate, trace_calls,
                                trace_experts, trace_plan)
 from .streaming.trace import load_trace
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     windows.set_defaults(run=main_windows)
 
     train = sub.add_parser(
-        "train-learned", help="fit the learned cache policy's weights",
+        "train-learned", help="experimental: fit the learned cache policy's weights",
         description="Fit the learned cache policy to Belady's next-use distances on routing "
                     "traces.")
     train.add_argument("traces", nargs="+")
@@ -242,7 +243,8 @@ def _replay_flags(p: argparse.ArgumentParser):
     """The flags `split` and `windows` share."""
     p.add_argument("traces", nargs="+")
     p.add_argument("--budget", default="0.1,0.25")
-    p.add_argument("--policy", default="lfu", choices=[n for n in POLICIES if n != "learned"])
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   choices=[n for n in POLICIES if n != "learned"])
     p.add_argument("--json", default=None, help="Write the results here")
     add_debug_flag(p)
 

@@ -12,7 +12,7 @@ import functools
 import os
 import sys
 
-from .options import EXPERIMENTAL_TITLE, experimental_group
+from .options import EXPERIMENTAL_TITLE
 
 EXPECTED = (ValueError, OSError)
 
@@ -71,15 +71,10 @@ ESSENTIAL = {
     "train_lora": ["--model", "--teacher", "--data", "--eval-data", "--out", "--rank",
                    "--experts", "--steps", "--backend"],
 }
-# Research variants the measurements found not to pay (docs/benchmarks.md): kept, and
-# set apart in a group named so
-EXPERIMENTAL = {
-    "train_prerouter": ["--first-layer", "--history", "--inputs", "--depth"],
-}
 def arrange(parser: argparse.ArgumentParser, tool_name: str) -> argparse.ArgumentParser:
     """Order `parser`'s --help for a newcomer: the tool's ESSENTIAL flags first, in their
-    own group and at the head of the usage line, its EXPERIMENTAL ones in the last group.
-    Only the help changes: parsing is the same."""
+    own group and at the head of the usage line, the "experimental" group last. Only the
+    help changes: parsing is the same."""
     by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
 
     def move(flags, group):
@@ -102,8 +97,6 @@ def arrange(parser: argparse.ArgumentParser, tool_name: str) -> argparse.Argumen
         parser._actions[:] = ([a for a in parser._actions if isinstance(a, argparse._HelpAction)]
                               + ordered + [a for a in parser._actions if a not in ordered
                                            and not isinstance(a, argparse._HelpAction)])
-    if EXPERIMENTAL.get(tool_name):
-        move(EXPERIMENTAL[tool_name], experimental_group(parser))
     for group in [g for g in parser._action_groups if g.title == EXPERIMENTAL_TITLE]:
         parser._action_groups.remove(group)
         parser._action_groups.append(group)

@@ -408,8 +408,8 @@ def report(pack: Pack, args, trace=None):
     if args.trace:
         print(f"hit rates: {DEFAULT_POLICY} replay of {args.trace} (decode tokens)")
     else:
-        print("hit rates: assumed slots / experts per layer, what LRU gets from a router "
-              "that picks uniformly; a trained router reuses more (pass --trace)")
+        print("hit rates: assumed slots / experts per layer, what any policy gets from a "
+              "router that picks uniformly; a trained router reuses more (pass --trace)")
     print(f"  {'budget':>10} {'slots':>5} {'memory':>10} {'hit rate':>8} "
           f"{'read/token':>10} {'tok/s':>7} {'(reads overlapped)':>18}")
     for b in budgets:

@@ -7,7 +7,7 @@ Each window is one forward call by default; `--stepwise` scores it a token a cal
 KV cache, as decode runs it (for the routing modes, predictions carried from call to call).
 
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
-advisory, prerouted, prerouted-set), `prerouter=` (heads folder), `adapter=` (adapter
+advisory, prerouted), `prerouter=` (heads folder), `adapter=` (adapter
 folder); the streaming flags (--expert-budget, --routing, ...) give every configuration's
 defaults. Without --model the bundled model is evaluated. An edgemoe pack
 loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given streaming

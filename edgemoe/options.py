@@ -15,20 +15,19 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 from .distributed import DEFAULT_TIMEOUT_S
-from .routing.modes import NATIVE, RoutingMode, parse_routing, routing_mode
+from .routing.modes import MODE_NAMES, NATIVE, RoutingMode, parse_routing, routing_mode
 from .streaming.budget import Budget
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
 # what --help offers first; the other values are accepted, and named in the help's
-# "experimental" group: measured not to pay on the bundled model (docs/benchmarks.md)
-MAIN_ROUTING = ("native", "advisory", "prerouted")
-MAIN_POLICIES = ("lfu", "learned")
+# "experimental" group (docs/benchmarks.md, "Variants")
+MAIN_POLICIES = (DEFAULT_POLICY,)
 EXPERIMENTAL_VALUES = {
-    "routing": "--routing prerouted-set: the predicted experts, weighed by the native "
-               "router (slower than prerouted, docs/routing.md).",
-    "cache_policy": "--cache-policy lru, lfuda, s3fifo: policies LFU beats on the bundled "
-                    "model's traces (docs/cache.md).",
+    "cache_policy": "--cache-policy learned: evict the expert a small model predicts will "
+                    "be needed farthest ahead (the pack's cache_policy.npz; "
+                    "edgemoe.streaming.experimental); within a point of lfu on the bundled "
+                    "model (docs/cache.md).",
 }
 
 
@@ -122,24 +121,23 @@ class StreamOptions:
             "cache_policy": (("--cache-policy",), dict(
                 default=DEFAULT_POLICY, choices=sorted(POLICIES),
                 metavar="{" + ",".join(MAIN_POLICIES) + "}",
-                help="Which resident expert to evict when a layer's slots are full: lfu, or "
-                     "learned (the pack's own weights) (default: %(default)s; experimental: "
-                     "see below)")),
+                help="Which resident expert to evict when a layer's slots are full: lfu, the "
+                     "one used least often (default: %(default)s; experimental: see below)")),
             "io": (("--io",), dict(
                 default="buffered", choices=IO_MODES,
                 help="direct: O_DIRECT reads that bypass the page cache (default: %(default)s)")),
             "routing": (("--routing",), dict(
                 default=NATIVE, type=parse_routing,
-                metavar="{" + ",".join(MAIN_ROUTING) + "}",
+                metavar="{" + ",".join(MODE_NAMES) + "}",
                 help="native: the router decides, experts load on demand (exact); advisory: "
                      "later layers' experts are prefetched, same output; prerouted: the "
                      "prerouter heads' prediction is the routing, read a token ahead "
-                     "(default: %(default)s; experimental: see below)")),
+                     "(default: %(default)s)")),
             "prerouter_path": (("--prerouter",), dict(
                 dest="prerouter_path", default=None,
                 help="Prerouter heads folder (edgemoe.train_prerouter --out DIR: "
-                     "DIR/prerouter), or 'pack' for the heads the model folder carries; the "
-                     "prerouted modes use those by default")),
+                     "DIR/prerouter), or 'pack' for the heads the model folder carries; "
+                     "--routing prerouted uses those by default")),
             "adapter_path": (("--adapter-path",), dict(
                 default=None,
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
@@ -196,6 +194,6 @@ def experimental_group(parser: argparse.ArgumentParser, description: str = None)
                 group.description = " ".join(filter(None, [group.description, description]))
             return group
     return parser.add_argument_group(
-        EXPERIMENTAL_TITLE, "Research variants, kept but measured not to pay on the bundled "
-                            "model (docs/benchmarks.md)." + (" " + description if description
-                                                            else ""))
+        EXPERIMENTAL_TITLE, "Research variants, kept but not the default: measured no better "
+                            "than it on the bundled model (docs/benchmarks.md)."
+                            + (" " + description if description else ""))

@@ -2,7 +2,7 @@
 share one expert store.
 
     python -m edgemoe.server --model PACK [--host 127.0.0.1] [--port 8080] [--expert-budget 25%]
-           [--routing native|advisory|prerouted|prerouted-set] [--prerouter DIR]
+           [--routing native|advisory|prerouted] [--prerouter DIR]
            [--draft-model MLX_DIR | --prompt-lookup] [--num-draft-tokens 3]
     mlx.launch --backend ring --hosts IP1,IP2 -- python -m edgemoe.server --distributed --model M
         (several hosts as one: host 0 serves HTTP, each host streams its share of the experts)

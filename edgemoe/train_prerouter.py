@@ -1,8 +1,7 @@
 """Train prerouter heads by distillation from the model's own routers.
 
     python -m edgemoe.train_prerouter --model PATH --data FILE --out DIR
-           [--eval-data FILE] [--hidden 256] [--epochs N] [--seed S] [--same-token]
-           [--first-layer] [--history 2] [--inputs 2] [--depth 2]
+           [--eval-data FILE] [--epochs N] [--seed S] [--same-token]
 
 1. Run the base model with native routing over windows of the text (the last 10% of
    windows held out, or --eval-data) and record, for every MoE layer and token, the
@@ -40,6 +39,7 @@ from .options import StreamOptions
 from .streaming.budget import is_auto
 from .routing.gates import (BlockInput, gate_logits, handing, hidden_size,
                             indices_from_logits, moe_blocks, tapped, uses_sigmoid)
+from .routing.heads_config import HEAD_HIDDEN
 from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
 
 # knobs
@@ -177,15 +177,9 @@ class Features:
         for t in targets or config.targets:
             s, shift = config.sources[t], config.shift(t)
             r = rows[self.followed[rows]] if shift else rows
-            prevs = []  # the earlier tokens' routing, most recent first (none: zeros)
-            for j in range(1, config.history + 1):
-                prev = multi_hot_np(self.routed[s][np.maximum(r - j, 0)], e)
-                prev[self.pos[r] < j] = 0
-                prevs.append(prev)
-            prev = np.concatenate(prevs, axis=-1)
-            xs = [np.zeros((len(r), self.x[s].shape[1]), np.float32) if l is None
-                  else self.x[l][r].astype(np.float32) for l in config.input_layers(t)]
-            out[t] = (mx.array(np.concatenate(xs, axis=-1)),
+            prev = multi_hot_np(self.routed[s][np.maximum(r - 1, 0)], e)  # the token before
+            prev[self.pos[r] < 1] = 0  # (none: zeros)
+            out[t] = (mx.array(self.x[s][r].astype(np.float32)),
                       mx.array(multi_hot_np(self.routed[s][r], e)), mx.array(prev),
                       mx.array(self.logits[t][r + shift]),
                       mx.array(multi_hot_np(self.routed[t][r + shift], e)))
@@ -314,10 +308,8 @@ def print_table(report: dict):
     for r in report["layers"]:
         cells = [r[k] for k in ("head", "baseline_next_token", "baseline_same_token",
                                 "repeat_previous_token")]
-        wraps = r["target"] <= r["source"]  # the first layer's head: the next token's
         print(f"{r['target']:>5} " + " ".join(f"{c['recall']:>7.3f} / {c['exact']:.3f}"
-                                             for c in cells)
-              + (f"  (head at layer {r['source']}, next token)" if wraps else ""))
+                                             for c in cells))
 
 
 @tool("train_prerouter")
@@ -328,20 +320,10 @@ def main(argv=None):
     p.add_argument("--eval-data", default=None,
                    help="held-out text (default: the last 10%% of --data's windows)")
     p.add_argument("--out", required=True, help="folder for features, checkpoints, heads")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of each head")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--same-token", action="store_true",
                    help="predict layer l+1 of the same token (one layer of lead time)")
-    p.add_argument("--first-layer", action="store_true",
-                   help="also a head for the first MoE layer, run at the last (the next "
-                        "token's); it only reads ahead (advisory): the first layer keeps "
-                        "its router")
-    p.add_argument("--history", type=int, default=1,
-                   help="earlier tokens whose routing a head reads (Edge0 reads 2)")
-    p.add_argument("--inputs", type=int, default=1,
-                   help="MoE layers whose input a head reads: its own and those before it")
-    p.add_argument("--depth", type=int, default=1, help="hidden layers of each head")
     p.add_argument("--native-layers", default="",
                    help="comma-separated MoE layers a prerouted mode keeps native "
                         "(the first MoE layer always is)")
@@ -366,10 +348,7 @@ def run(args) -> dict:
     native = [int(l) for l in args.native_layers.split(",") if l.strip()]
     mx.random.seed(args.seed)
     config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
-                                       blocks, args.hidden, args.same_token, native,
-                                       getattr(args, "first_layer", False),
-                                       getattr(args, "history", 1),
-                                       getattr(args, "inputs", 1), getattr(args, "depth", 1))
+                                       blocks, args.same_token, native)
     prerouter = Prerouter(config)
 
     def tokens_of(path, limit):
@@ -411,8 +390,7 @@ def run(args) -> dict:
     report.update(model=args.model, data=args.data, eval_data=args.eval_data,
                   top_k=config.top_k, num_experts=config.num_experts,
                   train_tokens=len(train_features.pos), eval_tokens=len(eval_features.pos),
-                  epochs=args.epochs, seed=args.seed, head_hidden=args.hidden,
-                  inputs=config.inputs, depth=config.depth,
+                  epochs=args.epochs, seed=args.seed, head_hidden=HEAD_HIDDEN,
                   train_loss=losses, heads=str(out / "prerouter"))
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report

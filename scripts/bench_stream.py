@@ -11,8 +11,7 @@ JSON and a PNG chart.
                                    [--read-bps 20M] [--modes advisory,prerouted]
 
 Without --mlx-model/--pack it builds the largest test checkpoint (qwen3_moe_large).
---prerouter adds rows for advisory prefetch by the trained heads and for the prerouted
-modes; --modes picks the routing modes run beside native. Every row shows the exact-mode
+--prerouter adds rows for the prerouted mode; --modes picks the routing modes run beside native. Every row shows the exact-mode
 limit at its budget: max(compute, the bytes Belady's policy reads on native's own routing
 over the read rate), the best step native routing allows. --adapter-path adds rows serving that LoRA adapter unmerged (native 100%, and every
 prerouted row) and prints its decode cost: tok/s with it over tok/s without. --cold drops the model's files from the page cache before every run and reads experts
@@ -34,7 +33,7 @@ from edgemoe.options import StreamOptions
 
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
 ADVISORY_BUDGETS = [0.25, 0.10]
-HEAD_MODES = ["advisory-heads", "prerouted", "prerouted-set"]  # need --prerouter
+HEAD_MODES = ["prerouted"]  # needs --prerouter
 
 
 def drop_page_cache(folder: Path):
@@ -65,10 +64,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         import edgemoe
 
         budget, routing, *lora = kind.split(":")
-        heads = None
-        if routing == "advisory-heads" or routing.startswith("prerouted"):
-            heads = prerouter
-            routing = routing.replace("-heads", "")
+        heads = prerouter if routing in HEAD_MODES else None
         options = StreamOptions(float(budget), cache_policy, io, routing, prerouter_path=heads,
                                 adapter_path=adapter if lora else None, readers=readers)
         model, tokenizer = edgemoe.load(path, options)
@@ -338,13 +334,13 @@ def main():
                    help="Take the prompt from this text file (default: random tokens)")
     p.add_argument("--modes", default=None,
                    help="Routing modes beside native, e.g. advisory,prerouted (default: "
-                        "advisory, and with --prerouter the modes that use its heads)")
+                        "advisory, and with --prerouter prerouted)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="Sampling temperature (top-p 0.9, seed 0); greedy by default")
     p.add_argument("--forced", action="store_true",
                    help="Decode the --text's own next tokens, not sampled ones: every "
                         "configuration sees the same tokens (as for an adapter's cost)")
-    # --prerouter adds advisory-heads and prerouted rows; --adapter-path adds rows serving
+    # --prerouter adds prerouted rows; --adapter-path adds rows serving
     # the adapter unmerged, and its decode cost
     StreamOptions.add_arguments(p, only=["prerouter_path", "adapter_path", "cache_policy", "readers"])
     p.add_argument("--io", default="buffered", help=argparse.SUPPRESS)
@@ -373,7 +369,7 @@ def main():
     unknown = set(modes) - {"advisory", *HEAD_MODES}
     if unknown or (set(modes) & set(HEAD_MODES) and not args.prerouter_path):
         p.error(f"--modes: choose from advisory, {', '.join(HEAD_MODES)} (the last "
-                f"{len(HEAD_MODES)} need --prerouter); got {args.modes}")
+                f"needs --prerouter); got {args.modes}")
     configs = ([("mlx-lm", mlx)] if mlx else []) + [(f"{b}:native", pack) for b in budgets]
     configs += [(f"{b}:{mode}", pack) for mode in modes for b in advisory_budgets]
     lora = lora_pairs([kind for kind, _ in configs]) if args.adapter_path else []

@@ -1,4 +1,4 @@
-"""Every tool's --help shows its essential flags first and sets research variants apart;
+"""Every tool's --help shows its essential flags first and sets the experimental apart;
 `edgemoe COMMAND` runs `python -m edgemoe.COMMAND`; cache_sim has real subcommands."""
 
 import importlib
@@ -34,21 +34,29 @@ def test_help_shows_the_essential_flags_first(name, capsys):
     assert first[:len(cli.ESSENTIAL[name])] == cli.ESSENTIAL[name], usage
 
 
-def test_research_variants_are_in_a_group_named_experimental(capsys):
-    out = help_of("train_prerouter", capsys)
-    experimental = out.split("\nexperimental:\n")[1]
-    assert flags_of(experimental) == cli.EXPERIMENTAL["train_prerouter"]
+def test_the_experimental_variant_is_in_a_group_named_so_and_removed_ones_are_refused(
+        capsys):
+    """The learned cache policy, the one experimental variant left, is named in each
+    tool's "experimental" group, the last; the variants removed in #44 are refused."""
+    import argparse
+
+    from edgemoe.options import StreamOptions
+
     for name in ("generate", "server", "eval"):
         out = " ".join(help_of(name, capsys).split())
         assert "--routing {native,advisory,prerouted}" in out
-        assert "--cache-policy {lfu,learned}" in out
+        assert "--cache-policy {lfu}" in out
         tail = out.split(" experimental: Research variants")[1]
-        assert "--routing prerouted-set" in tail and "lru, lfuda, s3fifo" in tail
-    from edgemoe.options import StreamOptions
-    import argparse
-    args = StreamOptions.add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--routing", "prerouted-set", "--cache-policy", "s3fifo"])  # still accepted
-    assert (args.routing.name, args.cache_policy) == ("prerouted-set", "s3fifo")
+        assert "--cache-policy learned" in tail
+    parser = StreamOptions.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--cache-policy", "learned"]).cache_policy == "learned"
+    for removed in (["--routing", "prerouted-set"], ["--cache-policy", "lru"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(removed)
+    assert "invalid choice" in capsys.readouterr().err
+    out = help_of("train_prerouter", capsys)
+    assert not {"--first-layer", "--history", "--inputs", "--depth", "--hidden"} & set(
+        re.findall(r"--[a-z-]+", out))
 
 
 def test_cache_sim_has_subcommands_with_their_own_help(capsys):

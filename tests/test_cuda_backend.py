@@ -141,7 +141,7 @@ class FakeDevice:
         self.cond.notify_all()
 
 
-def device_store(pack, budget, device=None, policy="lru", host_rows=None):
+def device_store(pack, budget, device=None, policy="lfu", host_rows=None):
     """A store of device slot memory on `device`, each layer's host tier `host_rows` rows
     (default: as many as slots)."""
     device = device or HostStreams()
@@ -208,31 +208,39 @@ def test_slots_hold_the_records_bytes_and_tensor_views(small):
     store.close()
 
 
-def lru_reference(calls, slots):
-    """(hits, loads, evictions) of an LRU pool of `slots`, written out independently: each
-    call touches its experts in order, then loads its misses last first (each a touch)."""
-    order, hits, loads, evictions = [], 0, 0, 0
+def lfu_reference(calls, slots):
+    """(hits, loads, evictions) of an LFU pool of `slots` (ties: the least recent), written
+    out independently: each call touches its experts in order, then loads its misses last
+    first (each a touch)."""
+    order, uses, hits, loads, evictions = [], {}, 0, 0, 0
+
+    def touch(e):
+        if e in order:
+            order.remove(e)
+        order.append(e)
+        uses[e] = uses.get(e, 0) + 1
+
     for experts in calls:
         wanted = sorted(int(e) for e in experts)
         missing = [e for e in wanted if e not in order]
         hits += len(wanted) - len(missing)
-        order = [e for e in order if e not in wanted] + wanted
+        for e in wanted:
+            touch(e)
         for e in reversed(missing):
-            if len(order) > slots:  # evict the least recent expert this call does not need
-                victim = next(v for v in order if v not in wanted)
+            if len(order) > slots:  # evict the least used expert this call does not need
+                victim = min((v for v in order if v not in wanted), key=uses.__getitem__)
                 order.remove(victim)
                 evictions += 1
             loads += 1
-            order.remove(e)
-            order.append(e)
+            touch(e)
     return hits, loads, evictions
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"learned"}) + ["learned"])
 def test_same_evictions_as_the_mlx_backend(small, policy):
     """The device slot memory leaves the state machine's decisions alone: the same slot
-    tables, hits, loads and evictions as over MLX memory; under LRU both also match a
-    reference LRU written out here."""
+    tables, hits, loads and evictions as over MLX memory; under LFU both also match a
+    reference LFU written out here."""
     pack, budget = small
     rng = np.random.default_rng(3)
     calls = [rng.choice(16, size=2, replace=False) for _ in range(40)]
@@ -251,11 +259,11 @@ def test_same_evictions_as_the_mlx_backend(small, policy):
     assert device_result[3] > 10, "the routing must evict"
     assert all(np.array_equal(a, b) for a, b in zip(mlx_result[0], device_result[0]))
     assert mlx_result[1:] == device_result[1:]
-    if policy == "lru":
-        assert device_result[1:] == lru_reference(calls, 3)
+    if policy == "lfu":
+        assert device_result[1:] == lfu_reference(calls, 3)
 
 
-def test_lru_never_evicts_an_expert_in_use(small):
+def test_the_store_never_evicts_an_expert_in_use(small):
     pack, budget = small
     store = device_store(pack, budget * 2)  # 4 slots
     slots = store.layers[pack.layers[0].module]
@@ -722,15 +730,11 @@ def test_the_core_never_imports_the_backend():
     assert offenders == allowed
 
 
-@pytest.mark.parametrize("option, message", [
-    ({"first_layer": True}, "first-layer head.*MLX path only"),
-    ({"history": 2}, "2 earlier tokens' routing.*MLX path only"),
-    ({"inputs": 2}, "2 layers' inputs.*MLX path only"),
-    ({"depth": 2}, "2 hidden layers.*MLX path only")])
-def test_heads_of_mlx_only_options_are_refused_in_one_line(tmp_path, option, message):
-    """A first-layer head (train_prerouter --first-layer) and heads reading two earlier
-    tokens (--history 2) are the MLX path's: the CUDA backend names the file and what it
-    takes instead of routing without them."""
+@pytest.mark.parametrize("field, value", [("first_layer", True), ("history", 2),
+                                          ("inputs", 2), ("depth", 2), ("head_hidden", 64)])
+def test_heads_of_a_removed_variant_are_refused_in_one_line(tmp_path, field, value):
+    """Heads saved with a removed variant's field (#44) load at its plain value only: any
+    other names the file and the field, as on the MLX path."""
     import json
 
     from edgemoe.cuda.prerouted import load_heads
@@ -738,8 +742,8 @@ def test_heads_of_mlx_only_options_are_refused_in_one_line(tmp_path, option, mes
 
     (tmp_path / CONFIG).write_text(json.dumps({
         "model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4, "top_k": 2,
-        "sources": {"0": 1, "1": 0}, **option}))
+        "sources": {"0": 1, "1": 0}, field: value}))
     (tmp_path / WEIGHTS).write_bytes(b"")
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match=f"{field} {value}: heads of a variant removed") as e:
         load_heads(tmp_path, "cpu")
     assert str(tmp_path / CONFIG) in str(e.value) and "\n" not in str(e.value)

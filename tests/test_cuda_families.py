@@ -130,8 +130,7 @@ def untrained_heads(fam: FamilyPack, out):
     model.expert_store.close()
     mx.random.seed(0)
     heads = Prerouter(PrerouterConfig.for_model(fam.config["model_type"],
-                                                hidden_size(blocks[min(blocks)]), blocks,
-                                                head_hidden=32))
+                                                hidden_size(blocks[min(blocks)]), blocks))
     for head in heads.heads.values():
         head.down.weight = head.down.weight * HEADS_SCALE
         head.down.bias = head.down.bias * HEADS_SCALE

@@ -72,8 +72,7 @@ def native_runs():
     return get
 
 
-@pytest.mark.parametrize("routing, budget", [("prerouted", "minimum"), ("prerouted", "25%"),
-                                             ("prerouted-set", "minimum")])
+@pytest.mark.parametrize("routing, budget", [("prerouted", "minimum"), ("prerouted", "25%")])
 def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
     ref_tokens, ref_logits = mlx_runs(routing, budget)
     native, native_stats = native_runs(budget)
@@ -113,23 +112,16 @@ def test_each_sequence_carries_its_own_routing():
 
 def same_token_heads(folder):
     """The pack's next-token heads read as same-token heads (parity needs no good heads)."""
-    shutil.copytree(HEADS, folder, ignore=shutil.ignore_patterns("correction"))
+    shutil.copytree(HEADS, folder)
     config = json.loads((folder / CONFIG).read_text())
     (folder / CONFIG).write_text(json.dumps({**config, "same_token": True}))
     return folder
 
 
-@pytest.mark.parametrize("routing, kind", [("prerouted", "same-token"),
-                                           ("prerouted-set", "same-token"),
-                                           ("prerouted", "corrected")])
-def test_same_token_heads_route_as_the_mlx_path(routing, kind, tmp_path):
+def test_same_token_heads_route_as_the_mlx_path(tmp_path):
     """Same-token heads route each call by their prediction for its own positions and read
-    those experts a layer ahead; as the correction of next-token heads, they route while
-    the next-token heads read a token ahead: the MLX path's tokens and logits."""
-    heads = same_token_heads(tmp_path / "same-token")
-    if kind == "corrected":  # the pack's heads, corrected by same-token heads
-        heads = shutil.copytree(HEADS, tmp_path / "corrected")
-        same_token_heads(heads / "correction")
+    those experts a layer ahead: the MLX path's tokens and logits."""
+    heads, routing = same_token_heads(tmp_path / "same-token"), "prerouted"
     budget = amount("minimum")
     mlx_model, _ = edgemoe.load(PATH, expert_budget=budget, routing=routing,
                                 prerouter_path=heads)
@@ -149,7 +141,8 @@ def test_routing_errors_are_one_line(tmp_path):
     cases = [(dict(routing="psychic"), ValueError, "choose one of native, advisory, prerouted"),
              (dict(routing="prerouted", prerouter_path=tmp_path / "none"), FileNotFoundError,
               f"{tmp_path / 'none' / CONFIG}: no such file"),
-             (dict(routing="advisory", prerouter_path=HEADS), ValueError, "advisory routing uses")]
+             (dict(routing="advisory", prerouter_path=HEADS), ValueError,
+              "advisory routing prefetches by the next layer's router")]
     for kwargs, error, message in cases:
         with pytest.raises(error) as e:
             load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, **kwargs)
@@ -177,7 +170,7 @@ def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
 
     monkeypatch.setattr(router, "forward", weighed_by_its_input)
     assert "Qwen3MoeTopKRouter's routing of its own logits differs from its routing of " \
-           "its input" in refused("prerouted-set")
+           "its input" in refused()
     monkeypatch.undo()
     monkeypatch.setattr(families, "router", lambda block: nn.Sequential())  # no linear map
     assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused()

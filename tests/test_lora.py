@@ -35,7 +35,7 @@ def random_heads(model, folder):
     """Untrained prerouter heads for `model` (seeded), saved to `folder`."""
     mx.random.seed(0)
     save_prerouter(Prerouter(PrerouterConfig.for_model(
-        "qwen3_moe", model.args.hidden_size, moe_blocks(model), head_hidden=32)), folder)
+        "qwen3_moe", model.args.hidden_size, moe_blocks(model))), folder)
 
 
 def test_unmerged_layer_is_the_explicit_formula(packs):

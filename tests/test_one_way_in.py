@@ -10,8 +10,7 @@ import pytest
 
 import edgemoe
 from edgemoe.options import StreamOptions
-from edgemoe.routing.modes import (ADVISORY, MODE_NAMES, NATIVE, PREROUTED, PREROUTED_SET,
-                                   routing_mode)
+from edgemoe.routing.modes import ADVISORY, MODE_NAMES, NATIVE, PREROUTED, routing_mode
 
 MLX_LM_KEYWORDS = {"tokenizer_config", "model_config", "lazy", "return_config"}
 
@@ -43,19 +42,20 @@ def test_the_mlx_and_cuda_load_share_one_signature():
 
 
 def test_a_routing_mode_knows_what_it_needs_and_allows():
-    assert [routing_mode(name) for name in MODE_NAMES] == [NATIVE, ADVISORY, PREROUTED,
-                                                           PREROUTED_SET]
-    assert routing_mode(PREROUTED) is PREROUTED and str(PREROUTED_SET) == "prerouted-set"
-    assert [m.exact for m in (NATIVE, ADVISORY, PREROUTED, PREROUTED_SET)] == \
-        [True, True, False, False]
+    assert [routing_mode(name) for name in MODE_NAMES] == [NATIVE, ADVISORY, PREROUTED]
+    assert routing_mode(PREROUTED) is PREROUTED and str(PREROUTED) == "prerouted"
+    assert [m.exact for m in (NATIVE, ADVISORY, PREROUTED)] == [True, True, False]
     assert [m.needs_heads for m in (NATIVE, ADVISORY, PREROUTED)] == [False, False, True]
-    assert ADVISORY.uses_heads and not NATIVE.uses_heads
     assert ADVISORY.gates_prefetches and not PREROUTED.gates_prefetches
     assert NATIVE.allows_drafts and not PREROUTED.allows_drafts
-    assert ADVISORY.allows_prompt_cache and not PREROUTED_SET.allows_prompt_cache
+    assert ADVISORY.allows_prompt_cache and not PREROUTED.allows_prompt_cache
     assert NATIVE.predictor(None, {}) is None
-    with pytest.raises(ValueError, match="choose one of native, advisory"):
-        routing_mode("sideways")
+    with pytest.raises(ValueError, match="advisory routing prefetches by the next layer"):
+        ADVISORY.check_heads("HEADS")
+    NATIVE.check_heads("HEADS")  # (native ignores them)
+    for removed in ("sideways", "prerouted-set", "advisory-heads"):
+        with pytest.raises(ValueError, match="choose one of native, advisory, prerouted$"):
+            routing_mode(removed)
 
 
 def _mode_literal(node) -> bool:

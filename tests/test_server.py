@@ -407,7 +407,7 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
     assert job.releasable(final=True) == ("E", False)  # the end flushes it
 
 
-@pytest.mark.parametrize("mode", ["prerouted", "prerouted-set"])
+@pytest.mark.parametrize("mode", ["prerouted"])
 def test_server_serves_prerouted_routing_per_request(mode):
     """Each batch row keeps its own prerouter state: concurrent greedy requests get the
     tokens edgemoe.generate gives each alone (the bundled model carries its heads)."""

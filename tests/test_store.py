@@ -1,4 +1,4 @@
-"""The expert store: budgets, slots filled in place, LRU, and clear errors on bad input."""
+"""The expert store: budgets, slots filled in place, LFU, and clear errors on bad input."""
 
 import json
 import os
@@ -49,13 +49,14 @@ def test_slots_are_filled_in_place_with_the_records_bytes(packs):
         assert got == data[record.offset:record.offset + record.length]
 
 
-def test_lru_evicts_the_oldest_and_never_a_pinned_expert(packs):
+def test_lfu_evicts_the_least_used_and_never_a_pinned_expert(packs):
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lru",  # 4 slots a layer
+    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lfu",  # 4 slots a layer
                         memory=MLXSlotMemory)
     slots = store.layers[pack.layers[0].module]
     assert slots.num_slots == 4
-    for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1, least recently used
+    for step in ([0, 1], [2, 3], [0, 4]):  # the last evicts 1: 0 is used more, and 1 is
+        #                                     the least recent of those used as often
         slots.ensure(np.array(step))
         slots.release()
     assert slots.slot_of[1] == -1 and all(slots.slot_of[[0, 2, 3, 4]] >= 0)
@@ -152,19 +153,19 @@ class GatedReader:
 
 
 def test_counters_by_value_at_the_minimum_budget(packs):
-    """Known requests at 2 slots a layer under LRU: every counter, and the hit rate."""
+    """Known requests at 2 slots a layer under LFU: every counter, and the hit rate."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, minimum_bytes(pack), "lru", memory=MLXSlotMemory)
+    store = ExpertStore(pack, minimum_bytes(pack), "lfu", memory=MLXSlotMemory)
     layer = pack.layers[1]
     pool, size = store.pool(layer.index), layer.expert_bytes
     pool.ensure(np.array([0, 1]))  # 2 on demand
     pool.release()
     pool.ensure(np.array([1, 2]))  # 1 hit; 2 evicts 0
     pool.release()
-    pool.prefetch(np.array([3]))  # evicts 1 (the least recent), read ahead
+    pool.prefetch(np.array([3]))  # evicts 2 (used less than 1), read ahead
     for fill in list(pool.fills.values()):
         assert fill.done.wait(5)
-    pool.ensure(np.array([2, 3]))  # 2 hits: 3 was prefetched
+    pool.ensure(np.array([1, 3]))  # 2 hits: 3 was prefetched
     pool.release()
     gate = threading.Event()
     pool.reader = GatedReader(store.reader, gate)
@@ -185,11 +186,10 @@ def test_counters_by_value_at_the_minimum_budget(packs):
 def test_a_batchs_prediction_reads_each_expert_once(packs):
     """A prediction for several rows names some experts twice: each is read once."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lfu",  # 4 slots a layer
                         memory=MLXSlotMemory)
     layer = pack.layers[1]
-    store.prefetch(layer.index, np.array([[3, 1], [1, 3], [2, 3]], dtype=np.uint32), 1,
-                   advisory=False)
+    store.prefetch(layer.index, np.array([[3, 1], [1, 3], [2, 3]], dtype=np.uint32), 1)
     pool = store.pool(layer.index)
     for fill in list(pool.fills.values()):
         assert fill.done.wait(5)
@@ -201,7 +201,7 @@ def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
     """A call with more experts than slots runs in passes of half the pool; the next pass
     is read into the other half while one computes, and counted as loaded on demand."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lfu",  # 4 slots a layer
                         memory=MLXSlotMemory)
     pool = store.pool(pack.layers[1].index)
     assert [g.tolist() for g in passes(np.arange(6), pool.num_slots)] == [[0, 1], [2, 3], [4, 5]]
@@ -224,7 +224,7 @@ def test_a_call_over_the_pool_computes_what_is_in_slots_first(packs):
     already in slots make the first pass, so no earlier pass evicts them to read them
     again (in id order, the passes before them would)."""
     pack = Pack.open(packs["qwen3_moe"]["hf"])
-    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lru",  # 4 slots a layer
+    store = ExpertStore(pack, 2 * minimum_bytes(pack), "lfu",  # 4 slots a layer
                         memory=MLXSlotMemory)
     pool = store.pool(pack.layers[1].index)
     pool.ensure(np.array([4, 5]))

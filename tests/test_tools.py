@@ -236,9 +236,9 @@ def test_cache_sim_writes_its_json_before_a_png_it_cannot_draw(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit, match=r"--png needs matplotlib: pip install 'edgemoe\[bench\]'"):
-        cache_sim.main([str(path), "--budget", "0.5", "--policies", "lru",
+        cache_sim.main([str(path), "--budget", "0.5", "--policies", "lfu",
                         "--json", str(out), "--png", str(tmp_path / "r.png")])
-    assert json.loads(out.read_text())[0]["policy"] == "lru"
+    assert json.loads(out.read_text())[0]["policy"] == "lfu"
     assert not (tmp_path / "r.png").exists()
 
 

@@ -69,7 +69,7 @@ def test_shapes_have_the_published_record_sizes():
     assert 20e6 < SHAPES["deepseek-v3"].record_bytes < 26e6
 
 
-@pytest.mark.parametrize("policy,budget", [("lfu", "25%"), ("lru", "13%")])
+@pytest.mark.parametrize("policy,budget", [("lfu", "25%"), ("lfu", "13%")])
 def test_replay_reads_exactly_the_bytes_cache_sim_says(tiny, policy, budget):
     shape, pack = tiny
     trace = map_trace(synthetic_trace(), shape)

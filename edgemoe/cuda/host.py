@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..format.pack import PackLayer
-from ..streaming.cache import make_policy
+from ..streaming.cache import DEFAULT_POLICY, make_policy
 
 FREE, READING, READY = range(3)
 
@@ -39,7 +39,7 @@ def staging_rows(top_k: int) -> int:
 class HostTier:
     """Host rows of one layer's records; `streams` orders copies (edgemoe.cuda.streams)."""
 
-    def __init__(self, layer: PackLayer, num_rows: int, streams, policy="lru"):
+    def __init__(self, layer: PackLayer, num_rows: int, streams, policy=DEFAULT_POLICY):
         self.streams, self.policy = streams, make_policy(policy)
         self.buffer = torch.zeros((num_rows, layer.expert_bytes), dtype=torch.uint8,
                                   pin_memory=streams.pinned)

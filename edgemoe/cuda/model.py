@@ -30,6 +30,7 @@ from ..hub import resolve as resolve_hub_id
 from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
 from ..options import StreamOptions
 from ..streaming.budget import SlotPlan, fitting_budget, fmt_bytes, is_auto
+from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
 from . import families
@@ -47,7 +48,7 @@ NOT_CONFIG = ("quantization", "quantization_config")  # MLX's; transformers woul
 
 def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions] = None,
          *, device="cuda", dtype=None, streams=None, kernel: Optional[bool] = None,
-         tokenizer: bool = True, host_budget=None, host_policy: str = "lru",
+         tokenizer: bool = True, host_budget=None, host_policy: str = DEFAULT_POLICY,
          copy_streams: int = 1, **overrides):
     """The pack's model on `device` holding at most `expert_budget` of its experts.
 
@@ -64,10 +65,9 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     computes (gated by its precision, as in the MLX path); the router still decides, so
     the output is native's.
     "prerouted": the prerouter heads' prediction, made a token ahead, is the routing of
-    every MoE layer but the heads' native layers, and its experts are read ahead;
-    "prerouted-set": the native router confined to the predicted experts (both as the MLX
-    path: edgemoe.cuda.prerouted). `prerouter_path` is the heads' folder, or None or "pack"
-    for the ones the pack carries (PACK/prerouter).
+    every MoE layer but the heads' native layers, and its experts are read ahead (as the
+    MLX path: edgemoe.cuda.prerouted). `prerouter_path` is the heads' folder, or None or
+    "pack" for the ones the pack carries (PACK/prerouter).
 
     `dtype` defaults to bfloat16 on a GPU and float32 on the CPU. `streams` orders
     copies and compute (edgemoe.cuda.streams; tests pass a fake). `kernel` uses the
@@ -126,7 +126,7 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
             _advise(model, store)
         if heads is not None:
             try:
-                prerouted.install(model, store, heads, confine=routing.confined)
+                prerouted.install(model, store, heads)
             except UnsupportedModelError as e:  # a router it cannot route by given logits
                 raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
     except BaseException:

@@ -15,12 +15,8 @@ prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
   (`store.prefetch(t, experts, 1)`, ungated) as soon as layer l's own experts are in
   slots, so they are read a whole token ahead.
 - Same-token heads: position p of target t routes by the head output of position p, and
-  those experts are read while layer l computes (a layer ahead). Next-token heads that
-  carry a correction (same-token heads in their `correction/` folder): the correction
-  routes, and the next-token prediction only starts reads a token ahead.
+  those experts are read while layer l computes (a layer ahead).
 - The heads' config's native_layers (the first MoE layer) keep the native router.
-- "prerouted-set": the native router confined to the predicted experts (they are picked,
-  and weighed, by the native logits).
 
 The routing is the family's own code, as edgemoe.routing.gates makes it for the MLX
 blocks: a RouterTap stands in for the linear map that computes a block's router logits
@@ -50,13 +46,14 @@ from torch import nn
 
 from ..format.families import UnsupportedModelError
 from ..format.source import pack_asset, resolve_asset
+from ..routing.heads_config import HEAD_HIDDEN, current_fields
 from ..routing.modes import ROUTING_MODES, RoutingMode
 from ..streaming.store import ExpertStore
 from . import families
 
 MODES = tuple(mode.name for mode in ROUTING_MODES if mode.routes)  # these modes' names
 # as edgemoe.routing.prerouter saves them
-WEIGHTS, CONFIG, CORRECTION = "prerouter.safetensors", "prerouter_config.json", "correction"
+WEIGHTS, CONFIG = "prerouter.safetensors", "prerouter_config.json"
 NORM_EPS = 1e-5  # mlx.nn.RMSNorm's default, which the heads were trained with
 
 
@@ -67,7 +64,6 @@ class HeadsConfig:
     hidden_size: int
     num_experts: int
     sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
-    head_hidden: int = 256
     same_token: bool = False
     native_layers: List[int] = field(default_factory=list)
 
@@ -75,7 +71,7 @@ class HeadsConfig:
     def from_json(cls, d: dict) -> "HeadsConfig":
         return cls(int(d["hidden_size"]), int(d["num_experts"]),
                    {int(t): int(s) for t, s in d["sources"].items()},
-                   int(d.get("head_hidden", 256)), bool(d.get("same_token", False)),
+                   bool(d.get("same_token", False)),
                    [int(n) for n in d.get("native_layers", [])])
 
     @property
@@ -87,12 +83,12 @@ class Head(nn.Module):
     """[rms_norm(x), routing at t, routing at t-1] -> the target's router logits (the MLX
     PrerouterHead, parameter for parameter)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, head_hidden: int):
+    def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.up = nn.Linear(hidden_size + 2 * num_experts, head_hidden)
-        self.down = nn.Linear(head_hidden, num_experts)
+        self.up = nn.Linear(hidden_size + 2 * num_experts, HEAD_HIDDEN)
+        self.down = nn.Linear(HEAD_HIDDEN, num_experts)
 
     def forward(self, x, now, prev):
         x = x.float()
@@ -106,10 +102,8 @@ class Heads(nn.Module):
     def __init__(self, config: HeadsConfig):
         super().__init__()
         self.config = config
-        self.heads = nn.ModuleDict({f"layer_{t}": Head(config.hidden_size, config.num_experts,
-                                                       config.head_hidden)
+        self.heads = nn.ModuleDict({f"layer_{t}": Head(config.hidden_size, config.num_experts)
                                     for t in sorted(config.sources)})
-        self.correction: Optional["Heads"] = None  # same-token heads beside (load_heads)
 
     def logits(self, target: int, x, routed_now, routed_prev):
         """Target's predicted router logits from its source's input x (..., D) and expert
@@ -127,10 +121,8 @@ def multi_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
 def heads_folder(model: Path, routing: RoutingMode, given) -> Optional[Path]:
     """The prerouter folder a prerouted mode uses: `given`, "pack" or None for the one
     the pack carries (as the MLX loader resolves it)."""
+    routing.check_heads(given)
     if not routing.needs_heads:
-        if given is not None and routing.advisory:  # the MLX path's heads-advisory
-            raise ValueError(f"prerouter_path={given}: the CUDA backend's advisory routing uses "
-                             f"the next layer's router; the heads serve {' or '.join(MODES)}")
         return None
     heads = resolve_asset(given, model, "prerouter", "--prerouter")
     if heads is None:
@@ -142,40 +134,21 @@ def heads_folder(model: Path, routing: RoutingMode, given) -> Optional[Path]:
 
 
 def load_heads(path, device) -> Heads:
-    """The heads of a prerouter folder on `device`, with the correction (same-token heads
-    for the same layers, in its `correction/` folder) it may carry as `.correction`."""
+    """The heads of a prerouter folder on `device`."""
     path = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (path / name).exists():
             raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     raw = json.loads((path / CONFIG).read_text())
-    mlx_only = {  # option: (the value CUDA runs, such heads, how to train ones it runs)
-        "history": (1, f"heads that read {raw.get('history')} earlier tokens' routing",
-                    "--history 1"),
-        "first_layer": (False, "heads with a first-layer head", "no --first-layer"),
-        "inputs": (1, f"heads that read {raw.get('inputs')} layers' inputs", "--inputs 1"),
-        "depth": (1, f"heads of {raw.get('depth')} hidden layers", "--depth 1"),
-    }
-    for key, (runs, what, trained) in mlx_only.items():
-        if raw.get(key, runs) != runs:
-            raise ValueError(f"{path / CONFIG}: {what} run on the MLX path only; the CUDA "
-                             f"backend takes heads trained with {trained} (train_prerouter)")
-    config = HeadsConfig.from_json(raw)
+    config = HeadsConfig.from_json(current_fields(raw, path / CONFIG))
     heads = Heads(config)
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS}: expected the heads of {CONFIG}; missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]}")
-    heads = heads.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    correction = load_heads(path / CORRECTION, device) if (path / CORRECTION).is_dir() else None
-    if correction is not None and (config.same_token or not correction.config.same_token
-                                   or correction.config.sources != config.sources):
-        raise ValueError(f"{path / CORRECTION}: a correction is same-token heads for the "
-                         f"layers of next-token ones (train_prerouter --same-token)")
-    heads.correction = correction
-    return heads
+    return heads.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
 
 
 class SequenceState:
@@ -196,7 +169,7 @@ class Call:
     rows: int
     cache: object
     inputs: Dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> its input
-    pending: Dict[int, tuple] = field(default_factory=dict)  # target -> its routing now
+    pending: Dict[int, torch.Tensor] = field(default_factory=dict)  # target -> its logits now
     # prefetches: MoE layer -> {(target, lead): expert ids}
     ahead: Dict[int, Dict[tuple, torch.Tensor]] = field(default_factory=dict)
 
@@ -206,8 +179,8 @@ class PreroutedRouting:
     predicted layers by them (through each layer's RouterTap)."""
 
     def __init__(self, heads: Heads, taps: Dict[int, "RouterTap"],
-                 store: Optional[ExpertStore], confine: bool = False):
-        self.heads, self.taps, self.store, self.confine = heads, taps, store, confine
+                 store: Optional[ExpertStore]):
+        self.heads, self.taps, self.store = heads, taps, store
         config = heads.config
         missing = sorted((set(config.sources) | set(config.sources.values())) - set(taps))
         if missing:
@@ -273,10 +246,7 @@ class PreroutedRouting:
         if not self.calls or self.store is None:
             return
         for (target, lead), experts in self.calls[-1].ahead.pop(layer, {}).items():
-            # with a correction the next-token prediction is advisory: it reads while it
-            # earns it (the MLX path's PreroutedPredictor.advisory_leads)
-            advisory = True if lead == 1 and self.heads.correction is not None else None
-            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), lead, advisory)
+            self.store.prefetch(target, experts.reshape(-1).cpu().numpy(), lead)
 
     def _run_heads(self, call: Call, layer: int, x: torch.Tensor, ids: torch.Tensor):
         rows, state = call.rows, call.state
@@ -293,20 +263,9 @@ class PreroutedRouting:
             tap = self.taps[target]
             # same-token: position p's routing, read now; next-token: position p+1's
             ahead[target, self.lead] = tap.route(logits if self.lead == 0 else logits[:, -1])
-            correction = self.heads.correction
-            if correction is not None:  # the same-token prediction routes instead
-                logits = correction.logits(target, x, now, prev)
-                ahead[target, 0] = tap.route(logits)
-            if target not in self.predicted:
-                continue
-            shifted = logits if self.lead == 0 or correction is not None else \
-                _shifted(state, target, logits)
-            if self.confine:  # the predicted set; -1 where there is no prediction
-                allowed = tap.route(torch.nan_to_num(shifted, nan=0.0)).long()
-                call.pending[target] = ("allowed", torch.where(
-                    torch.isnan(shifted[..., :1]), -1, allowed))
-            else:
-                call.pending[target] = ("logits", shifted)
+            if target in self.predicted:
+                call.pending[target] = logits if self.lead == 0 else \
+                    _shifted(state, target, logits)
         if ahead:
             call.ahead[layer] = ahead
 
@@ -332,15 +291,14 @@ def returned_cache(output):
 class RouterTap:
     """Stands in for the linear map computing a MoE block's router logits, as the MLX
     path's RouterTap does (edgemoe.routing.gates): the map's next call returns, once,
-    `prediction` instead of its own logits: ("logits", (..., E)), rows of NaN keeping the
-    native ones, or ("allowed", (..., m) expert ids), the native logits confined to them
-    (-1: no prediction). `route(logits)` is the experts the block's router picks from
-    router logits, by its own code."""
+    `prediction` instead of its own logits: (..., E), rows of NaN keeping the native ones.
+    `route(logits)` is the experts the block's router picks from router logits, by its
+    own code."""
 
     def __init__(self, model_type: str, block: nn.Module):
         self.model_type, self.block = model_type, block
         router = families.router(block)
-        self.prediction: Optional[tuple] = None
+        self.prediction: Optional[torch.Tensor] = None
         self.recorded: Optional[torch.Tensor] = None  # the logits the map last computed
         weight = getattr(router, "weight", None)
         linears = [m for m in router.children() if isinstance(m, nn.Linear)]
@@ -364,7 +322,7 @@ class RouterTap:
     def _routed_by(self, logits: torch.Tensor) -> tuple:
         """The router's output, called as its block calls it, where its map gives `logits`."""
         flat = logits.reshape(-1, logits.shape[-1])
-        kept, self.prediction = self.prediction, ("logits", flat)
+        kept, self.prediction = self.prediction, flat
         try:
             x = torch.zeros(flat.shape[0], self.input_width, dtype=self.map.weight.dtype,
                             device=flat.device)
@@ -378,7 +336,7 @@ class RouterTap:
         prediction, self.prediction = self.prediction, None
         if prediction is None:
             return None
-        logits = chosen(native, *prediction)
+        logits = chosen(native, prediction)
         if self.twin is None:
             return logits
         if self.twin.weight.dtype != logits.dtype:  # the identity in the logits' dtype
@@ -424,26 +382,17 @@ def identity_twin(router: nn.Module) -> nn.Module:
     return twin.eval()  # not the model's module: its train() never reaches the twin
 
 
-def chosen(native: torch.Tensor, kind: str, value: torch.Tensor) -> torch.Tensor:
+def chosen(native: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
     """The logits a prediction routes by, in the shape and dtype of the map's `native`
-    logits: the predicted ones (rows of NaN: native), or ("allowed") the native ones with
-    every expert outside the predicted ids (-1: no prediction) at the lowest finite value
-    (not -inf: an identity map would make -inf NaN)."""
+    logits: the predicted ones, rows of NaN keeping the native ones."""
     flat = native.reshape(-1, native.shape[-1])
-    if kind == "logits":
-        value = value.reshape(flat.shape)
-        logits = torch.where(torch.isnan(value), flat, value.to(flat.dtype))
-    else:
-        allowed = value.reshape(flat.shape[0], -1)
-        inside = (allowed[..., None] == torch.arange(flat.shape[-1],
-                                                     device=flat.device)).any(-2)
-        low = torch.full_like(flat, torch.finfo(flat.dtype).min)
-        logits = torch.where(allowed[:, :1] < 0, flat, torch.where(inside, flat, low))
+    predicted = predicted.reshape(flat.shape)
+    logits = torch.where(torch.isnan(predicted), flat, predicted.to(flat.dtype))
     return logits.reshape(native.shape)
 
 
 def install(model: nn.Module, store: Optional[ExpertStore], heads: Heads,
-            confine: bool = False, moe_layers: Sequence[int] = ()):
+            moe_layers: Sequence[int] = ()):
     """Route `model`'s MoE layers by the heads (the model's MoE blocks are those `store`
     streams; their `experts` are edgemoe.cuda.experts.StreamingExperts). Without a store
     (edgemoe.cuda.train: every expert resident), `moe_layers` are the MoE layers and
@@ -458,7 +407,7 @@ def install(model: nn.Module, store: Optional[ExpertStore], heads: Heads,
         raise ValueError(f"prerouter heads for {config.num_experts} experts of width "
                          f"{config.hidden_size}; the model's routers are "
                          f"{', '.join(map(str, found))}")
-    routing = PreroutedRouting(heads, taps, store, confine)
+    routing = PreroutedRouting(heads, taps, store)
     for index, block in blocks.items():
         block.register_forward_pre_hook(
             lambda module, args, kwargs, index=index: routing.entered(

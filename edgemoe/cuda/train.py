@@ -215,7 +215,7 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
         keys.append("experts")
     student = build(path, config, experts, params["rank"], params["scale"], keys)
     if args.routing.predicts:
-        if not args.routing.routes or args.routing.confined:
+        if not args.routing.routes:
             raise ValueError(f"--backend torch trains --routing native or prerouted, not "
                              f"{args.routing}")
         heads = prerouted.load_heads(prerouted.heads_folder(path, args.routing,

@@ -48,14 +48,11 @@ def load(
     id (`org/name`, `org/name@revision`), downloaded once into the hub cache (edgemoe.hub).
     `routing` (a RoutingMode, or its name: edgemoe.routing.modes) is "native" (the model's
     own router, loads on demand), "advisory" (a predictor prefetches the next layer's
-    experts; the router still decides, so outputs are the same), "prerouted" (the
-    prerouter heads' prediction is the routing, read a whole token ahead) or
-    "prerouted-set" (the predicted experts, weighed by the native router). `io` is
+    experts; the router still decides, so outputs are the same) or "prerouted" (the
+    prerouter heads' prediction is the routing, read a whole token ahead). `io` is
     "buffered" or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names
-    trained heads (edgemoe.train_prerouter); the prerouted modes default to the heads
-    the pack carries (PACK/prerouter), and "pack" names them. Heads carrying a
-    correction (same-token heads in their `correction/` folder) route by it, and their
-    next-token prediction only reads ahead (edgemoe.routing.prerouter). `adapter_path` is an
+    trained heads (edgemoe.train_prerouter); prerouted defaults to the heads the pack
+    carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
     adapter folder, or "pack" for the one the pack carries (PACK/adapter); an adapter of
     the routed experts has their deltas streamed with them (edgemoe.format.deltas). A pack's own
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
@@ -181,8 +178,11 @@ def _auto_budget(source, path: Path) -> int:
 
 
 def _heads(path: Path, routing: RoutingMode, given) -> Optional[Path]:
+    routing.check_heads(given)
+    if not routing.needs_heads:
+        return None
     heads = resolve_asset(given, path, "prerouter", "--prerouter")
-    if heads is None and routing.needs_heads:
+    if heads is None:
         heads = pack_asset(path, "prerouter")
         if heads is None:
             raise ValueError(f"--routing {routing} needs prerouter heads: pass --prerouter "

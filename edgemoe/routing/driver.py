@@ -18,8 +18,8 @@ import numpy as np
 
 from .state import RoutingState, sequence_state
 
-# (layer index, expert ids, lead, advisory: edgemoe.streaming.store.ExpertStore.prefetch)
-Prefetch = Callable[[int, np.ndarray, int, Optional[bool]], None]
+# (layer index, expert ids, lead: edgemoe.streaming.store.ExpertStore.prefetch)
+Prefetch = Callable[[int, np.ndarray, int], None]
 
 
 class PredictedRouting:
@@ -60,11 +60,9 @@ class PredictedRouting:
 
     def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
         """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
-        leads, targets = self.predictor.advisory_leads, self.predictor.advisory_targets
         fixes = getattr(self.predictor, "fixes_next_call", None)
-        for (target, lead), experts in predictions.items():  # advisory: read only while
-            advisory = lead in leads or target in targets  # they earn it
-            self.prefetch(target, experts, lead, True if advisory else None)
+        for (target, lead), experts in predictions.items():
+            self.prefetch(target, experts, lead)
             if fixes is not None and self.state is not None and fixes(target):
                 self.state.known[target, self.state.calls + 1] = experts
 

@@ -56,10 +56,10 @@ class BlockInput:
 
 @dataclass
 class TapCall:
-    """A RouterTap's prediction for its next call, (logits, allowed, fallback), and the
-    logits its native map last computed: a plain object, so never model parameters."""
+    """A RouterTap's prediction for its next call, (logits, fallback), and the logits its
+    native map last computed: a plain object, so never model parameters."""
 
-    pending: tuple = (None, None, True)
+    pending: tuple = (None, True)
     recorded: Optional[mx.array] = None
 
 
@@ -70,8 +70,7 @@ class RouterTap(nn.Module):
     rows of NaN (no prediction: the first token of a sequence) keep the native logits.
     With `fallback=False` the caller knows no row is NaN: the native map is not computed
     (a decode step's carried prediction; logits given to `indices_from_logits`).
-    `set_prediction(allowed=ids)`: the native logits confined to the experts `ids` (..., m)
-    (ids -1: no prediction). A prediction is used once. `recorded` holds the last logits
+    A prediction is used once. `recorded` holds the last logits
     the native map computed. `inline` is a router module whose own `weight` is the map
     (`x @ self.weight.T`): the tap then stands in for the whole router and runs it on the
     logits through an identity weight, which reproduces them exactly. `hands_to`, when
@@ -84,9 +83,8 @@ class RouterTap(nn.Module):
         self.call = TapCall()
         self.hands_to: Optional[BlockInput] = None
 
-    def set_prediction(self, logits: Optional[mx.array] = None,
-                       allowed: Optional[mx.array] = None, fallback: bool = True):
-        self.call = TapCall((logits, allowed, fallback))
+    def set_prediction(self, logits: Optional[mx.array], fallback: bool = True):
+        self.call = TapCall((logits, fallback))
 
     @property
     def pending(self) -> tuple:
@@ -114,15 +112,12 @@ class RouterTap(nn.Module):
     def __call__(self, x: mx.array):
         if self.hands_to is not None:
             self.hands_to.x = x
-        (predicted, allowed, fallback), native = self.pending, self.logits(x)
+        (predicted, fallback), native = self.pending, self.logits(x)
         self.call = TapCall(recorded=native)  # lazy: computed only if used
-        if predicted is None and allowed is None:
+        if predicted is None:
             return self.native(x) if self.inline else native
         if not fallback:  # the same as the `where` below on rows without NaN
             logits = predicted.reshape(*x.shape[:-1], predicted.shape[-1]).astype(native.dtype)
-        elif allowed is not None:
-            allowed = allowed.reshape(*x.shape[:-1], allowed.shape[-1])
-            logits = mx.where(allowed[..., :1] < 0, native, restrict_logits(native, allowed))
         else:
             predicted = predicted.reshape(*x.shape[:-1], predicted.shape[-1])  # OLMoE flattens
             logits = mx.where(mx.isnan(predicted), native, predicted.astype(native.dtype))
@@ -263,15 +258,6 @@ def hidden_size(block: nn.Module) -> int:
     """The width of a MoE block's input (its experts may compute in a narrower latent)."""
     with tapped(block) as tap:
         return tap.input_width
-
-
-def restrict_logits(logits: mx.array, allowed: mx.array) -> mx.array:
-    """Router logits with every expert outside `allowed` ((..., m) ids per token) at the
-    lowest finite value (an inline router's identity matmul would turn -inf into NaN):
-    the block then picks, and weighs, among the allowed experts only (the native router
-    confined to a predicted set)."""
-    inside = (allowed[..., None] == mx.arange(logits.shape[-1])).any(axis=-2)
-    return mx.where(inside, logits, mx.array(mx.finfo(logits.dtype).min, dtype=logits.dtype))
 
 
 def num_experts(block: nn.Module) -> int:

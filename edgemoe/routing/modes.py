@@ -3,7 +3,6 @@
     native         the model's own router; experts load on demand
     advisory       a predictor prefetches later layers' experts; the router decides
     prerouted      the prerouter heads' prediction is the routing, read a token ahead
-    prerouted-set  the predicted experts, weighed by the native router
 
 A mode is a `RoutingMode`: the tools ask it what it needs and allows, not its name
 (`routing_mode("prerouted").exact` is False), and it builds the predictor that the
@@ -24,7 +23,6 @@ class RoutingMode:
     name: str
     predicts: bool  # a predictor runs beside the model (every mode but native)
     routes: bool  # the heads' prediction is the routing: not the native router's own
-    confined: bool = False  # the native router, confined to the predicted experts
 
     def __str__(self) -> str:
         return self.name
@@ -36,13 +34,15 @@ class RoutingMode:
 
     @property
     def needs_heads(self) -> bool:
-        """Prerouter heads are required (advisory uses them when given, native never)."""
+        """Prerouter heads are required (advisory prefetches by the next layer's router)."""
         return self.routes
 
-    @property
-    def uses_heads(self) -> bool:
-        """Prerouter heads, when given, drive the predictor."""
-        return self.predicts
+    def check_heads(self, given) -> None:
+        """Refuse heads given to advisory routing: it prefetches by the next layer's router
+        (advisory with the heads was removed in #44: docs/benchmarks.md, "Variants")."""
+        if given is not None and self.advisory:
+            raise ValueError(f"--prerouter {given}: advisory routing prefetches by the next "
+                             f"layer's router; the heads serve --routing prerouted")
 
     @property
     def advisory(self) -> bool:
@@ -72,22 +72,18 @@ class RoutingMode:
         (edgemoe.routing.gates.moe_blocks) with the heads folder `heads`; None in native."""
         if not self.predicts:
             return None
-        from .predictors import HeadsPredictor, NextRouterPredictor, PreroutedPredictor
-        from .prerouter import load_correction, load_prerouter
+        from .predictors import NextRouterPredictor, PreroutedPredictor
+        from .prerouter import load_prerouter
 
         if self.routes:
-            return PreroutedPredictor(load_prerouter(heads), blocks, confine=self.confined,
-                                      correction=load_correction(heads))
-        if heads is not None:
-            return HeadsPredictor(load_prerouter(heads), blocks)
+            return PreroutedPredictor(load_prerouter(heads), blocks)
         return NextRouterPredictor(blocks)
 
 
 NATIVE = RoutingMode("native", predicts=False, routes=False)
 ADVISORY = RoutingMode("advisory", predicts=True, routes=False)
 PREROUTED = RoutingMode("prerouted", predicts=True, routes=True)
-PREROUTED_SET = RoutingMode("prerouted-set", predicts=True, routes=True, confined=True)
-ROUTING_MODES = (NATIVE, ADVISORY, PREROUTED, PREROUTED_SET)
+ROUTING_MODES = (NATIVE, ADVISORY, PREROUTED)
 MODE_NAMES = tuple(mode.name for mode in ROUTING_MODES)
 
 

@@ -25,12 +25,9 @@ class RoutingState:
 
     def __init__(self):
         self.rows: Optional[int] = None  # known after the first call
-        self.previous: Dict[int, mx.array] = {}  # layer -> (rows, history, k) int32, the
-        #                                          last tokens' ids, oldest first; -1: none
+        self.previous: Dict[int, mx.array] = {}  # layer -> (rows, 1, k) int32, the last
+        #                                          token's ids; -1: none
         self.carry: Dict[int, mx.array] = {}  # layer -> (rows, 1, E) float; NaN: none
-        # layer -> this call's MoE block input, for heads reading more than one layer's
-        # (edgemoe.routing.prerouter: inputs); each call sets them before they are read
-        self.inputs: Dict[int, mx.array] = {}
         self.calls = 0  # forward calls begun
         # (layer, the call it routes) -> host expert ids (rows, k): a prediction that is
         # the layer's whole routing of that call, already on the host (no routing sync

@@ -6,11 +6,11 @@
                ensure -> compute -> release (always)
     store      all layers' pools under one budget, one reader: `prefetch`, `snapshot`
     reader     background `preadv` threads that fill slots (O_DIRECT if asked)
-    cache      eviction policies (LFU, LRU, LFU-DA, S3-FIFO, learned)
+    cache      eviction policies: LFU (the default) and the learned one
     stats      the counters and the one definition of a hit
     trace      routing and prefetch traces, for edgemoe.cache_sim
     replay     traces replayed through the store's own slots; Belady's optimum
-    learned    the learned policy fitted to replays
+    experimental  the learned cache policy and its fitting to replays (not a default)
     telemetry  peak RSS, page cache held by a file
 
 Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA

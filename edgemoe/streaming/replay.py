@@ -27,7 +27,8 @@ import numpy as np
 from ..format.pack import Pack, PackLayer, Record, TensorLayout
 from . import calls as calls_module
 from .budget import SlotPlan
-from .cache import LearnedPolicy, NextUseModel, make_policy
+from .cache import make_policy
+from .experimental.learned import LearnedPolicy, NextUseModel
 from .calls import passes
 from .slots import NoMemory
 from .stats import ExpertStats

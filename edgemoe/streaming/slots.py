@@ -55,8 +55,7 @@ class SlotPool(Protocol):
 
     def release(self) -> None: ...
 
-    def prefetch(self, experts: np.ndarray, lead: int = 0,
-                 advisory: Optional[bool] = None) -> None: ...
+    def prefetch(self, experts: np.ndarray, lead: int = 0) -> None: ...
 
     def read_ahead(self, experts: np.ndarray) -> None: ...
 
@@ -152,7 +151,6 @@ class LayerSlots:
         self.cancelled: List[Fill] = []  # fills cancelled unread, their slots not yet free
         self.pending_prediction: Optional[set] = None  # for this layer's next call
         self.next_prediction: Optional[set] = None  # for the call after
-        self.pending_advisory = self.next_advisory = False  # must they earn their reads
         self.staged: set = set()  # read ahead for a later pass of the current call
         self.on_demand = 0  # this layer's share of stats.on_demand
         self.trace = None  # a TraceRecorder while the store records (ExpertStore.start_trace)
@@ -259,11 +257,10 @@ class LayerSlots:
             # experts predicted for the next call that found no room, or that this
             # call's own loads evicted: read them now, a call ahead still
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
-            advisory = self.pending_advisory or self.gated
-            if advisory and not self.earned:  # (an untrusted prediction is only scored)
+            if self.gated and not self.earned:  # (an untrusted prediction is only scored)
                 missing = []
         if missing:
-            self._fill_ahead(np.array(sorted(missing)), advisory)
+            self._fill_ahead(np.array(sorted(missing)))
 
     def read_ahead(self, experts: np.ndarray):
         """Start reading a later pass's experts of the current call into the slots this
@@ -283,43 +280,40 @@ class LayerSlots:
         finally:
             self._submit(new)
 
-    def prefetch(self, experts: np.ndarray, lead: int = 0, advisory: Optional[bool] = None):
+    def prefetch(self, experts: np.ndarray, lead: int = 0):
         """Start reading `experts` (a prediction) where slots can be had without waiting.
 
         `lead` is how many of this layer's calls pass before the predicted one: 0 for a
         prediction about the current token, 1 for one about the next token. What finds
         no room now is read as soon as this layer's current call releases its slots.
-        `advisory` says whether this prediction must earn its reads (`earned`) or is the
-        routing itself; None: as the pool is `gated`.
+        A `gated` pool's predictions are advice: they read only once they have earned it
+        (`earned`); else the prediction is the routing itself.
         """
         experts = experts[self.owned[experts]]  # a host reads ahead only its own experts
-        advisory = self.gated if advisory is None else advisory
         with self.lock:
             if lead == 0:
                 self.pending_prediction = set(experts.tolist())
-                self.pending_advisory = advisory
             else:
                 self.next_prediction = set(experts.tolist())
-                self.next_advisory = advisory
-            trusted = not advisory or self.earned
+            trusted = not self.gated or self.earned
         if trusted:  # (an untrusted prediction is only scored)
-            self._fill_ahead(experts, advisory)
+            self._fill_ahead(experts)
 
-    def _fill_ahead(self, experts: np.ndarray, advisory: bool):
+    def _fill_ahead(self, experts: np.ndarray):
         new = []
         try:
             with self.lock:
                 # the experts predicted for this layer's next call stay too, and a guess
                 # never evicts what the layer's last call used (likely needed again)
                 pinned = set(experts.tolist()) | (self.pending_prediction or set())
-                if advisory:
+                if self.gated:  # advice
                     pinned |= self.last_call
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
                     if not self._has_room(pinned, e):
                         break  # release() reads the rest once this layer's call is done
-                    if advisory and not self._worth_a_slot(e, pinned):
+                    if self.gated and not self._worth_a_slot(e, pinned):
                         continue
                     new.append(self._start_fill(e, pinned=pinned, prefetch=True))
                     self.stats.prefetches += 1
@@ -338,7 +332,6 @@ class LayerSlots:
                 PRECISION_DECAY * self.precision + (1 - PRECISION_DECAY) * share
             self.scored += 1
         self.pending_prediction, self.next_prediction = self.next_prediction, None
-        self.pending_advisory, self.next_advisory = self.next_advisory, False
 
     def _cancel_stale(self, stale):
         """Prefetches for this call of experts it did not request: those not yet begun are

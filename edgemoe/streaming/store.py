@@ -101,16 +101,14 @@ class ExpertStore:
         for pool in self._by_index.values():
             pool.gated = gated
 
-    def prefetch(self, layer_index: int, experts: np.ndarray, lead: int = 0,
-                 advisory: Optional[bool] = None):
-        """Read `experts` of a layer ahead of its call `lead` calls from now (0: the next).
-        `advisory`: the prediction reads only while such predictions earn it (True), or
-        always, being the routing (False); None: as `gate_prefetches` said."""
+    def prefetch(self, layer_index: int, experts: np.ndarray, lead: int = 0):
+        """Read `experts` of a layer ahead of its call `lead` calls from now (0: the next),
+        gated as `gate_prefetches` said."""
         # distinct and sorted; a set, not np.unique: a few ids, on the decode path
         experts = np.array(sorted(set(experts.ravel().tolist())), dtype=np.int64)
         if self.trace is not None:
             self.trace.record_prefetch(layer_index, experts, lead)
-        self._by_index[layer_index].prefetch(experts, lead, advisory)
+        self._by_index[layer_index].prefetch(experts, lead)
 
     def snapshot(self) -> ExpertStats:
         with self.lock:

@@ -345,13 +345,13 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         keep = true[rng.random(len(true)) < cfg.recall]
         others = np.setdiff1d(np.arange(num_experts), true)
         wrong = rng.choice(others, min(len(true) - len(keep), len(others)), replace=False)
-        store.prefetch(p + 1, np.concatenate([keep, wrong]), 0, advisory=True)
+        store.prefetch(p + 1, np.concatenate([keep, wrong]), 0)
 
     def preroute(c, p):  # the next token's experts of the next layer: the routing itself
         if c + 1 >= len(calls) or not decode[calls[c + 1].start]:
             return
         target, lead = (p + 1, 1) if p + 1 < L else (0, 0)
-        store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead, advisory=False)
+        store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead)
 
     record_bytes = pools[0].layer.expert_bytes
     profile_s = profile.read_s(record_bytes, cfg.readers)

@@ -1,4 +1,4 @@
-"""Fitting the learned cache policy (edgemoe.streaming.cache.LearnedPolicy) to replays.
+"""Fitting the learned cache policy (edgemoe.streaming.experimental.learned) to replays.
 
 The features are those LearnedPolicy computes from the stream of uses at an eviction;
 the target is each resident expert's (log) distance to its next use, which a replay of a
@@ -9,14 +9,16 @@ from typing import Dict, List
 
 import numpy as np
 
-from .cache import LRUPolicy, LearnedPolicy, NextUseModel
-from .replay import Requests, layer_requests, next_steps, replay, trace_experts
+from ..cache import Recency
+from ..replay import Requests, layer_requests, next_steps, replay, trace_experts
+from .learned import LearnedPolicy, NextUseModel
 
 TARGET_CAP = 2048  # steps: next uses farther than this all count as "far"
 
 
-class _Watched(LRUPolicy):
-    """Evicts by LRU, and shows the same touches to a LearnedPolicy for its features."""
+class _Watched(Recency):
+    """Evicts the least recent, and shows the same touches to a LearnedPolicy for its
+    features."""
 
     def __init__(self):
         super().__init__()
@@ -33,7 +35,8 @@ class _Watched(LRUPolicy):
 def training_rows(requests: Requests, slots: int, stride: int = 1):
     """(features, log steps to next use) of every expert seen so far, before every
     `stride`-th step: what LearnedPolicy's model is asked at an eviction. The touches
-    come from a replay at `slots` (the store touches a miss twice), evicting by LRU."""
+    come from a replay at `slots` (the store touches a miss twice), evicting the least
+    recent."""
     nxt, watched, xs, ys = next_steps(requests.steps), _Watched(), [], []
 
     def record(i):
