@@ -31,6 +31,7 @@ from typing import Dict, List
 import numpy as np
 
 from .cli import add_debug_flag, tool
+from .options import experimental_group
 from .streaming.cache import DEFAULT_POLICY, POLICIES, make_policy
 from .streaming.experimental.fit_learned import train_learned
 from .streaming.experimental.learned import DEFAULT_LEARNED, NextUseModel
@@ -197,7 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--policies", default=None,
                         help=f"Comma-separated, of {', '.join(POLICIES)}, belady "
                              f"(default: all; learned only if its weights exist)")
-    replay.add_argument("--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
     replay.add_argument("--num-experts", type=int, default=None,
                         help="Experts per layer (default: as the traces record)")
     replay.add_argument("--prefetch", action="store_true",
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "pip install 'edgemoe[bench]')")
     replay.add_argument("--json", default=None, help="Write the results here")
     add_debug_flag(replay)
+    experimental_group(replay, "--policies learned: the learned policy "
+                               "(edgemoe.streaming.experimental).").add_argument(
+        "--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
     replay.set_defaults(run=main_replay)
 
     split = sub.add_parser(
