@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
 from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
+from edgemoe.twin.forecast import ttft_forecast  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
@@ -68,6 +69,55 @@ def truncate(trace, max_decode):
     return out
 
 
+def first_readers(args) -> int:
+    return int(str(args.readers).split(",")[0])
+
+
+def long_prompt(traces, tokens: int, chunk: int) -> dict:
+    """A `tokens`-token prompt routed as the traces' tokens were, one after another (and
+    round again), prefilled in chunks of `chunk` as mlx-lm does, then one decode step: the
+    traces' own prompts are only 128 tokens."""
+    routed = np.concatenate([t["routed"] for t in traces])
+    routed = routed[np.arange(tokens + 1) % len(routed)]
+    calls = [min(chunk, tokens - s) for s in range(0, tokens, chunk)] + [1]
+    out = {k: v for k, v in traces[0].items() if k not in ("routed", "decode", "calls")
+           and not k.startswith("prefetch")}
+    out.update(routed=routed, decode=np.arange(tokens + 1) >= tokens,
+               calls=np.array(calls, dtype=np.int32))
+    return out
+
+
+def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
+    """TTFT of long prompts (--prompt-tokens), cold: the twin's, and its limit (each
+    chunk reads each expert it needs once, overlapped with its compute:
+    edgemoe.twin.forecast.ttft_forecast)."""
+    rows = []
+    for tokens in (int(t) for t in args.prompt_tokens.split(",")):
+        mapped = map_trace(long_prompt(traces, tokens, args.prefill_chunk), shape,
+                           seed=args.seed)
+        for budget in args.budget.split(","):
+            for mode in args.mode.split(","):
+                cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
+                                 readers=first_readers(args), stretch=args.stretch,
+                                 seed=args.seed, cpu_vs_here=args.cpu_vs_here)
+                r = run_twin(pack, mapped, compute, profile, cfg)
+                rows.append({"label": "forecast", "shape": shape.name,
+                             "profile": profile.name, "budget": budget, "mode": mode,
+                             "prompt_tokens": tokens, "prefill_chunk": args.prefill_chunk,
+                             "forecast_ttft_s": r.forecast_prefill_s,
+                             "ttft_limit_s": ttft_forecast(shape, profile, tokens,
+                                                           r.slots_per_layer,
+                                                           args.prefill_chunk,
+                                                           first_readers(args)),
+                             "prefill_bytes": r.total_bytes - r.decode_bytes,
+                             "stretch": r.stretch})
+                print(f" forecast {shape.name:>16} {profile.name:>13} {budget:>5} {mode:>9}  "
+                      f"TTFT of {tokens} tokens (chunks of {args.prefill_chunk}): "
+                      f"{r.forecast_prefill_s:6.2f} s (limit {rows[-1]['ttft_limit_s']:6.2f} s)"
+                      f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read", flush=True)
+    return rows
+
+
 def shape_pack(shape, packs: Path, physical=None):
     folder = packs / shape.name
     if not (folder / "twin.json").exists():
@@ -91,23 +141,33 @@ def exact_limit(mapped, budget, compute: Compute, shape, profile, readers) -> di
 
 
 def run_rows(args):
-    profile = load_profile(args.profile)
+    """Every --profile x --shape x --budget x --mode x --readers (or --prompt-tokens)."""
     rows = []
     traces = [truncate(load_trace(f), args.max_decode) for f in trace_files(args.trace)]
-    for shape_name in args.shape.split(","):
-        shape = get_shape(shape_name)
-        pack = shape_pack(shape, Path(args.packs), args.physical_layers)
-        compute = Compute.from_profile(profile, shape)
-        mapped = [map_trace(t, shape, seed=args.seed) for t in traces]
-        for budget in args.budget.split(","):
-            limit = None
-            if args.limit:
-                parts = [exact_limit(m, budget, compute, shape, profile, args.readers)
-                         for m in mapped]
-                limit = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
-            for mode in args.mode.split(","):
+    for profile in (load_profile(p) for p in args.profile.split(",")):
+        for shape_name in args.shape.split(","):
+            shape = get_shape(shape_name)
+            pack = shape_pack(shape, Path(args.packs), args.physical_layers)
+            compute = Compute.from_profile(profile, shape)
+            if args.prompt_tokens:
+                rows += prefill_rows(args, shape, pack, compute, profile, traces)
+            else:
+                rows += decode_rows(args, shape, pack, compute, profile, traces)
+    return rows
+
+
+def decode_rows(args, shape, pack, compute, profile, traces) -> list:
+    rows = []
+    mapped = [map_trace(t, shape, seed=args.seed) for t in traces]
+    for budget in args.budget.split(","):
+        limit = None
+        if args.limit:
+            parts = [exact_limit(m, budget, compute, shape, profile, 2) for m in mapped]
+            limit = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
+        for mode in args.mode.split(","):
+            for readers in (int(n) for n in str(args.readers).split(",")):
                 cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
-                                 readers=args.readers, stretch=args.stretch, recall=args.recall,
+                                 readers=readers, stretch=args.stretch, recall=args.recall,
                                  seed=args.seed, cpu_vs_here=args.cpu_vs_here)
                 results = [run_twin(pack, m, compute, profile, cfg) for m in mapped]
                 rows.append(summarize(shape, profile, budget, mode, results, limit))
@@ -121,7 +181,9 @@ def summarize(shape, profile, budget, mode, results, limit=None) -> dict:
     python_s = sum(r.python_ms_per_token * r.decode_tokens / 1000 for r in results)
     row = {"label": "forecast" if profile.name != "this-machine" else "twin (this machine)",
            "shape": shape.name if shape else None, "profile": profile.name, "budget": budget,
-           "mode": mode, "forecast_decode_tok_s": dec_tokens / dec_forecast_s,
+           "mode": mode, "readers": results[0].config["readers"],
+           "recall": results[0].config["recall"] if mode == "advisory" else None,
+           "forecast_decode_tok_s": dec_tokens / dec_forecast_s,
            # first order: the same run were our Python free (it ran on a busy 2-core VM)
            "forecast_decode_tok_s_without_python": dec_tokens / max(dec_forecast_s - python_s,
                                                                     1e-9),
@@ -170,7 +232,7 @@ def real_run(kind, pack, args, trace: Path) -> dict:
     cmd = [sys.executable, str(BENCH), "--worker", kind, "--path", str(pack),
            "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--io", args.io, "--text", args.text, "--forced", "--trace", str(trace),
-           "--cache-policy", args.policy, "--readers", str(args.readers)]
+           "--cache-policy", args.policy, "--readers", str(first_readers(args))]
     if "prerouted" in kind or "heads" in kind:
         cmd += ["--prerouter", str(Path(pack) / "prerouter")]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -195,21 +257,35 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     mode = "native" if routing == "native" else routing.replace("-heads", "")
     mode = "prerouted" if mode.startswith("prerouted") else mode
     cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
-                     readers=args.readers, stretch=1.0, skip_decode_calls=2,
+                     readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
                      mac_reads=False)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
+HEADS_CALIBRATION = "1.0:prerouted"  # the heads' cost: a resident prerouted run
+
+
+def with_measured_heads(compute, run, heads, profile, args):
+    """`compute` plus the prerouter heads' cost per layer: what the resident prerouted
+    run took per decode step and per prompt token beyond its twin without heads, over
+    the `heads` layers that run one."""
+    real = run["result"]
+    twin = twin_of_run(run["model"], run["trace"], HEADS_CALIBRATION, compute, profile, args)
+    extra_dec = 1 / real["decode_tps"] - 1 / twin.forecast_decode_tok_s
+    extra_pre = (1 / real["prompt_tps"] - twin.forecast_prefill_s / run["prompt_len"])
+    return compute.with_heads(max(extra_dec, 0.0) / heads, max(extra_pre, 0.0) / heads)
+
+
 def validate(args):
     """Real runs here (each in its own process, rounds alternating), then the twin of each
-    from its own trace, with this machine's profile and compute calibrated on the 100%
-    native run of the same model (less the twin's own overhead at 100%)."""
-    profile = load_profile(args.profile)
+    from its own trace, with this machine's profile and compute calibrated on the same
+    round's 100% native run of the same model (less the twin's own overhead at 100%): the
+    machine's speed drifts between rounds, not within one."""
     models = [m for m in args.models.split(",") if m]
     kinds = [k for k in args.kinds.split(",") if k]
     out = Path(args.json).with_suffix("")
     (out / "traces").mkdir(parents=True, exist_ok=True)
-    measured = {}
+    runs = []
     for rnd in range(args.rounds):
         for model in models:
             for kind in kinds:
@@ -217,52 +293,81 @@ def validate(args):
                 if args.io == "direct":
                     drop_cache(Path(model))
                 r = real_run(kind, model, args, trace)
-                measured.setdefault((model, kind), []).append((r, trace))
+                runs.append({"model": model, "kind": kind, "round": rnd, "result": r,
+                             "trace": str(trace), "label": args.label,
+                             "prompt_len": args.prompt_len, "decode": args.decode})
                 print(f"round {rnd} {Path(model).name} {kind}: {r['decode_tps']:.1f} tok/s, "
                       f"{r.get('expert_bytes_read_per_token', 0) / 1e3:.1f} KB/token", flush=True)
+    commands = [" ".join(sys.argv)]
+    if args.append and Path(args.json).exists():  # another model's or read cap's runs
+        earlier = json.loads(Path(args.json).read_text())
+        runs = earlier["runs"] + runs
+        commands = earlier["commands"] + commands
+    write_validation(args, runs, commands)
+
+
+def write_validation(args, runs, commands):
+    """Score every run (its twin against it) and write --json."""
+    profile = load_profile(args.profile)
     rows = []
-    for model in models:
-        base = measured.get((model, "1.0:native"))
-        if not base:
-            raise SystemExit("--validate needs 1.0:native in --kinds (the calibration run)")
-        t100 = float(np.median([1 / r["decode_tps"] for r, _ in base]))
-        p100 = float(np.median([1 / r["prompt_tps"] for r, _ in base]))
-        zero = Compute(lambda t: 0.0, lambda n, e: 0.0, 0.0,
-                       profile.value("host_sync_us") * 1e-6, "zero")
-        own = twin_of_run(model, base[0][1], "1.0:native", zero, profile, args)
-        own_dec = own.twin_decode_s / max(own.decode_tokens, 1)
-        own_pre = own.twin_prefill_s / max(own.prefill_tokens, 1)
-        from edgemoe.format.pack import Pack
-        pk = Pack.open(model)
-        compute = Compute.calibrated(max(t100 - own_dec, 0.0), max(p100 - own_pre, 0.0),
-                                     len(pk.layers), pk.top_k,
-                                     profile.value("host_sync_us") * 1e-6)
-        for kind in kinds:
-            for r, trace in measured[(model, kind)]:
-                t = twin_of_run(model, trace, kind, compute, profile, args)
-                n = max(t.decode_tokens, 1)
-                rows.append({
-                    "config": f"{Path(model).name} {kind}",
-                    "calibration_row": kind == "1.0:native",
-                    "measured_tok_s": r["decode_tps"],
-                    "predicted_tok_s": t.forecast_decode_tok_s,
-                    "measured_ttft_s": args.prompt_len / r["prompt_tps"],
-                    "predicted_ttft_s": t.forecast_prefill_s,
-                    "measured_bytes": r.get("expert_bytes_read_per_token", 0.0) * (args.decode - 1),
-                    "predicted_bytes": t.decode_bytes,
-                    "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
-                    "predicted_bytes_per_token": t.decode_bytes_per_token})
-                print(json.dumps(rows[-1]), flush=True)
-    for row in rows:
-        row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
-        row["bytes_error"] = (row["predicted_bytes"] / row["measured_bytes"] - 1
-                              if row["measured_bytes"] else 0.0)
-    result = {"validation": rows, "profile": profile.to_json(),
+    for group in sorted({(r["model"], r["label"], r["round"]) for r in runs}):
+        these = [r for r in runs if (r["model"], r["label"], r["round"]) == group]
+        compute = calibrate(these, profile, args)
+        rows += [score(run, compute, profile, args) for run in these]
+    result = {"validation": rows, "runs": runs, "profile": profile.to_json(),
               "method": "twin of each real run from its own routing trace; compute calibrated "
-                        "on the 1.0:native run (marked calibration_row: not a test)",
-              "command": " ".join(sys.argv)}
+                        "on the same round's 1.0:native run, the prerouter heads' on its "
+                        "1.0:prerouted run (both marked calibration_row: not tests)",
+              "commands": commands}
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
+
+
+def calibrate(runs, profile, args) -> Compute:
+    """This machine's compute for one model in one round, from its resident runs."""
+    from edgemoe.format.pack import Pack
+    base = [r for r in runs if r["kind"] == "1.0:native"]
+    if not base:
+        raise SystemExit("--validate needs 1.0:native in --kinds (the calibration run)")
+    model, real = base[0]["model"], base[0]["result"]
+    zero = Compute(lambda t: 0.0, lambda n, e: 0.0, 0.0,
+                   profile.value("host_sync_us") * 1e-6, "zero")
+    own = twin_of_run(model, base[0]["trace"], "1.0:native", zero, profile, args)
+    own_dec = own.twin_decode_s / max(own.decode_tokens, 1)
+    own_pre = own.twin_prefill_s / max(own.prefill_tokens, 1)
+    pack = Pack.open(model)
+    compute = Compute.calibrated(max(1 / real["decode_tps"] - own_dec, 0.0),
+                                 max(1 / real["prompt_tps"] - own_pre, 0.0),
+                                 len(pack.layers), pack.top_k,
+                                 profile.value("host_sync_us") * 1e-6)
+    heads = [r for r in runs if r["kind"] == HEADS_CALIBRATION]
+    if heads:
+        compute = with_measured_heads(compute, heads[0], len(pack.layers) - 1, profile, args)
+    return compute
+
+
+def score(run, compute, profile, args) -> dict:
+    r, kind = run["result"], run["kind"]
+    t = twin_of_run(run["model"], run["trace"], kind, compute, profile, args)
+    measured_bytes = r.get("expert_bytes_read_per_token", 0.0) * (run["decode"] - 1)
+    row = {"config": f"{Path(run['model']).name} {kind}"
+                     + (f" {run['label']}" if run["label"] else ""),
+           "round": run["round"],
+           "calibration_row": kind in ("1.0:native", HEADS_CALIBRATION),
+           "measured_tok_s": r["decode_tps"], "predicted_tok_s": t.forecast_decode_tok_s,
+           "measured_ttft_s": run["prompt_len"] / r["prompt_tps"],
+           "predicted_ttft_s": t.forecast_prefill_s,
+           "measured_bytes": measured_bytes, "predicted_bytes": t.decode_bytes,
+           "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
+           "predicted_bytes_per_token": t.decode_bytes_per_token}
+    row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
+    row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
+    row["bytes_error"] = (row["predicted_bytes"] / measured_bytes - 1 if measured_bytes
+                          else 0.0)
+    print(f"{row['config']:>40} round {run['round']}: tok/s {row['measured_tok_s']:6.1f} "
+          f"measured, {row['predicted_tok_s']:6.1f} twin ({row['tok_s_error']:+.1%}); TTFT "
+          f"{row['ttft_error']:+.1%}; bytes {row['bytes_error']:+.2%}", flush=True)
+    return row
 
 
 def main(argv=None):
@@ -276,7 +381,8 @@ def main(argv=None):
     p.add_argument("--trace", default=str(DEFAULT_TRACES),
                    help="teacher-forced traces: .npz files or folders, comma-separated")
     p.add_argument("--policy", default="lfu")
-    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--readers", default="2", help="reader threads; comma-separated for a "
+                                                   "row each (decode rows)")
     p.add_argument("--io", default="direct", choices=("direct", "buffered"))
     p.add_argument("--stretch", type=float, default=None,
                    help="Wait stretch (default: this disk's time per record over the profile's)")
@@ -288,6 +394,12 @@ def main(argv=None):
     p.add_argument("--cpu-vs-here", type=float, default=None,
                    help="The profile's CPU speed for our Python over this machine's (default: "
                         "the profile's figure, 1.0: unsourced and conservative)")
+    p.add_argument("--prompt-tokens", default=None, metavar="N[,N..]",
+                   help="TTFT of prompts of N tokens instead of decode (routed as the "
+                        "traces' tokens, in turn), beside its limit")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="--prompt-tokens: tokens per prefill call (mlx-lm's "
+                        "prefill_step_size)")
     p.add_argument("--limit", action="store_true",
                    help="Also the exact-mode limit: max(compute, Belady bytes / read rate)")
     p.add_argument("--packs", default=str(DEFAULT_PACKS), help="Where shape packs are written")
@@ -301,9 +413,17 @@ def main(argv=None):
     p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "fine"),
                    help="--validate: edgemoe packs, comma-separated")
     p.add_argument("--kinds", default="1.0:native,0.25:native,0.1:native,0.25:advisory,"
-                                      "0.1:advisory,0.25:prerouted,0.1:prerouted",
+                                      "0.1:advisory,1.0:prerouted,0.25:prerouted,0.1:prerouted",
                    help="--validate: bench_stream worker configs (budget:routing)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="Score the real runs of a --validate JSON again (after a change to "
+                        "the twin); writes --json (default: the same file)")
+    p.add_argument("--append", action="store_true",
+                   help="--validate: add the rows to those already in --json (another "
+                        "model, or a run under a read cap)")
+    p.add_argument("--label", default="",
+                   help="--validate: appended to each row's config (e.g. 'at 20 MB/s')")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--text", default="/work/runs/fine/heldout_stdlib.txt")
@@ -316,6 +436,10 @@ def main(argv=None):
         Path(args.measure).write_text(json.dumps(prof.to_json(), indent=1))
         print(json.dumps({k: v["value"] for k, v in prof.figures.items()}, indent=1))
         return
+    if args.rescore:  # the twin again, against the real runs a --json already holds
+        saved = json.loads(Path(args.rescore).read_text())
+        args.json = args.json or args.rescore
+        return write_validation(args, saved["runs"], saved["commands"] + [" ".join(sys.argv)])
     if args.validate:
         if args.profile == "m4-pro-24gb":
             args.profile = "this-machine.json"

@@ -2,6 +2,7 @@
 the wait model scales as the profile says. Tiny shapes: the whole file runs in seconds."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from edgemoe.twin.profiles import KINDS, Profile, all_profiles, load_profile
 from edgemoe.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
                                  write_shape_pack)
 
+ROOT = Path(__file__).resolve().parents[1]
 NAMED = ("m4-pro-24gb", "m4-max-128gb", "m3-max-48gb", "m4-air-24gb")
 
 
@@ -188,3 +190,59 @@ def test_this_machines_reader_path_reads_the_same_bytes(tiny):
                     TwinConfig(budget="25%", io="buffered", stretch=1.0, mac_reads=mac)
                     ).total_bytes for mac in (True, False)]
     assert got[0] == got[1] == simulate(trace, "25%", "lfu").bytes_read
+
+
+def test_prerouted_waits_for_a_head_at_every_layer_but_the_last(tiny):
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=8), shape)
+    prof = load_profile("m4-pro-24gb")
+    base = Compute(lambda t: 1e-3, lambda n, e: 0.0, 0.0, 0.0, "test")
+    heads = base.with_heads(5e-4, 0.0)
+    cfg = TwinConfig(budget="100%", mode="prerouted", io="buffered", stretch=1.0,
+                     dilate_python=False)
+    plain, with_heads = (run_twin(pack, trace, c, prof, cfg) for c in (base, heads))
+    # 3 layers: heads run at the first two (the last has no next layer to predict)
+    assert with_heads.compute_ms_per_token - plain.compute_ms_per_token == \
+        pytest.approx(2 * 0.5, rel=1e-6)
+    # the profile's heads: a 256-wide MLP over [hidden, routing now and before]
+    a3b = SHAPES["qwen3-30b-a3b"]
+    assert a3b.prerouter_head_params == (2048 + 2 * 128) * 256 + 256 * 128
+    assert Compute.from_profile(prof, a3b).heads_s(1) == pytest.approx(
+        4 * a3b.prerouter_head_params / (prof.value("int4_gbps") * 1e9))
+
+
+def test_a_long_prompt_prefills_in_chunks_and_each_chunk_reads_its_experts(tiny):
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_twin import long_prompt
+    shape, pack = tiny
+    traces = [synthetic_trace(decode=8), synthetic_trace(seed=1)]
+    trace = long_prompt(traces, 100, 40)
+    assert trace["calls"].tolist() == [40, 40, 20, 1]
+    assert len(trace["routed"]) == 101 and trace["decode"].sum() == 1
+    prof = load_profile("m4-pro-24gb")
+
+    def loads(chunk, budget):
+        mapped = map_trace(long_prompt(traces, 100, chunk), shape)
+        r = run_twin(pack, mapped, zero_compute(), prof,
+                     TwinConfig(budget=budget, io="buffered", stretch=1.0))
+        return r.total_bytes // pack.layers[0].expert_bytes, mapped
+
+    everything, mapped = loads(40, "100%")  # each needed expert read once, ever
+    assert everything == sum(len(np.unique(mapped["routed"][:, l])) for l in range(3))
+    assert loads(40, "25%")[0] > loads(100, "25%")[0]  # a small pool: again in each chunk
+
+
+def test_the_twin_decides_by_its_rules():
+    from edgemoe.twin.decide import decide_prefill_step, decide_readers, decide_routing
+    rows = [{"profile": "p", "mode": "native", "budget": b, "readers": n,
+             "forecast_decode_tok_s": tps}
+            for b, n, tps in (("10%", 1, 5.0), ("10%", 2, 6.0), ("10%", 4, 6.1),
+                              ("25%", 1, 9.0), ("25%", 2, 9.9), ("25%", 4, 10.0))]
+    assert decide_readers(rows, "p") == 2  # 4 gains under 3%
+    rows += [{"profile": "p", "mode": "advisory", "budget": b, "readers": 2,
+              "forecast_decode_tok_s": tps} for b, tps in (("10%", 6.3), ("25%", 10.0))]
+    assert decide_routing(rows, "p", 2) == "native"  # +5% and +1%: not at every budget
+    rows[-1]["forecast_decode_tok_s"] = 10.5
+    assert decide_routing(rows, "p", 2) == "advisory"  # +5% and +6%
+    assert decide_prefill_step({512: 4.0, 1024: 2.0, 2048: 1.01, 4096: 1.0}) == 2048

@@ -25,7 +25,7 @@ ran under.
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -54,12 +54,15 @@ class Compute:
     head_s: float
     host_sync_s: float
     method: str
+    # a prerouter head per MoE layer (prerouted modes): tokens -> s
+    heads_s: Callable[[int], float] = lambda t: 0.0
 
     @classmethod
     def from_profile(cls, profile: Profile, shape: Shape) -> "Compute":
         """Bytes over the profile's int4 rate, or FLOPs over its prefill rate if more."""
         rate = profile.value("int4_gbps") * 1e9
         flops = profile.value("prefill_tflops") * 1e12
+        heads = shape.prerouter_head_params
         return cls(
             lambda t: max(shape.resident_layer_bytes / rate,
                           2 * shape.resident_params_per_layer * t / flops),
@@ -67,7 +70,8 @@ class Compute:
                                    2 * shape.expert_params / 3 * 3 * entries / flops),
             shape.head_bytes / rate, profile.value("host_sync_us") * 1e-6,
             f"profile {profile.name}: weights / int4_gbps, or 2 x params x tokens / "
-            f"prefill_tflops if longer")
+            f"prefill_tflops if longer",
+            lambda t: max(4 * heads / rate, 2 * heads * t / flops))  # float32 heads
 
     @classmethod
     def calibrated(cls, decode_s: float, prefill_s_per_token: float, layers: int, top_k: int,
@@ -83,10 +87,18 @@ class Compute:
                                    per_layer_pre * expert_share * entries / top_k),
             0.0, host_sync_s, "calibrated on a resident run of the same model")
 
+    def with_heads(self, decode_s: float, prefill_s_per_token: float) -> "Compute":
+        """The prerouter heads' cost per layer, measured (this machine): what a resident
+        prerouted run took per decode step and per prompt token beyond this compute's
+        twin, spread over the layers with a head."""
+        return replace(self, heads_s=lambda t: max(decode_s, prefill_s_per_token * t),
+                       method=self.method + "; heads calibrated on a resident prerouted run")
+
     def scaled(self, factor: float) -> "Compute":
         return Compute(lambda t: self.resident_layer_s(t) * factor,
                        lambda n, e: self.experts_s(n, e) * factor, self.head_s * factor,
-                       self.host_sync_s * factor, self.method + f" x{factor:g}")
+                       self.host_sync_s * factor, self.method + f" x{factor:g}",
+                       lambda t: self.heads_s(t) * factor)
 
 
 class Waiter:
@@ -384,6 +396,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                  and bool(decode[calls[c - 1].start]))
         for p, pool in enumerate(pools):
             waiter.wait(compute.resident_layer_s(tokens))
+            if mode.routes and p + 1 < L:  # the head for the next layer runs here
+                waiter.wait(compute.heads_s(tokens))
             if not known:
                 waiter.wait(compute.host_sync_s)
                 stats.host_syncs += 1

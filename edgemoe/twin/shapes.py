@@ -35,6 +35,7 @@ from ..format.pack import (ALIGNMENT, EXPERTS_FILE, ExpertsWriter, Pack, PackLay
 
 INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # affine 4-bit, groups of 64, bf16 scales and biases
 SHAPE_PACK_CAP = 4 * 10**9  # physical layers written: as many as fit this (at least one)
+PREROUTER_HEAD_HIDDEN = 256  # edgemoe.routing.prerouter's default width, as shipped
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,13 @@ class Shape:
     @property
     def head_bytes(self) -> float:
         return self.head_params * INT4_BYTES_PER_PARAM
+
+    @property
+    def prerouter_head_params(self) -> float:
+        """One prerouter head (edgemoe.routing.prerouter.PrerouterHead, 256 wide, as
+        trained): [hidden, the routing now and a token before] -> 256 -> experts."""
+        return (self.hidden + 2 * self.experts) * PREROUTER_HEAD_HIDDEN \
+            + PREROUTER_HEAD_HIDDEN * self.experts
 
     @property
     def active_bytes_per_token(self) -> float:
