@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.generate import (DEFAULT_MIN_P, DEFAULT_PREFILL_STEP_SIZE,
-                             DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool)
+from mlx_lm.generate import DEFAULT_MIN_P, DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool
 from mlx_lm.sample_utils import make_sampler
 
 from .cli import add_debug_flag, arrange, tool
 from .hub import resolve as resolve_hub_id
+from .machines import machine_defaults
 from .model.experts import streaming_of
 from .model.generation import generate
 from .options import StreamOptions, number
@@ -63,8 +63,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", type=number(int, 1), default=None,
                    help="Keep at most this many tokens in the KV cache (a rotating cache)")
     p.add_argument("--prefill-step-size", type=number(int, 1),
-                   default=DEFAULT_PREFILL_STEP_SIZE,
-                   help="Prompt tokens per prefill step (default: %(default)s)")
+                   default=machine_defaults().prefill_step_size,
+                   help="Prompt tokens per prefill step: each reads the experts it needs "
+                        "once (default: %(default)s, this machine's: docs/mac.md)")
     p.add_argument("--kv-bits", type=number(int, 1, 8), default=None,
                    help="Quantize the KV cache to this many bits (default: not quantized)")
     p.add_argument("--kv-group-size", type=number(int, 1), default=64,

@@ -11,11 +11,12 @@ the same flags with the same help and defaults; a tool names the ones it takes w
 """
 
 import argparse
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 from .distributed import DEFAULT_TIMEOUT_S
-from .routing.modes import MODE_NAMES, NATIVE, RoutingMode, parse_routing, routing_mode
+from .machines import machine_defaults
+from .routing.modes import MODE_NAMES, RoutingMode, parse_routing, routing_mode
 from .streaming.budget import Budget
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
@@ -58,13 +59,14 @@ class StreamOptions:
     whole or as keyword overrides of these fields. `routing` is a RoutingMode (its name is
     accepted and turned into it)."""
 
+    # io, readers, cache_policy and routing default to this machine's (edgemoe.machines)
     expert_budget: Budget = "auto"  # a fraction, a percentage, a size, or auto: what fits
-    cache_policy: str = DEFAULT_POLICY
-    io: str = "buffered"
-    routing: RoutingMode = NATIVE
+    cache_policy: str = field(default_factory=lambda: machine_defaults().cache_policy)
+    io: str = field(default_factory=lambda: machine_defaults().io)
+    routing: RoutingMode = field(default_factory=lambda: machine_defaults().routing)
     prerouter_path: Optional[str] = None  # heads folder, or "pack"
     adapter_path: Optional[str] = None  # adapter folder, or "pack"
-    readers: int = 2
+    readers: int = field(default_factory=lambda: machine_defaults().readers)
     read_timeout: float = 30.0  # seconds a compute may wait for one read
     verify: bool = True  # checksums must be present, and are checked
     distributed: bool = False  # one host of the group mlx.launch started
@@ -112,6 +114,7 @@ class StreamOptions:
         unknown = wanted - {f.name for f in fields(StreamOptions)}
         assert not unknown, unknown
         group = parser.add_argument_group("streaming")
+        machine = machine_defaults()
         flags = {
             "expert_budget": (("--expert-budget",), dict(
                 default="auto", help="Memory for routed experts: a fraction (0.25), a "
@@ -119,15 +122,16 @@ class StreamOptions:
                                      "the memory available, beside the resident weights and "
                                      "a 4096-token KV cache (default: %(default)s)")),
             "cache_policy": (("--cache-policy",), dict(
-                default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                default=machine.cache_policy, choices=sorted(POLICIES),
                 metavar="{" + ",".join(MAIN_POLICIES) + "}",
                 help="Which resident expert to evict when a layer's slots are full: lfu, the "
                      "one used least often (default: %(default)s; experimental: see below)")),
             "io": (("--io",), dict(
-                default="buffered", choices=IO_MODES,
-                help="direct: O_DIRECT reads that bypass the page cache (default: %(default)s)")),
+                default=machine.io, choices=IO_MODES,
+                help="direct: O_DIRECT reads (F_NOCACHE on macOS) that bypass the page cache "
+                     "(default: %(default)s, this machine's: docs/mac.md)")),
             "routing": (("--routing",), dict(
-                default=NATIVE, type=parse_routing,
+                default=routing_mode(machine.routing), type=parse_routing,
                 metavar="{" + ",".join(MODE_NAMES) + "}",
                 help="native: the router decides, experts load on demand (exact); advisory: "
                      "later layers' experts are prefetched, same output; prerouted: the "
@@ -144,8 +148,9 @@ class StreamOptions:
                      "model folder carries (PACK/adapter); deltas of the routed experts "
                      "stream with them")),
             "readers": (("--readers",), dict(
-                type=number(int, 1), default=2, help="Reader threads filling expert slots "
-                                                     "(default: %(default)s)")),
+                type=number(int, 1), default=machine.readers,
+                help="Reader threads filling expert slots (default: %(default)s, this "
+                     "machine's: docs/mac.md)")),
             "read_timeout": (("--read-timeout",), dict(
                 type=number(float, 0, above=True), default=30.0, metavar="SECONDS",
                 help="A read that keeps compute waiting longer fails the request with a "

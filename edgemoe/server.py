@@ -21,6 +21,7 @@ from typing import Tuple
 
 from .cli import add_debug_flag, arrange, tool
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
+from .machines import machine_defaults
 from .options import StreamOptions, number
 from .serving.engine import Engine
 from .serving.guard import guarded_protocol, stop_within
@@ -76,7 +77,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Requests queued beyond which new ones get 503")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="Completion length when a request gives none")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=number(int, 1),
+                   default=machine_defaults().prefill_step_size,
+                   help="Prompt tokens per prefill step: each reads the experts it needs "
+                        "once (default: %(default)s, this machine's: docs/mac.md)")
     p.add_argument("--temp", type=number(float, 0), default=None,
                    help="Sampling temperature of requests that give none (default: 0, "
                         "greedy; Ollama's API: 0.8, Ollama's default)")

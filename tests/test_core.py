@@ -179,7 +179,8 @@ def test_prefetch_replay_matches_the_store_in_advisory_mode(packs, policy):
 
 # the layers, lowest first; a module imports its own package and lower layers only (every
 # other module, the entry points, serving and twin included, is a tool: the top layer)
-LAYERS = ({"format", "kernels"}, {"streaming", "routing"}, {"hub", "distributed", "options"},
+LAYERS = ({"format", "kernels", "machines"}, {"streaming", "routing"},
+          {"hub", "distributed", "options"},
           {"model", "cuda"})
 APART = {("streaming", "routing"), ("routing", "streaming")}  # same layer, no imports
 

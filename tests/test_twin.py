@@ -246,3 +246,65 @@ def test_the_twin_decides_by_its_rules():
     rows[-1]["forecast_decode_tok_s"] = 10.5
     assert decide_routing(rows, "p", 2) == "advisory"  # +5% and +6%
     assert decide_prefill_step({512: 4.0, 1024: 2.0, 2048: 1.01, 4096: 1.0}) == 2048
+
+
+def test_each_machine_default_is_what_the_twin_decided():
+    """edgemoe.machines (what the code uses) against edgemoe.twin.decide over the twin's
+    rows (tests/data/twin_defaults.json) and the TTFT limits, profile by profile."""
+    from edgemoe.machines import machine_defaults
+    from edgemoe.twin.decide import decide
+    rows = json.loads((ROOT / "tests" / "data" / "twin_defaults.json").read_text())["rows"]
+    profiles = sorted({r["profile"] for r in rows})
+    assert len(profiles) >= 3
+    for profile in profiles:
+        d = machine_defaults(profile)
+        assert decide(rows, profile) == {"readers": d.readers, "routing": d.routing,
+                                         "prefill_step_size": d.prefill_step_size}, profile
+
+
+def test_the_docs_defaults_table_is_the_code():
+    """docs/mac.md's "Defaults per machine" table names every profile, each row as
+    edgemoe.machines has it."""
+    from edgemoe.machines import DEFAULTS
+    text = (ROOT / "docs" / "mac.md").read_text()
+    section = text.split("## Defaults per machine", 1)[1].split("\n## ", 1)[0]
+    table = [line.strip("|").split("|") for line in section.splitlines()
+             if line.startswith("| `")]
+    seen = {}
+    for cells in table:
+        name, io, readers, policy, routing, step = (c.strip().strip("`") for c in cells[:6])
+        seen[name] = (io, int(readers), policy, routing, int(step))
+    assert set(seen) == set(DEFAULTS) and set(all_profiles()) <= set(seen)
+    for name, d in DEFAULTS.items():
+        assert seen[name] == (d.io, d.readers, d.cache_policy, d.routing,
+                              d.prefill_step_size), name
+
+
+def test_stream_options_take_this_machines_defaults(monkeypatch):
+    from edgemoe.machines import machine_defaults
+    from edgemoe.options import StreamOptions
+    for name in ("m4-pro-24gb", "generic"):
+        monkeypatch.setenv("EDGEMOE_MACHINE", name)
+        d, o = machine_defaults(name), StreamOptions()
+        assert (o.io, o.readers, o.cache_policy, str(o.routing)) == \
+            (d.io, d.readers, d.cache_policy, d.routing)
+        assert StreamOptions(io="buffered").io == "buffered"  # a choice still overrides
+    monkeypatch.setenv("EDGEMOE_MACHINE", "m9-ultra")
+    with pytest.raises(ValueError, match="EDGEMOE_MACHINE=m9-ultra: choose one of generic"):
+        StreamOptions()
+
+
+def test_a_mac_is_named_by_its_chip_and_memory(monkeypatch):
+    import platform
+    import subprocess
+    from edgemoe import machines
+    monkeypatch.delenv("EDGEMOE_MACHINE", raising=False)
+    answers = {"machdep.cpu.brand_string": "Apple M4 Pro\n", "hw.memsize": f"{24 * 2**30}\n"}
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, stdout=answers[cmd[-1]]))
+    assert machines.this_machine() == "m4-pro-24gb"
+    answers["hw.memsize"] = f"{36 * 2**30}\n"  # an M4 Pro no profile describes
+    assert machines.this_machine() == "apple-silicon"
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    assert machines.this_machine() == "generic"

@@ -125,8 +125,8 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
         print(f"does NOT fit in {fmt_bytes(mem)}: {e}")
     print(METHOD)
     print(f"  routing: {len(traces)} trace(s) from {files[0].parent} mapped onto the shape"
-          + (" (the bundled model's GREEDY traces flatter every cache: pass --trace with "
-             "teacher-forced ones)" if not trace else ""))
+          + (" (the bundled model's held-out, teacher-forced traces: 128 experts, top-8)"
+             if not trace else ""))
     rows = []
     asked = budgets or ["5%", "10%", "25%"]
     if auto:

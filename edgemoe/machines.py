@@ -1,0 +1,77 @@
+"""The streaming defaults per machine, as the twin decided them (docs/mac.md, "Defaults per
+machine": the figures behind each choice; tests/test_twin.py pins every row to its profile
+and to that table).
+
+A machine is named as the twin's profiles are (edgemoe/twin/profiles.json: `m4-pro-24gb`):
+`EDGEMOE_MACHINE` names one, else a Mac is named from its chip and memory, else (these
+Linux VMs, a GPU box, a Mac no profile describes) the `generic` row holds, the values
+the project measured on its own machines. StreamOptions and the tools' prefill step take
+their defaults from here; a flag or keyword still overrides each.
+"""
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from typing import Optional
+
+GENERIC = "generic"
+
+
+@dataclass(frozen=True)
+class MachineDefaults:
+    io: str  # "direct" (O_DIRECT, F_NOCACHE on macOS) or "buffered" (the page cache)
+    readers: int  # reader threads, reads in flight
+    cache_policy: str
+    routing: str  # the exact mode that pays there: "native" or "advisory"
+    prefill_step_size: int  # prompt tokens per forward call (each reads its experts once)
+
+
+APPLE = MachineDefaults(io="direct", readers=2, cache_policy="lfu", routing="native",
+                        prefill_step_size=4096)
+DEFAULTS = {
+    GENERIC: MachineDefaults(io="buffered", readers=2, cache_policy="lfu", routing="native",
+                             prefill_step_size=2048),
+    "apple-silicon": APPLE,  # a Mac that no profile names
+    "m4-air-24gb": APPLE,
+    "m4-pro-24gb": APPLE,
+    "m3-max-48gb": APPLE,
+    "m4-max-128gb": APPLE,
+    "m5-max-128gb": APPLE,
+}
+
+
+def mac_name() -> Optional[str]:
+    """`m4-pro-24gb` for an Apple M4 Pro with 24 GB; None off macOS."""
+    if platform.system() != "Darwin":
+        return None
+    try:
+        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], text=True,
+                              capture_output=True, timeout=5).stdout.strip()
+        memory = int(subprocess.run(["sysctl", "-n", "hw.memsize"], text=True,
+                                    capture_output=True, timeout=5).stdout)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return "apple-silicon"
+    words = chip.lower().removeprefix("apple ").split()  # "m4 pro"
+    return "-".join(words + [f"{round(memory / 2**30)}gb"])
+
+
+def this_machine() -> str:
+    """The name of the machine this runs on, as DEFAULTS keys it."""
+    named = os.environ.get("EDGEMOE_MACHINE")
+    if named:
+        if named not in DEFAULTS:
+            raise ValueError(f"EDGEMOE_MACHINE={named}: choose one of {', '.join(DEFAULTS)}")
+        return named
+    named = mac_name()
+    if named is None:
+        return GENERIC
+    return named if named in DEFAULTS else "apple-silicon"
+
+
+def machine_defaults(name: Optional[str] = None) -> MachineDefaults:
+    """The defaults of machine `name` (default: this one)."""
+    name = name or this_machine()
+    if name not in DEFAULTS:
+        raise ValueError(f"machine {name!r}: choose one of {', '.join(DEFAULTS)}")
+    return DEFAULTS[name]

@@ -1,0 +1,79 @@
+"""The defaults a machine profile gets, decided from the twin's figures.
+
+edgemoe.machines holds the defaults the code uses; this module derives the ones the twin
+can judge from its rows (scripts/bench_twin.py --json, on the qwen3-30b-a3b shape at 10%
+and 25%: the model most users stream), and tests/test_twin.py checks the two agree for
+every profile the rows cover:
+
+    readers            the fewest reader threads within 3% of the best native decode at
+                       every budget (more threads cost Python; reads queue at the SSD)
+    routing            advisory where it beats native by 3% at every budget, else native
+    prefill_step_size  the prefill chunk with the lowest TTFT limit for a 4096-token prompt
+                       at 25% (each chunk reads the experts it needs once; fewer chunks,
+                       fewer reads); a tie within 3% goes to the smaller chunk
+
+Two defaults are not the twin's to judge, and stay as edgemoe.machines says why: the I/O
+mode (direct on a Mac: buffered reads would hold every record a second time in the page
+cache, in the same unified memory the slots live in), and the cache policy (LFU: the
+bytes of a replay do not depend on the machine; docs/cache.md).
+"""
+
+from typing import Dict, List
+
+from ..streaming.budget import SlotPlan, parse_budget
+from .forecast import ttft_forecast
+from .profiles import load_profile
+from .shapes import SHAPES
+
+TOLERANCE = 0.03
+SHAPE = "qwen3-30b-a3b"
+CHUNKS = (512, 1024, 2048, 4096)
+PROMPT = 4096
+
+
+def _by(rows: List[dict], **match) -> List[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def decide_readers(rows: List[dict], profile: str) -> int:
+    native = _by(rows, profile=profile, mode="native")
+    budgets = sorted({r["budget"] for r in native})
+    counts = sorted({r["readers"] for r in native})
+    best = {b: max(r["forecast_decode_tok_s"] for r in _by(native, budget=b)) for b in budgets}
+    for n in counts:
+        if all(_by(native, budget=b, readers=n)[0]["forecast_decode_tok_s"]
+               >= (1 - TOLERANCE) * best[b] for b in budgets):
+            return n
+    return counts[-1]
+
+
+def decide_routing(rows: List[dict], profile: str, readers: int) -> str:
+    budgets = sorted({r["budget"] for r in _by(rows, profile=profile, mode="advisory")})
+    pays = budgets and all(
+        _by(rows, profile=profile, mode="advisory", budget=b)[0]["forecast_decode_tok_s"]
+        > (1 + TOLERANCE) * _by(rows, profile=profile, mode="native", budget=b,
+                                readers=readers)[0]["forecast_decode_tok_s"]
+        for b in budgets)
+    return "advisory" if pays else "native"
+
+
+def prefill_limits(profile: str, budget: str = "25%") -> Dict[int, float]:
+    """{chunk: the TTFT limit of a 4096-token prompt} on `profile`, the deciding shape."""
+    shape = SHAPES[SHAPE]
+    plan = SlotPlan(tuple([shape.record_bytes] * shape.layers),
+                    tuple([shape.experts] * shape.layers), shape.top_k)
+    slots = plan.slots_for_bytes(parse_budget(budget, plan.total_bytes))
+    return {c: ttft_forecast(shape, load_profile(profile), PROMPT, slots, c) for c in CHUNKS}
+
+
+def decide_prefill_step(ttft_limits: Dict[int, float]) -> int:
+    """{chunk: TTFT limit of the 4096-token prompt} -> the chunk to prefill in."""
+    best = min(ttft_limits.values())
+    return min(c for c, t in ttft_limits.items() if t <= (1 + TOLERANCE) * best)
+
+
+def decide(rows: List[dict], profile: str) -> dict:
+    """The defaults the twin's `rows` (and the TTFT limits) give `profile`."""
+    readers = decide_readers(rows, profile)
+    return {"readers": readers, "routing": decide_routing(rows, profile, readers),
+            "prefill_step_size": decide_prefill_step(prefill_limits(profile))}
