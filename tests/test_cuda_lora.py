@@ -20,7 +20,8 @@ pytest.importorskip("transformers", reason="the CUDA backend needs transformers"
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import edgemoe  # noqa: E402
-from edgemoe.cuda.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRALinear  # noqa: E402
+from edgemoe.cuda.lora import LoRALinear  # noqa: E402
+from edgemoe.format.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402
 from edgemoe.format.deltas import expert_deltas, with_deltas  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402

@@ -17,7 +17,6 @@ model, never a router: a LoRA there would change the routing. The routed experts
 same slots (edgemoe.format.deltas; edgemoe.cuda.experts adds them).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
@@ -25,12 +24,10 @@ from typing import Dict, Sequence, Tuple
 import torch
 from safetensors import safe_open
 
-from ..format.families import ROUTER_NAMES
+from ..format.adapters import (ADAPTER_WEIGHTS, LEAVES, adapter_files, lora_config, lora_key,
+                               lora_scale, owner)
+from ..format.families import is_router_path
 from ..format.pack import PackError
-
-ADAPTER_WEIGHTS = "adapters.safetensors"  # mlx-lm's names (edgemoe.model.lora's too)
-ADAPTER_CONFIG = "adapter_config.json"
-LEAVES = ("lora_a", "lora_b")
 
 
 class LoRALinear(torch.nn.Module):
@@ -61,32 +58,23 @@ def read_adapter(path, streamed: Sequence[str] = ()) -> Adapter:
     """An adapter folder in mlx-lm's LoRA format, checked for what serving needs; the
     deltas of the `streamed` expert modules (mlx-lm paths) are left on disk."""
     path = Path(path)
-    weights_file, config_file = path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such adapter folder (expected {ADAPTER_WEIGHTS} "
-                                f"and {ADAPTER_CONFIG}, mlx-lm's format)")
-    for f in (config_file, weights_file):
-        if not f.exists():
-            raise FileNotFoundError(f"{f}: missing; an adapter folder holds {ADAPTER_WEIGHTS} "
-                                    f"and {ADAPTER_CONFIG} (mlx-lm's format)")
-    config = json.loads(config_file.read_text())
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise PackError(f"{config_file}: fine_tune_type {kind!r}; the CUDA backend serves "
-                        f"'lora' adapters")
-    scale = config.get("lora_parameters", {}).get("scale")
-    if scale is None:
-        raise PackError(f"{config_file}: no lora_parameters.scale (mlx-lm's LoRA config "
-                        f"names it scale, not alpha)")
+    weights_file, config_file = adapter_files(path)
+    config = lora_config(path, "; the CUDA backend serves 'lora' adapters")
+    scale = lora_scale(config, config_file)
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
     with safe_open(str(weights_file), framework="pt") as f:
         for name in f.keys():
-            module, _, leaf = name.rpartition(".")
-            if leaf not in LEAVES:
+            module, leaf = lora_key(name)
+            if not leaf:
                 raise PackError(f"{weights_file}: {name} is not a LoRA tensor (expected "
                                 f"<module>.lora_a or .lora_b)")
-            if not any(module.startswith(e + ".") for e in streamed):
+            if owner(name, streamed) is None:
                 pairs.setdefault(module, {})[leaf] = f.get_tensor(name)
+    return Adapter(path, scale, _paired(pairs, weights_file))
+
+
+def _paired(pairs: Dict[str, Dict[str, torch.Tensor]], weights_file: Path) -> Dict[str, tuple]:
+    """{module: (A, B)}: every module's two tensors, both present."""
     weights = {}
     for module, pair in sorted(pairs.items()):
         missing = [leaf for leaf in LEAVES if leaf not in pair]
@@ -94,7 +82,7 @@ def read_adapter(path, streamed: Sequence[str] = ()) -> Adapter:
             raise PackError(f"{weights_file}: {module}.{missing[0]} missing (found only "
                             f"{module}.{next(iter(pair))})")
         weights[module] = (pair["lora_a"], pair["lora_b"])
-    return Adapter(path, float(scale), weights)
+    return weights
 
 
 def apply_adapter(model: torch.nn.Module, adapter: Adapter,
@@ -107,7 +95,7 @@ def apply_adapter(model: torch.nn.Module, adapter: Adapter,
         name = module
         for old, new in renames:
             name = f".{name}.".replace(old, new)[1:-1]
-        if set(ROUTER_NAMES) & set(name.split(".")):
+        if is_router_path(name):
             raise PackError(f"{weights_file}: {module} is a router; a LoRA there would change "
                             f"the routing, and edgemoe adapts resident linear layers only")
         try:

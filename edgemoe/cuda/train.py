@@ -34,9 +34,9 @@ from transformers.activations import ACT2FN
 from . import families, prerouted
 from .int4 import dequantize
 from .model import _build, _load_resident
+from ..format.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..format.pack import Pack, PackError, PackLayer
 from ..format.source import model_path, open_source
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 STATE = "train_state_torch"  # (train_lora.TORCH_STATE)
 GATED = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LEAVES, lora_key, owner
 from .inplace import _DTYPES, safetensors_header
 from .pack import ExpertsWriter, Pack, PackError, PackLayer, Record, TensorLayout, read_json
 
@@ -38,8 +39,6 @@ FORMAT = "edgemoe.expert_deltas"
 VERSION = 1
 RECORDS = "expert_deltas.bin"
 MANIFEST = "expert_deltas.json"
-WEIGHTS = "adapters.safetensors"  # mlx-lm's adapter file
-KINDS = ("lora_a", "lora_b")
 
 
 @dataclass
@@ -55,11 +54,11 @@ class ExpertDeltas:
 def delta_tensors(adapter: Path, source: Pack) -> Dict[str, Dict[str, dict]]:
     """The adapter's routed-expert tensors: layer module -> name within it
     (`gate_proj.lora_a`) -> safetensors header entry (with `start`: the data's offset)."""
-    header, data_start = safetensors_header(adapter / WEIGHTS)
+    header, data_start = safetensors_header(adapter / ADAPTER_WEIGHTS)
     found: Dict[str, Dict[str, dict]] = {}
     for layer in source.layers:
         for name, entry in header.items():
-            if name.startswith(layer.module + ".") and name.rsplit(".", 1)[1] in KINDS:
+            if owner(name, [layer.module]) and lora_key(name)[1]:
                 found.setdefault(layer.module, {})[name[len(layer.module) + 1:]] = \
                     {**entry, "start": data_start + entry["data_offsets"][0]}
     return found
@@ -97,7 +96,7 @@ def _stamp(adapter: Path, source: Pack, chunk: int = 16 * 2**20) -> dict:
     """What the records were written from: the adapter file's CRC32 (its content: a copy
     or a checkout keeps it, a retrained adapter changes it), and the pack."""
     crc = 0
-    with open(adapter / WEIGHTS, "rb") as f:
+    with open(adapter / ADAPTER_WEIGHTS, "rb") as f:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return {"adapter_crc32": crc, "pack": source.fingerprint}
@@ -108,8 +107,8 @@ def _write(folder: Path, adapter: Path, source: Pack, tensors, stamp: dict):
     into place (the records, then the manifest that vouches for them): never
     half-written, and two processes loading the adapter for the first time at once both
     succeed (their files are the same bytes). A failed write leaves nothing behind."""
-    config = read_json(adapter / "adapter_config.json")
-    weights = np.memmap(adapter / WEIGHTS, dtype=np.uint8, mode="r")
+    config = read_json(adapter / ADAPTER_CONFIG)
+    weights = np.memmap(adapter / ADAPTER_WEIGHTS, dtype=np.uint8, mode="r")
     mine = f".partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp, tmp_manifest = folder / (RECORDS + mine), folder / (MANIFEST + mine)
     writing = tmp
@@ -163,7 +162,7 @@ def _layout(layer: PackLayer, entries: Dict[str, dict], adapter: Path) -> List[T
         entry = entries[name]
         shape = tuple(entry["shape"])
         if shape[0] != layer.num_experts or entry["dtype"] not in _DTYPES:
-            raise PackError(f"{adapter / WEIGHTS}: {layer.module}.{name}: expected "
+            raise PackError(f"{adapter / ADAPTER_WEIGHTS}: {layer.module}.{name}: expected "
                             f"{layer.num_experts} experts' deltas, found {entry['dtype']} "
                             f"{list(shape)}")
         nbytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // shape[0]
@@ -171,9 +170,9 @@ def _layout(layer: PackLayer, entries: Dict[str, dict], adapter: Path) -> List[T
         offset += nbytes
     projections = {t.projection for t in layout}
     for p in projections:
-        if {t.kind for t in layout if t.projection == p} != set(KINDS):
-            raise PackError(f"{adapter / WEIGHTS}: {layer.module}.{p}: lora_a and lora_b "
-                            f"expected, found only one")
+        if {t.kind for t in layout if t.projection == p} != set(LEAVES):
+            raise PackError(f"{adapter / ADAPTER_WEIGHTS}: {layer.module}.{p}: lora_a and "
+                            f"lora_b expected, found only one")
     return layout
 
 

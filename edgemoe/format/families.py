@@ -66,6 +66,12 @@ def is_routed_experts(module) -> bool:
 ROUTER_NAMES = ("router", "gate")  # the attribute of a MoE block holding its router
 
 
+def is_router_path(path: str) -> bool:
+    """Whether a module path (`model.layers.3.mlp.gate`) names a router or lies inside one:
+    a LoRA there would change the routing."""
+    return bool(set(ROUTER_NAMES) & set(path.split(".")))
+
+
 def _has_router(module) -> bool:
     import mlx.nn as nn
 

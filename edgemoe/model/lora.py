@@ -25,10 +25,8 @@ from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 from safetensors import safe_open
 
-from ..routing.gates import ROUTER_NAMES
-
-ADAPTER_WEIGHTS = "adapters.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+from ..format.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_config
+from ..format.families import is_router_path
 
 
 def default_targets(model: nn.Module) -> List[str]:
@@ -37,8 +35,7 @@ def default_targets(model: nn.Module) -> List[str]:
     for layer in model.layers:
         for path, module in layer.named_modules():
             # a router is `gate` or `router` (and what a prerouted mode's RouterTap wraps)
-            is_router = bool(set(ROUTER_NAMES) & set(path.split(".")))
-            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not is_router:
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not is_router_path(path):
                 keys.add(path)
     return sorted(keys)
 
@@ -59,11 +56,8 @@ def load_adapter(model: nn.Module, path: Path, streamed_experts: bool = False) -
     if not streamed_experts:
         return load_adapters(model, str(path))
     path = Path(path)
-    config = json.loads((path / ADAPTER_CONFIG).read_text())
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise ValueError(f"{path / ADAPTER_CONFIG}: fine_tune_type {kind!r} adapts the "
-                         f"routed experts; edgemoe streams only a 'lora' there")
+    config = lora_config(path, " adapts the routed experts; edgemoe streams only a 'lora' "
+                               "there")
     experts = set(expert_targets(model))
     params = dict(config["lora_parameters"])
     keys = params.get("keys") or _mlx_lm_default_keys(model)
