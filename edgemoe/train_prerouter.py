@@ -40,7 +40,8 @@ from .streaming.budget import is_auto
 from .routing.gates import (BlockInput, gate_logits, handing, hidden_size,
                             indices_from_logits, moe_blocks, tapped, uses_sigmoid)
 from .routing.heads_config import HEAD_HIDDEN
-from .routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
+from .routing.prerouter import (Prerouter, PrerouterConfig, config_for_model, load_prerouter,
+                                save_prerouter)
 
 # knobs
 CONTEXT = 256  # tokens per window
@@ -171,11 +172,11 @@ class Features:
     def batch(self, config: PrerouterConfig, rows: np.ndarray, targets=None) -> dict:
         """Head inputs and native targets for `rows` (sorted), for every head (or those
         of `targets`): {target: (x, routed now, routed before, native logits, native set)}.
-        A head about the next token (config.shift) takes those of `rows` followed."""
+        A head about the next token (config.lead) takes those of `rows` followed."""
         e = config.num_experts
         out = {}
         for t in targets or config.targets:
-            s, shift = config.sources[t], config.shift(t)
+            s, shift = config.sources[t], config.lead
             r = rows[self.followed[rows]] if shift else rows
             prev = multi_hot_np(self.routed[s][np.maximum(r - 1, 0)], e)  # the token before
             prev[self.pos[r] < 1] = 0  # (none: zeros)
@@ -278,7 +279,7 @@ def evaluate(prerouter: Prerouter, blocks, features: Features, chunk: int = 4096
     next_rows, all_rows = features.rows(False), features.rows(True)
     layers = []
     for t, s in sorted(config.sources.items()):
-        block, shift = blocks[t], config.shift(t)
+        block, shift = blocks[t], config.lead
         head_rows = features.rows(not shift)
         predicted, base = [], []
         for i in range(0, len(head_rows), chunk):
@@ -347,8 +348,8 @@ def run(args) -> dict:
     blocks = moe_blocks(model)
     native = [int(l) for l in args.native_layers.split(",") if l.strip()]
     mx.random.seed(args.seed)
-    config = PrerouterConfig.for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
-                                       blocks, args.same_token, native)
+    config = config_for_model(config_json["model_type"], hidden_size(blocks[min(blocks)]),
+                              blocks, args.same_token, native)
     prerouter = Prerouter(config)
 
     def tokens_of(path, limit):

@@ -24,7 +24,7 @@ from edgemoe.cuda.model import greedy, load  # noqa: E402
 from edgemoe.cuda.prerouted import MODES  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
 from edgemoe.routing.gates import hidden_size, moe_blocks  # noqa: E402
-from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, save_prerouter  # noqa: E402
+from edgemoe.routing.prerouter import Prerouter, config_for_model, save_prerouter  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from make_hf_family_checkpoints import HF_FAMILIES, make_hf_family  # noqa: E402
 
@@ -129,8 +129,8 @@ def untrained_heads(fam: FamilyPack, out):
     blocks = moe_blocks(model)
     model.expert_store.close()
     mx.random.seed(0)
-    heads = Prerouter(PrerouterConfig.for_model(fam.config["model_type"],
-                                                hidden_size(blocks[min(blocks)]), blocks))
+    heads = Prerouter(config_for_model(fam.config["model_type"],
+                                       hidden_size(blocks[min(blocks)]), blocks))
     for head in heads.heads.values():
         head.down.weight = head.down.weight * HEADS_SCALE
         head.down.bias = head.down.bias * HEADS_SCALE

@@ -18,7 +18,7 @@ from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
 from edgemoe.model.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
 from edgemoe.routing.gates import moe_blocks
-from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
+from edgemoe.routing.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
 
 TOKENS = mx.array(np.random.default_rng(2).integers(3, 500, (1, 12)))
 
@@ -34,7 +34,7 @@ def randomize_deltas(model, seed=0):
 def random_heads(model, folder):
     """Untrained prerouter heads for `model` (seeded), saved to `folder`."""
     mx.random.seed(0)
-    save_prerouter(Prerouter(PrerouterConfig.for_model(
+    save_prerouter(Prerouter(config_for_model(
         "qwen3_moe", model.args.hidden_size, moe_blocks(model))), folder)
 
 

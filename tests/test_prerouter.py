@@ -15,7 +15,7 @@ import edgemoe
 from edgemoe import train_prerouter
 from edgemoe.routing.gates import gate_logits, indices_from_logits, install_tap, moe_blocks, top_k
 from edgemoe.routing.predictors import PreroutedPredictor
-from edgemoe.routing.prerouter import Prerouter, PrerouterConfig, load_prerouter, save_prerouter
+from edgemoe.routing.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
 from edgemoe.routing.state import RoutingState
 from edgemoe.streaming.budget import minimum_bytes
 
@@ -25,7 +25,7 @@ from conftest import FAMILIES
 def new_prerouter(model, model_type, seed=0, **options):
     mx.random.seed(seed)
     blocks = moe_blocks(model)
-    config = PrerouterConfig.for_model(model_type, model.args.hidden_size, blocks, **options)
+    config = config_for_model(model_type, model.args.hidden_size, blocks, **options)
     return Prerouter(config), blocks
 
 

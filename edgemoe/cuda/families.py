@@ -50,6 +50,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
+from ..format.pack import PackError
+
 
 def _kv_b_proj(state: dict, model) -> dict:
     """deepseek_v3-style MLA: mlx-lm splits kv_b_proj (H * (nope + v), rank) into embed_q
@@ -202,6 +204,13 @@ def refusal(config: dict) -> Optional[str]:
         return f"model_type {model_type!r}: {UNSUPPORTED[model_type]}"
     return (f"model_type {model_type!r}: the CUDA backend runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_runs(config: dict, config_file) -> None:
+    """Refuse, in one line naming `config_file`, a model this backend does not run."""
+    reason = refusal(config)
+    if reason:
+        raise PackError(f"{config_file}: {reason}")
 
 
 def transformers_config(config: dict) -> dict:

@@ -12,7 +12,6 @@ MLX-quantized linears and embeddings dequantized to the compute dtype; each MoE 
 import inspect
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +25,10 @@ from transformers.activations import ACT2FN
 from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
-from ..hub import resolve as resolve_hub_id
-from ..format.source import BUNDLED_MODEL, model_path, open_source, pack_asset, resolve_asset
+from ..format.source import BUNDLED_MODEL, open_source
+from ..load_plan import adapter_folder, auto_budget, heads_folder, model_folder, open_store
 from ..options import StreamOptions
-from ..streaming.budget import SlotPlan, fitting_budget, fmt_bytes, is_auto
+from ..streaming.budget import SlotPlan, is_auto
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
@@ -87,13 +86,11 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     if options.distributed:
         raise ValueError("--distributed: the CUDA backend runs on one host")
     routing = options.routing
-    path = model_path(resolve_hub_id(path_or_hf_repo))
+    path = model_folder(path_or_hf_repo)
     config = json.loads((path / "config.json").read_text())
-    refusal = families.refusal(config)
-    if refusal:
-        raise PackError(f"{path / 'config.json'}: {refusal}")
+    families.check_runs(config, path / "config.json")
     source = open_source(path, options.verify)
-    adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
+    adapter = adapter_folder(path, options)
     if adapter is not None:  # fail before threads; the experts' deltas stream with them
         adapter = read_adapter(adapter, streamed=[layer.module for layer in source.layers])
         deltas = expert_deltas(adapter.path, source)
@@ -101,20 +98,17 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     streams = streams or make_streams(device, copy_streams)
-    heads = prerouted.heads_folder(path, routing, options.prerouter_path)
+    heads = heads_folder(path, routing, options.prerouter_path)
     heads = prerouted.load_heads(heads, device) if heads else None  # fail before threads
     rows = host_rows(SlotPlan.of(source), host_budget)
     skip = tuple(f"{layer.module}." for layer in source.layers)  # the streamed experts
     expert_budget = options.expert_budget
     if is_auto(expert_budget):
         expert_budget = _auto_budget(source, path, config, dtype, device, skip)
-    store = ExpertStore(source, expert_budget, options.cache_policy, options.io,
-                        options.readers,
-                        memory=lambda layer, n: DeviceSlotMemory(
-                            layer, n, device, streams, HostTier(layer, rows, streams,
-                                                                host_policy)),
-                        learned_policy=pack_asset(path, "cache_policy"),
-                        read_timeout_s=options.read_timeout)
+    store = open_store(source, path, expert_budget, options,
+                       lambda layer, n: DeviceSlotMemory(
+                           layer, n, device, streams, HostTier(layer, rows, streams,
+                                                               host_policy)))
     try:  # the store's reader threads end with a failed load
         model = _build(config, dtype)
         _install(model, store, _kernel(device, kernel))
@@ -141,13 +135,8 @@ def _auto_budget(source, path: Path, config: dict, dtype, device, skip) -> int:
     """`expert_budget="auto"`: what fits in the device's free memory (the host's available
     memory on the CPU) beside the resident weights as this backend holds them."""
     memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    resident = _resident_bytes(path, config, dtype, skip)
-    budget = fitting_budget(source, config, memory, resident_bytes=resident)
-    if budget < source.expert_bytes:
-        print(f"[edgemoe] --expert-budget auto: {fmt_bytes(budget)} "
-              f"({budget / source.expert_bytes:.0%} of the routed experts) fits in the "
-              f"{device.type} memory available", file=sys.stderr)
-    return budget
+    return auto_budget(source, config, memory, _resident_bytes(path, config, dtype, skip),
+                       where=f"{device.type} ")
 
 
 def _resident_bytes(path: Path, config: dict, dtype, skip=()) -> int:
@@ -161,10 +150,8 @@ def _resident_bytes(path: Path, config: dict, dtype, skip=()) -> int:
             names = {n for n in tensors.keys() if not n.startswith(skip)}
             for name in names - {n for n in names if n.endswith((".scales", ".biases"))}:
                 count = math.prod(tensors.get_slice(name).get_shape())
-                module = name.rsplit(".", 1)[0]
-                if name.endswith(".weight") and f"{module}.scales" in names:
-                    count = count * 32 // (quantization.get(module) or quantization)["bits"]
-                total += count * element
+                q = _quantization_of(name, names, quantization)
+                total += (count if q is None else count * 32 // q["bits"]) * element
     return total
 
 
@@ -289,13 +276,21 @@ def resident_state_dict(path: Path, quantization: dict, dtype, device,
             if name.endswith((".scales", ".biases")):
                 continue
             tensor = f.get_tensor(name)
-            module = name.rsplit(".", 1)[0]
-            if name.endswith(".weight") and f"{module}.scales" in names:  # not its .bias
-                q = quantization.get(module) or quantization
+            module, q = name.rsplit(".", 1)[0], _quantization_of(name, names, quantization)
+            if q is not None:
                 tensor = dequantize(tensor.view(torch.int32), f.get_tensor(f"{module}.scales"),
                                     f.get_tensor(f"{module}.biases"), q["group_size"], q["bits"])
             state[name] = tensor.to(device=device, dtype=dtype)
     return state
+
+
+def _quantization_of(name: str, names, quantization: dict) -> Optional[dict]:
+    """The quantization of a resident tensor that is a quantized weight (mlx-lm's: its
+    module has scales beside it; the module's own entry or the model's), else None."""
+    module = name.rsplit(".", 1)[0]
+    if name.endswith(".weight") and f"{module}.scales" in names:  # not its .bias
+        return quantization.get(module) or quantization
+    return None
 
 
 @dataclass

@@ -33,7 +33,6 @@ no cache is a whole sequence.
 """
 
 import copy
-import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,38 +44,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..format.families import UnsupportedModelError
-from ..format.source import pack_asset, resolve_asset
-from ..routing.heads_config import HEAD_HIDDEN, current_fields
-from ..routing.modes import ROUTING_MODES, RoutingMode
+from ..routing.heads_config import CONFIG, HEAD_HIDDEN, WEIGHTS, PrerouterConfig, read_config
+from ..routing.modes import ROUTING_MODES
 from ..streaming.store import ExpertStore
 from . import families
 
 MODES = tuple(mode.name for mode in ROUTING_MODES if mode.routes)  # these modes' names
-# as edgemoe.routing.prerouter saves them
-WEIGHTS, CONFIG = "prerouter.safetensors", "prerouter_config.json"
 NORM_EPS = 1e-5  # mlx.nn.RMSNorm's default, which the heads were trained with
-
-
-@dataclass
-class HeadsConfig:
-    """prerouter_config.json (edgemoe.routing.prerouter.PrerouterConfig), read as JSON."""
-
-    hidden_size: int
-    num_experts: int
-    sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
-    same_token: bool = False
-    native_layers: List[int] = field(default_factory=list)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "HeadsConfig":
-        return cls(int(d["hidden_size"]), int(d["num_experts"]),
-                   {int(t): int(s) for t, s in d["sources"].items()},
-                   bool(d.get("same_token", False)),
-                   [int(n) for n in d.get("native_layers", [])])
-
-    @property
-    def predicted_layers(self) -> List[int]:
-        return sorted(t for t in self.sources if t not in self.native_layers)
 
 
 class Head(nn.Module):
@@ -99,7 +73,7 @@ class Head(nn.Module):
 class Heads(nn.Module):
     """All heads of one model (`heads.layer_<target>`), in float32."""
 
-    def __init__(self, config: HeadsConfig):
+    def __init__(self, config: PrerouterConfig):
         super().__init__()
         self.config = config
         self.heads = nn.ModuleDict({f"layer_{t}": Head(config.hidden_size, config.num_experts)
@@ -118,31 +92,10 @@ def multi_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
     return (ids[..., None] == torch.arange(n, device=ids.device)).any(-2).float()
 
 
-def heads_folder(model: Path, routing: RoutingMode, given) -> Optional[Path]:
-    """The prerouter folder a prerouted mode uses: `given`, "pack" or None for the one
-    the pack carries (as the MLX loader resolves it)."""
-    routing.check_heads(given)
-    if not routing.needs_heads:
-        return None
-    heads = resolve_asset(given, model, "prerouter", "--prerouter")
-    if heads is None:
-        heads = pack_asset(model, "prerouter")
-    if heads is None:
-        raise ValueError(f"--routing {routing} needs prerouter heads: pass prerouter_path=DIR; "
-                         f"{model} carries none (python -m edgemoe.train_prerouter makes them)")
-    return heads
-
-
 def load_heads(path, device) -> Heads:
     """The heads of a prerouter folder on `device`."""
     path = Path(path)
-    for name in (CONFIG, WEIGHTS):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
-                                    f"folder (python -m edgemoe.train_prerouter --out ...)?")
-    raw = json.loads((path / CONFIG).read_text())
-    config = HeadsConfig.from_json(current_fields(raw, path / CONFIG))
-    heads = Heads(config)
+    heads = Heads(read_config(path))
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)
     if missing or unexpected:
@@ -182,16 +135,13 @@ class PreroutedRouting:
                  store: Optional[ExpertStore]):
         self.heads, self.taps, self.store = heads, taps, store
         config = heads.config
-        missing = sorted((set(config.sources) | set(config.sources.values())) - set(taps))
+        missing = sorted(set(config.layers) - set(taps))
         if missing:
             raise ValueError(f"prerouter heads for MoE layers {missing}: the model's MoE "
                              f"layers are {sorted(taps)}")
-        self.targets_of: Dict[int, List[int]] = {}
-        for target, source in sorted(config.sources.items()):
-            self.targets_of.setdefault(source, []).append(target)
+        self.targets_of = config.targets_of
         self.predicted = set(config.predicted_layers)
-        # next-token heads predict the layer's next call; same-token heads this one's
-        self.lead = 0 if config.same_token else 1
+        self.lead = config.lead  # next-token heads: the layer's next call; same-token: this
         self._states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.calls: List[Call] = []
 

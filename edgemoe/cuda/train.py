@@ -37,6 +37,7 @@ from .model import _build, _load_resident
 from ..format.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..format.pack import Pack, PackError, PackLayer
 from ..format.source import model_path, open_source
+from ..load_plan import heads_folder
 
 STATE = "train_state_torch"  # (train_lora.TORCH_STATE)
 GATED = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU
@@ -141,9 +142,7 @@ def build(path: Path, config: dict, experts: Dict[str, Dict[str, torch.Tensor]],
     """transformers' model of the pack, float32 on the CPU, its experts (by mlx-lm module
     path) resident; with `rank`, LoRA deltas on `keys` (paths within a decoder layer,
     mlx-lm's names; "experts": the routed experts)."""
-    refusal = families.refusal(config)
-    if refusal:
-        raise PackError(f"{path / 'config.json'}: {refusal}")
+    families.check_runs(config, path / "config.json")
     model = _build(config, torch.float32)
     for module, weights in experts.items():
         block = families.moe_block(model.model.layers[int(module.split(".")[2])])
@@ -218,8 +217,8 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
         if not args.routing.routes:
             raise ValueError(f"--backend torch trains --routing native or prerouted, not "
                              f"{args.routing}")
-        heads = prerouted.load_heads(prerouted.heads_folder(path, args.routing,
-                                                            args.prerouter_path), "cpu")
+        heads = prerouted.load_heads(heads_folder(path, args.routing, args.prerouter_path),
+                                     "cpu")
         prerouted.install(student, None, heads, moe_layers=[l.index for l in source.layers])
     teacher = _teacher(args.teacher, path, config, experts)
     trainable = [p for p in student.parameters() if p.requires_grad]

@@ -2,7 +2,6 @@
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
@@ -13,14 +12,12 @@ from ..distributed import connect, share_for
 from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import routed_experts
 from ..format.pack import PackError
-from ..hub import resolve as resolve_hub_id
-from ..format.source import model_path, open_source, pack_asset, resolve_asset
+from ..format.source import open_source
+from ..load_plan import adapter_folder, auto_budget, heads_folder, model_folder, open_store
 from ..routing.gates import hand_input, moe_blocks
 from ..options import StreamOptions
 from ..routing.driver import PredictedRouting
-from ..routing.modes import RoutingMode
-from ..streaming.budget import fitting_budget, fmt_bytes, is_auto
-from ..streaming.store import ExpertStore
+from ..streaming.budget import is_auto
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
@@ -79,7 +76,7 @@ def load(
     expert_budget, io, verify = options.expert_budget, options.io, options.verify
     if group is None and options.distributed:
         group = connect(options.group_timeout)
-    path = model_path(resolve_hub_id(path_or_hf_repo))
+    path = model_folder(path_or_hf_repo)
     source = opened = open_source(path, verify)
     if verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
@@ -88,8 +85,8 @@ def load(
     elif verify:
         source.verify_resident(uncached=io == "direct")
     routing = options.routing
-    heads = _heads(path, routing, options.prerouter_path)  # fail before threads and weights
-    adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
+    heads = heads_folder(path, routing, options.prerouter_path)  # fail before threads, weights
+    adapter = adapter_folder(path, options)
     # an adapter of the routed experts: their deltas stream with them
     deltas = None if adapter is None else expert_deltas(adapter, source)
     share = None
@@ -103,10 +100,8 @@ def load(
     if deltas is not None:
         source = with_deltas(source, deltas)
     if is_auto(expert_budget):  # what fits in the memory available, before loading
-        expert_budget = _auto_budget(source, path)
-    store = ExpertStore(source, expert_budget, options.cache_policy, io, options.readers,
-                        learned_policy=pack_asset(path, "cache_policy"),
-                        read_timeout_s=options.read_timeout, memory=MLXSlotMemory)
+        expert_budget = auto_budget(source, json.loads((path / "config.json").read_text()))
+    store = open_store(source, path, expert_budget, options, MLXSlotMemory)
     streaming = Streaming(store, share)
     experts = {}
 
@@ -167,28 +162,4 @@ def _load_uncached(model, files, chunk_bytes: int = 32 * 2**20):
     for f in files:
         drop_cached_pages(f)
 
-
-def _auto_budget(source, path: Path) -> int:
-    budget = fitting_budget(source, json.loads((path / "config.json").read_text()))
-    if budget < source.expert_bytes:
-        print(f"[edgemoe] --expert-budget auto: {fmt_bytes(budget)} "
-              f"({budget / source.expert_bytes:.0%} of the routed experts) fits in the memory "
-              f"available", file=sys.stderr)
-    return budget
-
-
-def _heads(path: Path, routing: RoutingMode, given) -> Optional[Path]:
-    routing.check_heads(given)
-    if not routing.needs_heads:
-        return None
-    heads = resolve_asset(given, path, "prerouter", "--prerouter")
-    if heads is None:
-        heads = pack_asset(path, "prerouter")
-        if heads is None:
-            raise ValueError(f"--routing {routing} needs prerouter heads: pass --prerouter "
-                             f"DIR (prerouter_path= in Python); {path} carries none "
-                             f"(python -m edgemoe.train_prerouter makes them)")
-        print(f"[edgemoe] --routing {routing}: the heads {path} carries ({heads})",
-              file=sys.stderr)
-    return heads
 

@@ -66,9 +66,7 @@ class PreroutedPredictor:
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module]):
         self.prerouter = prerouter
         config = prerouter.config
-        self.targets_of: Dict[int, List[int]] = {}
-        for target, source in config.sources.items():
-            self.targets_of.setdefault(source, []).append(target)
+        self.targets_of = config.targets_of
         # compiled, as the next router is: a head and its target's routing code cost no
         # Python on the decode path (the heads' weights are fixed once loaded)
         self.logits = {t: mx.compile(self._logits_of(t)) for t in config.targets}
@@ -102,7 +100,7 @@ class PreroutedPredictor:
 
     @property
     def lead(self) -> int:
-        return 0 if self.same_token else 1
+        return self.prerouter.config.lead
 
     @property
     def gates(self) -> List[RouterTap]:

@@ -15,70 +15,27 @@ the same logits.
     indices = indices_from_logits(blocks[target], logits)
 
 Heads are saved as `prerouter.safetensors` + `prerouter_config.json` in one folder
-(edgemoe.routing.heads_config reads the fields of removed variants older heads record).
+(edgemoe.routing.heads_config: the config, as both backends read it).
 """
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .gates import indices_from_logits, multi_hot, num_experts, top_k
-from .heads_config import HEAD_HIDDEN, current_fields
+from .heads_config import CONFIG, HEAD_HIDDEN, WEIGHTS, PrerouterConfig, read_config
 
-WEIGHTS = "prerouter.safetensors"
-CONFIG = "prerouter_config.json"
-
-
-@dataclass
-class PrerouterConfig:
-    model_type: str
-    hidden_size: int  # of the model: the MoE blocks' input
-    num_experts: int
-    top_k: int
-    sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
-    same_token: bool = False  # predict layer l+1 of token t, not of token t+1
-    native_layers: List[int] = field(default_factory=list)  # keep the native router here
-
-    @classmethod
-    def for_model(cls, model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
-                  same_token: bool = False,
-                  native_layers: Sequence[int] = ()) -> "PrerouterConfig":
-        """A head for every MoE layer but the first (it has no previous MoE layer)."""
-        layers = sorted(blocks)
-        first = blocks[layers[0]]
-        sources = dict(zip(layers[1:], layers[:-1]))
-        native = {layers[0], *native_layers}
-        return cls(model_type, hidden_size, num_experts(first), top_k(first), sources,
-                   same_token, sorted(native))
-
-    def shift(self, target: int) -> int:
-        """1: `target`'s head predicts the next token's routing; 0: this token's."""
-        return 0 if self.same_token else 1
-
-    @property
-    def targets(self) -> List[int]:
-        return sorted(self.sources)
-
-    @property
-    def predicted_layers(self) -> List[int]:
-        """Targets whose routing a prerouted mode takes from the heads."""
-        return [t for t in self.targets if t not in self.native_layers]
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["sources"] = {str(t): s for t, s in self.sources.items()}
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "PrerouterConfig":
-        d = dict(d)
-        d["sources"] = {int(t): int(s) for t, s in d["sources"].items()}
-        return cls(**d)
+def config_for_model(model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
+                     *args, **kwargs) -> PrerouterConfig:
+    """Heads for a model's MoE `blocks`: PrerouterConfig.for_layers with their layers and
+    their routers' sizes (`args`, `kwargs`: its options from same_token on)."""
+    first = blocks[min(blocks)]
+    return PrerouterConfig.for_layers(model_type, hidden_size, sorted(blocks),
+                                      num_experts(first), top_k(first), *args, **kwargs)
 
 
 class PrerouterHead(nn.Module):
@@ -142,12 +99,7 @@ def save_prerouter(prerouter: Prerouter, path) -> Path:
 
 def load_prerouter(path) -> Prerouter:
     path = Path(path)
-    for name in (CONFIG, WEIGHTS):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"{path / name}: no such file; is {path} a prerouter "
-                                    f"folder (python -m edgemoe.train_prerouter --out ...)?")
-    raw = json.loads((path / CONFIG).read_text())
-    prerouter = Prerouter(PrerouterConfig.from_json(current_fields(raw, path / CONFIG)))
+    prerouter = Prerouter(read_config(path))
     prerouter.load_weights(str(path / WEIGHTS), strict=True)
     prerouter.eval()
     mx.eval(prerouter.parameters())
