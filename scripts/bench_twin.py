@@ -37,7 +37,7 @@ from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack, 
                                  write_shape_pack)
 
 DEFAULT_PACKS = Path(os.environ.get("EDGEMOE_TWIN_PACKS", "/work/runs/twin/packs"))
-DEFAULT_TRACES = ROOT / "tests" / "data" / "fine_traces"  # held-out, teacher-forced
+DEFAULT_TRACES = ROOT / "edgemoe" / "models" / "fine" / "traces"  # held-out, teacher-forced
 
 
 def trace_files(spec: str):
@@ -233,7 +233,7 @@ def real_run(kind, pack, args, trace: Path) -> dict:
            "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--io", args.io, "--text", args.text, "--forced", "--trace", str(trace),
            "--cache-policy", args.policy, "--readers", str(first_readers(args))]
-    if "prerouted" in kind or "heads" in kind:
+    if kind.endswith(":prerouted"):
         cmd += ["--prerouter", str(Path(pack) / "prerouter")]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -254,26 +254,33 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     from edgemoe.format.pack import Pack
     pack = Pack.open(pack_path)
     budget, routing = kind.split(":")[:2]
-    mode = "native" if routing == "native" else routing.replace("-heads", "")
-    mode = "prerouted" if mode.startswith("prerouted") else mode
-    cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
+    cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
                      mac_reads=False)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
-HEADS_CALIBRATION = "1.0:prerouted"  # the heads' cost: a resident prerouted run
+# the predictors' cost, each from a resident run of its mode
+PREDICTOR_CALIBRATION = {"prerouted": "1.0:prerouted", "advisory": "1.0:advisory"}
 
 
-def with_measured_heads(compute, run, heads, profile, args):
-    """`compute` plus the prerouter heads' cost per layer: what the resident prerouted
-    run took per decode step and per prompt token beyond its twin without heads, over
-    the `heads` layers that run one."""
+def prefill_s_per_token(run, tokens: int) -> float:
+    """The real run's prefill seconds per prompt token: its time to the first token less
+    the two decode steps mlx-lm runs before yielding it."""
     real = run["result"]
-    twin = twin_of_run(run["model"], run["trace"], HEADS_CALIBRATION, compute, profile, args)
+    return (run["prompt_len"] / real["prompt_tps"] - 2 / real["decode_tps"]) / tokens
+
+
+def with_measured_predictor(compute, run, layers, profile, args):
+    """`compute` plus its mode's predictor cost per layer: what the resident run took
+    per decode step and per prompt token beyond its twin without one, over the `layers`
+    that run one."""
+    real = run["result"]
+    twin = twin_of_run(run["model"], run["trace"], run["kind"], compute, profile, args)
     extra_dec = 1 / real["decode_tps"] - 1 / twin.forecast_decode_tok_s
-    extra_pre = (1 / real["prompt_tps"] - twin.forecast_prefill_s / run["prompt_len"])
-    return compute.with_heads(max(extra_dec, 0.0) / heads, max(extra_pre, 0.0) / heads)
+    extra_pre = (prefill_s_per_token(run, twin.prefill_tokens)
+                 - twin.forecast_prefill_s / twin.prefill_tokens)
+    return compute.with_heads(max(extra_dec, 0.0) / layers, max(extra_pre, 0.0) / layers)
 
 
 def validate(args):
@@ -289,7 +296,9 @@ def validate(args):
     for rnd in range(args.rounds):
         for model in models:
             for kind in kinds:
-                trace = out / "traces" / f"{Path(model).name}_{kind.replace(':', '_')}_{rnd}.npz"
+                label = "".join(ch for ch in args.label if ch.isalnum())
+                trace = (out / "traces" /
+                         f"{Path(model).name}_{kind.replace(':', '_')}_{label}_{rnd}.npz")
                 if args.io == "direct":
                     drop_cache(Path(model))
                 r = real_run(kind, model, args, trace)
@@ -298,33 +307,59 @@ def validate(args):
                              "prompt_len": args.prompt_len, "decode": args.decode})
                 print(f"round {rnd} {Path(model).name} {kind}: {r['decode_tps']:.1f} tok/s, "
                       f"{r.get('expert_bytes_read_per_token', 0) / 1e3:.1f} KB/token", flush=True)
-    commands = [" ".join(sys.argv)]
-    if args.append and Path(args.json).exists():  # another model's or read cap's runs
+    earlier = {"validation": [], "runs": [], "commands": []}
+    if args.append and Path(args.json).exists():  # another model's or read cap's rows
         earlier = json.loads(Path(args.json).read_text())
-        runs = earlier["runs"] + runs
-        commands = earlier["commands"] + commands
-    write_validation(args, runs, commands)
+    write_validation(args, runs, earlier["commands"] + [" ".join(sys.argv)], earlier)
 
 
-def write_validation(args, runs, commands):
-    """Score every run (its twin against it) and write --json."""
+def write_validation(args, runs, commands, earlier=None):
+    """Score each run (its twin against it, here: under this process's read cap, if
+    any) and write --json, after the rows and runs of `earlier`: `per_run`, and
+    `validation`, each config's medians over its rounds."""
     profile = load_profile(args.profile)
-    rows = []
+    earlier = earlier or {"per_run": [], "runs": []}
+    rows = list(earlier.get("per_run", earlier.get("validation", [])))
     for group in sorted({(r["model"], r["label"], r["round"]) for r in runs}):
         these = [r for r in runs if (r["model"], r["label"], r["round"]) == group]
         compute = calibrate(these, profile, args)
         rows += [score(run, compute, profile, args) for run in these]
-    result = {"validation": rows, "runs": runs, "profile": profile.to_json(),
+    result = {"validation": by_config(rows), "per_run": rows, "runs": earlier["runs"] + runs,
+              "profile": profile.to_json(),
               "method": "twin of each real run from its own routing trace; compute calibrated "
                         "on the same round's 1.0:native run, the prerouter heads' on its "
-                        "1.0:prerouted run (both marked calibration_row: not tests)",
+                        "1.0:prerouted run (both marked calibration_row: not tests); a "
+                        "config's row: the medians over its rounds",
               "commands": commands}
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
 
 
-def calibrate(runs, profile, args) -> Compute:
-    """This machine's compute for one model in one round, from its resident runs."""
+MEDIANS = ("measured_tok_s", "predicted_tok_s", "measured_ttft_s", "predicted_ttft_s",
+           "measured_bytes", "predicted_bytes", "measured_bytes_per_token",
+           "predicted_bytes_per_token")
+
+
+def by_config(rows) -> list:
+    """One row per config: the medians of its rounds, and each round's errors."""
+    out = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        these = [r for r in rows if r["config"] == config]
+        row = {"config": config, "rounds": len(these),
+               "calibration_row": these[0]["calibration_row"]}
+        row.update({k: float(np.median([r[k] for r in these])) for k in MEDIANS})
+        row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
+        row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
+        row["bytes_error"] = (row["predicted_bytes"] / row["measured_bytes"] - 1
+                              if row["measured_bytes"] else 0.0)
+        row["round_tok_s_errors"] = [r["tok_s_error"] for r in these]
+        out.append(row)
+    return out
+
+
+def calibrate(runs, profile, args) -> dict:
+    """This machine's compute for one model in one round, from its resident runs: per
+    routing mode, with its predictor's cost where a resident run of the mode measured it."""
     from edgemoe.format.pack import Pack
     base = [r for r in runs if r["kind"] == "1.0:native"]
     if not base:
@@ -337,26 +372,32 @@ def calibrate(runs, profile, args) -> Compute:
     own_pre = own.twin_prefill_s / max(own.prefill_tokens, 1)
     pack = Pack.open(model)
     compute = Compute.calibrated(max(1 / real["decode_tps"] - own_dec, 0.0),
-                                 max(1 / real["prompt_tps"] - own_pre, 0.0),
+                                 max(prefill_s_per_token(base[0], own.prefill_tokens)
+                                     - own_pre, 0.0),
                                  len(pack.layers), pack.top_k,
                                  profile.value("host_sync_us") * 1e-6)
-    heads = [r for r in runs if r["kind"] == HEADS_CALIBRATION]
-    if heads:
-        compute = with_measured_heads(compute, heads[0], len(pack.layers) - 1, profile, args)
-    return compute
+    by_mode = {"native": compute}
+    for mode, kind in PREDICTOR_CALIBRATION.items():
+        resident = [r for r in runs if r["kind"] == kind]
+        by_mode[mode] = (with_measured_predictor(compute, resident[0], len(pack.layers) - 1,
+                                                 profile, args) if resident else compute)
+    return by_mode
 
 
 def score(run, compute, profile, args) -> dict:
     r, kind = run["result"], run["kind"]
-    t = twin_of_run(run["model"], run["trace"], kind, compute, profile, args)
+    t = twin_of_run(run["model"], run["trace"], kind, compute[kind.split(":")[1]], profile,
+                    args)
     measured_bytes = r.get("expert_bytes_read_per_token", 0.0) * (run["decode"] - 1)
     row = {"config": f"{Path(run['model']).name} {kind}"
                      + (f" {run['label']}" if run["label"] else ""),
-           "round": run["round"],
-           "calibration_row": kind in ("1.0:native", HEADS_CALIBRATION),
+           "round": run["round"], "label": run["label"],
+           "calibration_row": kind in ("1.0:native", *PREDICTOR_CALIBRATION.values()),
            "measured_tok_s": r["decode_tps"], "predicted_tok_s": t.forecast_decode_tok_s,
            "measured_ttft_s": run["prompt_len"] / r["prompt_tps"],
-           "predicted_ttft_s": t.forecast_prefill_s,
+           # mlx-lm yields the first token after the prompt, its last token's step and
+           # the next step: the calls before the twin's decode window
+           "predicted_ttft_s": t.forecast_ttft_s,
            "measured_bytes": measured_bytes, "predicted_bytes": t.decode_bytes,
            "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
            "predicted_bytes_per_token": t.decode_bytes_per_token}
@@ -418,7 +459,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rescore", default=None, metavar="JSON",
                    help="Score the real runs of a --validate JSON again (after a change to "
-                        "the twin); writes --json (default: the same file)")
+                        "the twin): those of --label (run it under the same read cap); "
+                        "writes --json (default: the same file)")
     p.add_argument("--append", action="store_true",
                    help="--validate: add the rows to those already in --json (another "
                         "model, or a run under a read cap)")
@@ -439,7 +481,11 @@ def main(argv=None):
     if args.rescore:  # the twin again, against the real runs a --json already holds
         saved = json.loads(Path(args.rescore).read_text())
         args.json = args.json or args.rescore
-        return write_validation(args, saved["runs"], saved["commands"] + [" ".join(sys.argv)])
+        mine = [r for r in saved["runs"] if r["label"] == args.label]
+        kept = {"per_run": [row for row in saved.get("per_run", saved["validation"])
+                            if row.get("label", "") != args.label],
+                "runs": [r for r in saved["runs"] if r["label"] != args.label]}
+        return write_validation(args, mine, saved["commands"] + [" ".join(sys.argv)], kept)
     if args.validate:
         if args.profile == "m4-pro-24gb":
             args.profile = "this-machine.json"

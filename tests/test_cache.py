@@ -236,7 +236,7 @@ def test_lfu_leads_on_the_bundled_models_held_out_traces():
     assert rates["belady"] > rates["lfu"] > rates["learned"], rates
 
 
-FINE_TRACES = Path(__file__).parent / "data" / "fine_traces"
+FINE_TRACES = Path(__file__).parents[1] / "edgemoe" / "models" / "fine" / "traces"
 LEARNED_01 = Path(__file__).parent / "data" / "fine_learned_01.npz"  # fitted on passages 0-1 only
 
 

@@ -36,11 +36,45 @@ def block(marker: str) -> str:
 MAIN = block("edgemoe.generate --prompt")
 TESTS = block("pytest")
 HUB = block("edgemoe.doctor --model")
+MAC = block("edgemoe.doctor --machine")
 AGENTS = block("OPENAI_BASE_URL")
+# Qwen3-30B-A3B's config.json, the fields a forecast reads (its shape: edgemoe.twin.shapes)
+A3B_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+              "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "vocab_size": 151936}
 
 
 def test_every_block_is_one_a_test_runs():
-    assert sorted(BLOCKS) == sorted([MAIN, TESTS, HUB, AGENTS])
+    assert sorted(BLOCKS) == sorted([MAIN, TESTS, HUB, MAC, AGENTS])
+
+
+def test_the_mac_forecast_command(tiny_mlx_checkpoint, tmp_path):
+    """doctor --machine on the README's repository id, served by the hub stand-in with
+    Qwen3-30B-A3B's config: a forecast, labelled so, for the A3B shape."""
+    import json
+    import shutil
+
+    repo_dir = tmp_path / "repo"
+    shutil.copytree(tiny_mlx_checkpoint, repo_dir)
+    config = json.loads((repo_dir / "config.json").read_text())
+    (repo_dir / "config.json").write_text(json.dumps({**config, **A3B_CONFIG}))
+    command = shlex.split(MAC)
+    repo = command[command.index("--model") + 1]
+    hub = HubStandin()
+    hub.add_repo(repo, repo_dir)
+    hub.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_DISABLE_PROGRESS_BARS="1")
+    try:
+        r = subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True,
+                           text=True, timeout=300)
+    finally:
+        hub.stop()
+    assert r.returncode == 0, r.stderr
+    assert "FORECAST" in r.stdout and "48 MoE layers x 128 experts of 2.7 MB" in r.stdout
+    assert re.search(r"^\s+25%\s+32\s", r.stdout, re.MULTILINE), r.stdout  # a budget's row
 
 
 def test_readme_is_at_most_12_kb():

@@ -271,9 +271,16 @@ def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
     assert "Generation: 5 tokens" in r.stdout
     installed = target / "edgemoe" / "models"
     for asset in ("fine/prerouter/prerouter.safetensors", "fine/adapter/adapters.safetensors",
-                  "fine/cache_policy.npz", "fine-draft/model.safetensors"):
+                  "fine/cache_policy.npz", "fine-draft/model.safetensors",
+                  "fine/traces/stdlib.npz"):
         assert (installed / asset).exists(), asset
     assert not (installed / "reference").exists()
+    # doctor --machine forecasts from the shipped traces (README, "On a Mac")
+    code = "import sys; from edgemoe.doctor import main; main(sys.argv[1:])"
+    r = subprocess.run([sys.executable, "-c", code, "--machine", "m4-pro-24gb", "--model",
+                        "qwen3-30b-a3b"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "FORECAST" in r.stdout and str(installed / "fine" / "traces") in r.stdout
 
 
 @pytest.mark.parametrize("flag,value", [("--temp", "-1"), ("--temp", "nan"), ("--temp", "inf"),

@@ -152,7 +152,7 @@ def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):
     from edgemoe.doctor import main
     from edgemoe.format.source import BUNDLED_MODEL
     from edgemoe.streaming.trace import load_trace
-    trace = load_trace("tests/data/fine_traces/stdlib.npz")
+    trace = load_trace("edgemoe/models/fine/traces/stdlib.npz")
     short = {k: v for k, v in trace.items() if not k.startswith("prefetch")}
     decoded = np.cumsum(trace["decode"])  # the prompt and the first 32 decoded tokens
     end = int(np.searchsorted(decoded, 32)) + 1

@@ -54,7 +54,8 @@ class Compute:
     head_s: float
     host_sync_s: float
     method: str
-    # a prerouter head per MoE layer (prerouted modes): tokens -> s
+    # the predictor at each MoE layer but the last (a prerouter head; advisory's next
+    # router): tokens -> s
     heads_s: Callable[[int], float] = lambda t: 0.0
 
     @classmethod
@@ -88,11 +89,11 @@ class Compute:
             0.0, host_sync_s, "calibrated on a resident run of the same model")
 
     def with_heads(self, decode_s: float, prefill_s_per_token: float) -> "Compute":
-        """The prerouter heads' cost per layer, measured (this machine): what a resident
-        prerouted run took per decode step and per prompt token beyond this compute's
-        twin, spread over the layers with a head."""
+        """The predictor's cost per layer, measured (this machine): what a resident run of
+        its mode took per decode step and per prompt token beyond this compute's twin,
+        spread over the layers that run one."""
         return replace(self, heads_s=lambda t: max(decode_s, prefill_s_per_token * t),
-                       method=self.method + "; heads calibrated on a resident prerouted run")
+                       method=self.method + "; the predictor calibrated on a resident run")
 
     def scaled(self, factor: float) -> "Compute":
         return Compute(lambda t: self.resident_layer_s(t) * factor,
@@ -255,6 +256,7 @@ class TwinResult:
     twin_prefill_s: float
     forecast_decode_tok_s: float
     forecast_prefill_s: float
+    forecast_ttft_s: float  # every call before the decode window (skip_decode_calls)
     decode_bytes: int
     total_bytes: int
     decode_bytes_per_token: float
@@ -370,7 +372,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     track = cfg.stretch is None and cfg.track_disk
     last_busy, last_bytes = store.reader.busy_s, 0
     stretches = []
-    acc = {k: 0.0 for k in ("decode_s", "prefill_s", "blocked", "compute", "python")}
+    acc = {k: 0.0 for k in ("decode_s", "prefill_s", "ttft_s", "blocked", "compute", "python")}
     dec_before = None
     twin_s = [0.0, 0.0]  # twin seconds: decode, prefill
     for c, call in enumerate(calls):
@@ -396,7 +398,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                  and bool(decode[calls[c - 1].start]))
         for p, pool in enumerate(pools):
             waiter.wait(compute.resident_layer_s(tokens))
-            if mode.routes and p + 1 < L:  # the head for the next layer runs here
+            if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))
             if not known:
                 waiter.wait(compute.host_sync_s)
@@ -425,6 +427,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         waiter.wait(compute.host_sync_s)
         took = time.perf_counter() - tic
         # forecast seconds: this call's twin seconds over the stretch it ran under
+        if c < first_decode:  # before the decode window: the time to the first token
+            acc["ttft_s"] += took / stretch
         if not is_decode:
             acc["prefill_s"] += took / stretch
         elif c >= first_decode:
@@ -449,7 +453,7 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         decode_tokens=n_dec, prefill_tokens=int((~decode).sum()),
         twin_decode_s=twin_s[0], twin_prefill_s=twin_s[1],
         forecast_decode_tok_s=n_dec / dec_s if dec_s else 0.0,
-        forecast_prefill_s=acc["prefill_s"],
+        forecast_prefill_s=acc["prefill_s"], forecast_ttft_s=acc["ttft_s"],
         decode_bytes=int(d.bytes_read), total_bytes=int(total.bytes_read),
         decode_bytes_per_token=d.bytes_read / max(n_dec, 1),
         blocked_ms_per_token=1000 * acc["blocked"] / max(n_dec, 1),

@@ -24,11 +24,12 @@ import numpy as np
 
 from ..streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
                                 fmt_bytes, parse_budget)
+from ..machines import DEFAULTS, GENERIC, machine_defaults
 from .engine import Compute
 from .profiles import Profile, load_profile
 from .shapes import SHAPES, Shape, map_trace, shape_from_config
 
-DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "fine_traces"
+DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "models" / "fine" / "traces"  # shipped
 METHOD = ("FORECAST (analytic, unvalidated on a Mac): profile compute + cache_sim's bytes of "
           "a routing trace mapped onto the shape / the profile's SSD rate")
 
@@ -100,9 +101,10 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
            trace: Optional[str] = None, memory: Optional[int] = None):
     from ..streaming.trace import load_trace
     profile = load_profile(machine)
+    defaults = machine_defaults(profile.name if profile.name in DEFAULTS else GENERIC)
     shape = shape_for(model)
     files = [Path(trace)] if trace else sorted(DEFAULT_TRACES.glob("*.npz"))
-    if not files:  # an installed package carries no test traces
+    if not files:  # the bundled model's traces are gone (a trimmed install)
         raise SystemExit(f"error: --machine forecasts from routing traces: expected --trace TRACE.npz "
                          f"(scripts/routing_stats.py record writes them), found none in {DEFAULT_TRACES}")
     traces = [load_trace(f) for f in files]
@@ -132,7 +134,8 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
     if auto:
         asked = asked + [auto]
     print(f"  {'budget':>10} {'slots':>5} {'MB/token':>9} {'native':>8} {'exact lim':>9} "
-          f"{'prerouted':>9} {'TTFT 512':>9} {'TTFT 4096':>9}   (tok/s; cold TTFT, s)")
+          f"{'prerouted':>9} {'TTFT 512':>9} {'TTFT 4096':>9}   (tok/s; cold TTFT, s, in "
+          f"chunks of {defaults.prefill_step_size}: the machine's default)")
     for b in asked:
         budget_bytes = parse_budget(b, plan.total_bytes)
         slots = plan.slots_for_bytes(budget_bytes)
@@ -140,10 +143,13 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
         if slots < shape.top_k:
             print(f"  {label:>10} below the minimum budget")
             continue
-        f = decode_forecast(shape, profile, budget_bytes, traces)
+        f = decode_forecast(shape, profile, budget_bytes, traces, defaults.readers,
+                            defaults.cache_policy)
         f.update(budget=label, slots=slots,
-                 ttft_512_s=ttft_forecast(shape, profile, 512, slots),
-                 ttft_4096_s=ttft_forecast(shape, profile, 4096, slots))
+                 ttft_512_s=ttft_forecast(shape, profile, 512, slots,
+                                          defaults.prefill_step_size, defaults.readers),
+                 ttft_4096_s=ttft_forecast(shape, profile, 4096, slots,
+                                           defaults.prefill_step_size, defaults.readers))
         rows.append(f)
         print(f"  {label:>10} {slots:>5} {f['bytes_per_token'] / 1e6:>9.1f} "
               f"{f['native_tok_s']:>8.1f} {f['exact_limit_tok_s']:>9.1f} "
