@@ -285,9 +285,9 @@ def with_measured_predictor(compute, run, layers, profile, args):
 
 def validate(args):
     """Real runs here (each in its own process, rounds alternating), then the twin of each
-    from its own trace, with this machine's profile and compute calibrated on the same
-    round's 100% native run of the same model (less the twin's own overhead at 100%): the
-    machine's speed drifts between rounds, not within one."""
+    from its own trace, with this machine's profile and compute calibrated on the 100%
+    native runs of the same model (the median of the rounds, less the twin's own overhead
+    at 100%)."""
     models = [m for m in args.models.split(",") if m]
     kinds = [k for k in args.kinds.split(",") if k]
     out = Path(args.json).with_suffix("")
@@ -320,15 +320,15 @@ def write_validation(args, runs, commands, earlier=None):
     profile = load_profile(args.profile)
     earlier = earlier or {"per_run": [], "runs": []}
     rows = list(earlier.get("per_run", earlier.get("validation", [])))
-    for group in sorted({(r["model"], r["label"], r["round"]) for r in runs}):
-        these = [r for r in runs if (r["model"], r["label"], r["round"]) == group]
+    for group in sorted({(r["model"], r["label"]) for r in runs}):
+        these = [r for r in runs if (r["model"], r["label"]) == group]
         compute = calibrate(these, profile, args)
         rows += [score(run, compute, profile, args) for run in these]
     result = {"validation": by_config(rows), "per_run": rows, "runs": earlier["runs"] + runs,
               "profile": profile.to_json(),
               "method": "twin of each real run from its own routing trace; compute calibrated "
-                        "on the same round's 1.0:native run, the prerouter heads' on its "
-                        "1.0:prerouted run (both marked calibration_row: not tests); a "
+                        "on the 1.0:native runs (the median of the rounds), each predictor's "
+                        "on its mode's 1.0 runs (marked calibration_row: not tests); a "
                         "config's row: the medians over its rounds",
               "commands": commands}
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -357,13 +357,26 @@ def by_config(rows) -> list:
     return out
 
 
+def median_run(runs):
+    """The runs of one config as one: the medians of their speeds, the first's trace.
+    Single runs here vary by up to 30% (one process to the next on this VM), more than
+    rounds drift, so compute is calibrated on the median of every round's."""
+    first = dict(runs[0])
+    first["result"] = dict(first["result"], **{
+        k: float(np.median([r["result"][k] for r in runs]))
+        for k in ("decode_tps", "prompt_tps")})
+    return first
+
+
 def calibrate(runs, profile, args) -> dict:
-    """This machine's compute for one model in one round, from its resident runs: per
-    routing mode, with its predictor's cost where a resident run of the mode measured it."""
+    """This machine's compute for one model, from its resident runs (the medians of their
+    rounds): per routing mode, with its predictor's cost where a resident run of the mode
+    measured it."""
     from edgemoe.format.pack import Pack
     base = [r for r in runs if r["kind"] == "1.0:native"]
     if not base:
         raise SystemExit("--validate needs 1.0:native in --kinds (the calibration run)")
+    base = [median_run(base)]
     model, real = base[0]["model"], base[0]["result"]
     zero = Compute(lambda t: 0.0, lambda n, e: 0.0, 0.0,
                    profile.value("host_sync_us") * 1e-6, "zero")
@@ -379,8 +392,9 @@ def calibrate(runs, profile, args) -> dict:
     by_mode = {"native": compute}
     for mode, kind in PREDICTOR_CALIBRATION.items():
         resident = [r for r in runs if r["kind"] == kind]
-        by_mode[mode] = (with_measured_predictor(compute, resident[0], len(pack.layers) - 1,
-                                                 profile, args) if resident else compute)
+        by_mode[mode] = (with_measured_predictor(compute, median_run(resident),
+                                                 len(pack.layers) - 1, profile, args)
+                         if resident else compute)
     return by_mode
 
 
