@@ -151,9 +151,7 @@ def check_family(family: str, work: Path) -> dict:
                "minimum": minimum}
     paths = {"pack": pack, "in place": checkpoint}
     for name, mode, label in CHECKS:
-        prerouter = heads if (mode, name) == ("advisory", "in place") else None
-        model, _ = edgemoe.load(paths[name], expert_budget=budgets[label], routing=mode,
-                                prerouter_path=prerouter)
+        model, _ = edgemoe.load(paths[name], expert_budget=budgets[label], routing=mode)
         if mode == "advisory":  # read every prediction ahead, right or not: still exact
             model.expert_store.gate_prefetches(False)
         got_tokens, got_logits = greedy(model, tokens)
