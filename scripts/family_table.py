@@ -7,8 +7,8 @@ on the same checkpoint (a 40-token prompt, 32 greedy tokens):
 
 - exact: the same tokens and bit-identical logits in the four configurations of CHECKS,
   which cover the pack and in place, native and advisory modes, and budgets 100%, 25% (or
-  the minimum, where 25% is below it) and the minimum (advisory: the next layer's router
-  from the pack's source, the heads in place);
+  the minimum, where 25% is below it) and the minimum (advisory: the next layer's
+  router);
 - routing: each MoE block, routed by its own code from its native router logits given as
   a prediction, gives its native output bit for bit, and other logits route elsewhere;
 - prerouted: decode with the heads never loads on demand in a predicted layer;
