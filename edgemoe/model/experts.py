@@ -6,8 +6,9 @@ router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
 remapped indices gives bit-identical results (tests/test_exact.py checks it per family).
 """
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from ..routing.gates import BlockInput
 from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
+from .hostsync import QueuedReads, wait
 
 
 @dataclass
@@ -28,12 +30,14 @@ class Streaming:
     """What a model edgemoe loaded carries beside mlx-lm's (`streaming_of(model)`): its
     expert store; its share of the experts when it is one host of several
     (edgemoe.distributed.HostShare), whose outputs are summed at every MoE layer; and its
-    predicted routing (edgemoe.routing.modes.PredictedRouting), None in native mode.
+    predicted routing (edgemoe.routing.modes.PredictedRouting), None in native mode; and
+    the device work its layers left queued (edgemoe.model.hostsync).
     Every streaming expert module of the model holds this one object."""
 
     store: ExpertStore
     share: Optional[Any] = None
     routing: Optional[Any] = None
+    queued: QueuedReads = field(default_factory=QueuedReads)
 
 
 def streaming_of(model) -> Optional[Streaming]:
@@ -48,6 +52,7 @@ class SlotPool:
 
     slots: LayerSlots
     module: nn.Module
+    table: Optional[mx.array] = None  # expert -> slot on the device, once the layer is resident
 
 
 class StreamingExperts(nn.Module):
@@ -80,7 +85,12 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
-        routing, share = self.streaming.routing, self.streaming.share
+        routing, share, queued = self.streaming.routing, self.streaming.share, \
+            self.streaming.queued
+        queued.layer_calls[layer] = queued.layer_calls.get(layer, 0) + 1
+        if routing is None and share is None and self.slots.trace is None \
+                and self.slots.resident:
+            return self._resident_call(x, indices)
         predicted, ids = {}, None
         if routing is not None:
             seen = x if self.block_input.x is None else self.block_input.x
@@ -88,40 +98,56 @@ class StreamingExperts(nn.Module):
             predicted = routing.predict(layer, seen, indices)
             # a decode step of next-token predicted routing: the host has the ids already
             ids = routing.known_routing(layer, indices.shape)
-        routed, later = None, {}
-        if ids is None:  # the host learns this layer's routing, and any prediction, in one sync
-            mx.eval(indices, *predicted.values())
+        routed = None
+        if ids is None:  # the layer's one sync: its routing, any prediction, and the work
+            # earlier layers left queued, whose slots it then releases
+            queued.sync(indices, *predicted.values())
             self.slots.stats.host_syncs += 1
             ids = np.array(indices)
             if predicted:  # its prefetches overlap this layer's compute
                 routed = lambda: self._prefetch(predicted)  # noqa: E731
-        else:  # no routing sync: the predictions (about the next token) come with compute's
-            later = predicted
+        else:  # no routing sync: the predictions (about the next token) wait for the next
+            # sync (the next token's first layer without known routing)
+            queued.defer(predicted, functools.partial(
+                prefetch_predictions, self.streaming, made_in=routing.made_now(),
+                calls_then={t: queued.layer_calls.get(t, 0) for t, _ in predicted}))
 
         def compute(rows, slot_ids):
             self._bind_deltas()
-            if rows is None:  # one pass: exactly mlx-lm's call, over the slots
-                out = self.pool.module(x, mx.array(slot_ids.astype(np.uint32)))
-            else:  # (token, k) rows of this pass
-                tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
-                out = self.pool.module(tokens,
-                                       mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
-            mx.eval(out, *later.values())  # every read of the slots is done before any
-            self.slots.stats.host_syncs += 1  # can be refilled
+            if rows is None:  # one pass: exactly mlx-lm's call, over the slots, left queued
+                # (its slots stay in use until a sync has evaluated it: `queued.hold`)
+                return self.pool.module(x, mx.array(slot_ids.astype(np.uint32)))
+            # (token, k) rows of this pass: evaluated, since the next pass refills slots
+            tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
+            out = self.pool.module(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
+            wait(out)
+            self.slots.stats.host_syncs += 1
             return out
 
         if share is not None:
             mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
-            self._prefetch(later)
             return share.combine(parts, ids.shape, layer)
-        parts = run_call(self.slots, ids, compute, routed)
-        self._prefetch(later)
-        if len(parts) == 1:
+        parts = run_call(self.slots, ids, compute, routed, hold=True)
+        if len(parts) == 1 and parts[0][0] is None:
+            queued.hold(self.slots, parts[0][1])
             return parts[0][1]
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
+
+    def _resident_call(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Every expert of the layer is in a slot: the router's ids become slot ids on the
+        device (one table, made once), so the call needs no host sync, as in mlx-lm; the
+        experts it requested are counted on the device too (`QueuedReads.tally`)."""
+        if self.pool.table is None:
+            self.pool.table = mx.array(self.slots.slot_of.astype(np.uint32))
+        self._bind_deltas()
+        out = self.pool.module(x, mx.take(self.pool.table, indices))
+        experts = _expert_range(self.slots.layer.num_experts)
+        requested = (indices.reshape(-1, 1) == experts).any(axis=0).sum()
+        self.streaming.queued.tally(self.slots, requested)
+        return out
 
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
@@ -139,9 +165,32 @@ class StreamingExperts(nn.Module):
 
     def _prefetch(self, predicted: dict):
         """Hand evaluated predictions to the store (none: nothing)."""
-        if predicted:
-            self.streaming.routing.prefetch_all({t: np.array(p)
-                                                 for t, p in predicted.items()})
+        prefetch_predictions(self.streaming, predicted)
+
+
+def prefetch_predictions(streaming: Streaming, predicted: dict, made_in=None,
+                         calls_then: Optional[Dict[int, int]] = None):
+    """Hand evaluated predictions, {(target layer, lead): ids}, to the routing's store
+    (`made_in`: see PredictedRouting.prefetch_all). `calls_then`: each target layer's calls
+    when they were made, if they were evaluated later: a lead counts the target's calls
+    from when it was made, so the calls since come off it (a prediction whose call has
+    passed is dropped)."""
+    if calls_then is not None:
+        now = streaming.queued.layer_calls
+        predicted = {(t, lead - (now.get(t, 0) - calls_then[t])): p
+                     for (t, lead), p in predicted.items()
+                     if lead >= now.get(t, 0) - calls_then[t]}
+    if predicted:
+        streaming.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()},
+                                       made_in)
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_range(n: int) -> mx.array:
+    """0 .. n-1, made once (a constant of every resident call)."""
+    ids = mx.arange(n, dtype=mx.uint32)
+    wait(ids)
+    return ids
 
 
 class ExpertProjection(nn.Module):
@@ -223,8 +272,12 @@ def install(model: nn.Module, streaming: Streaming) -> Dict[int, StreamingExpert
             f"(manifest: {len(store.layers)}, model: {len(found)})"
         )
     installed = {}
+    queued = streaming.queued
+    store.settle = queued.settle_tallies
     for path, module in found.items():
         slots = store.layers[path]
+        slots.flush = queued.flush
+        slots.read_whole = streaming.share is None  # (a host of several reads its share)
         pool = SlotPool(slots, build_pool(module, slots.layer, slots.arrays))
         experts = StreamingExperts(pool, streaming)
         parent_path, name = path.rsplit(".", 1)
@@ -269,11 +322,16 @@ def streaming_class(model_class: type, expert_paths) -> type:
             given = inputs if inputs is not None else kwargs.get("input_embeddings")
             if self.forward_hook is not None:
                 self.forward_hook(given)
-            routing = self.streaming.routing
-            if routing is None:
-                return super().__call__(inputs, cache=cache, **kwargs)
-            with routing.sequence(given, cache):
-                return super().__call__(inputs, cache=cache, **kwargs)
+            streaming = self.streaming
+            streaming.queued.calls += 1
+            try:
+                if streaming.routing is None:
+                    return super().__call__(inputs, cache=cache, **kwargs)
+                with streaming.routing.sequence(given, cache):
+                    return super().__call__(inputs, cache=cache, **kwargs)
+            except BaseException:  # a failed call leaves no slot held: its earlier
+                streaming.queued.flush()  # layers' queued compute is settled
+                raise
 
     Streaming.__name__ = Streaming.__qualname__ = model_class.__name__
     Streaming.__module__ = model_class.__module__

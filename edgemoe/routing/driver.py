@@ -58,13 +58,22 @@ class PredictedRouting:
         state.rows = x.shape[0]
         return predictions
 
-    def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray]):
-        """Hand evaluated predictions, {(target layer, lead): experts}, to the store."""
+    def prefetch_all(self, predictions: Dict[Tuple[int, int], np.ndarray],
+                     made_in: Optional[Tuple[RoutingState, int]] = None):
+        """Hand evaluated predictions, {(target layer, lead): experts}, to the store;
+        `made_in`: the (state, call) that made them, when they were evaluated later than
+        that call (`made_now`), else the current one."""
+        state, calls = made_in if made_in is not None else \
+            (self.state, self.state.calls if self.state is not None else 0)
         fixes = getattr(self.predictor, "fixes_next_call", None)
         for (target, lead), experts in predictions.items():
             self.prefetch(target, experts, lead)
-            if fixes is not None and self.state is not None and fixes(target):
-                self.state.known[target, self.state.calls + 1] = experts
+            if fixes is not None and state is not None and fixes(target):
+                state.known[target, calls + 1] = experts
+
+    def made_now(self) -> Optional[Tuple[RoutingState, int]]:
+        """The sequence state and call of predictions made now, for `prefetch_all` later."""
+        return (self.state, self.state.calls) if self.state is not None else None
 
     def known_routing(self, layer: int, shape) -> Optional[np.ndarray]:
         """This call's expert ids of `layer` (shaped as its router's `shape`), when a

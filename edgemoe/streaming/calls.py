@@ -15,7 +15,9 @@ A host of several (edgemoe.distributed) computes only the entries routed to its 
 experts: `rows` given to `run_call` are those, and every pass gets its share of them
 (none at all, when no entry is this host's: `compute` then gets empty rows).
 `compute` must not return before the slots' reads are done or ordered on the device
-(MLX: evaluated; CUDA: an event recorded), since a released slot may be refilled.
+(MLX: evaluated; CUDA: an event recorded), since a released slot may be refilled; or, with
+`hold`, a call of one pass keeps its slots in use when it returns, and the caller releases
+them once the device is done with them (edgemoe.model.hostsync.QueuedReads).
 """
 
 from typing import Callable, List, Optional, Tuple, TypeVar
@@ -43,12 +45,14 @@ def passes(experts: np.ndarray, num_slots: int) -> List[np.ndarray]:
 def run_call(slots: LayerSlots, ids: np.ndarray,
              compute: Callable[[Optional[np.ndarray], np.ndarray], T],
              routed: Optional[Callable[[], None]] = None,
-             rows: Optional[np.ndarray] = None) -> List[Tuple[Optional[np.ndarray], T]]:
+             rows: Optional[np.ndarray] = None,
+             hold: bool = False) -> List[Tuple[Optional[np.ndarray], T]]:
     """Compute one layer call over the slots; (rows, output) for each pass.
 
     `routed()` runs once the first pass's experts are in slots and before compute, so the
     reads it starts (prefetches for later layers) overlap this layer's computation.
     `rows`: only these flat entries (a host's own), always computed by rows.
+    `hold`: a call of one pass (its part's rows None) returns with its slots still in use.
     """
     slots.record_routing(ids)
     flat = ids.reshape(-1)
@@ -60,8 +64,10 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
         distinct = distinct[np.argsort(slots.slot_of[distinct] < 0, kind="stable")]
     groups = passes(distinct, slots.num_slots)
     results = []
+    held = hold and len(groups) == 1 and rows is None
     for i, group in enumerate(groups):
         slot_of = slots.ensure(group, new_call=i == 0)
+        done = False
         try:
             if READ_AHEAD and i + 1 < len(groups):  # the next pass loads while this computes
                 slots.read_ahead(groups[i + 1])
@@ -73,6 +79,8 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
                 part = np.flatnonzero(np.isin(flat, group)) if rows is None else \
                     rows[np.isin(chosen, group)]
                 results.append((part, compute(part, slot_of[flat[part]])))
+            done = True
         finally:
-            slots.release()
+            if not (held and done):  # (a failed call releases at once)
+                slots.release()
     return results

@@ -162,6 +162,11 @@ class LayerSlots:
         self.last_call: set = set()  # the experts this layer's last call requested
         self.bytes_read = 0.0  # by this layer's fills, lately (WASTE_DECAY)
         self.wasted_bytes = 0.0  # by its prefetches: read unused, or re-reads they caused
+        # settles the device work that still reads this layer's held slots (and other
+        # layers'): the model side's (edgemoe.model.hostsync); False when there is none
+        self.flush: Optional[Callable[[], bool]] = None
+        self._resident = False  # once every expert is ready in a slot, for good
+        self.read_whole = False  # with a slot for every expert, read them all (`release`)
 
     @property
     def earned(self) -> bool:
@@ -174,6 +179,26 @@ class LayerSlots:
     def arrays(self) -> Dict[str, object]:
         """The slot tensors compute reads: name -> (num_slots, *shape)."""
         return self.memory.arrays
+
+    @property
+    def resident(self) -> bool:
+        """Every expert of the layer is ready in a slot and nothing is being read: no call
+        can miss, so none needs the routing on the host. With a slot for every expert
+        nothing is ever evicted, so a resident layer stays resident."""
+        if not self._resident and self.num_slots >= self.layer.num_experts:
+            with self.lock:
+                self._resident = (not self.fills and not self.cancelled
+                                  and bool((self.slot_of >= 0).all())
+                                  and bool((self.state[self.slot_of] != FILLING).all()))
+        return self._resident
+
+    def count_resident_hits(self, requested: int):
+        """Calls of a resident layer requested this many experts, all hits (counted on the
+        device, settled later: edgemoe.model.hostsync)."""
+        with self.lock:
+            self.stats.hits += requested
+            self.stats.bytes_hit += requested * self.layer.expert_bytes
+            self.stats.bytes_used += requested * self.layer.expert_bytes
 
     def record_routing(self, ids: np.ndarray):
         """One call's routing, (..., k) expert ids, for the trace if one is recording."""
@@ -223,7 +248,7 @@ class LayerSlots:
             self.stats.bytes_used += len(wanted) * self.layer.expert_bytes
             self.on_demand += len(missing)
         while missing:
-            new, in_flight = [], []
+            new, in_flight, stuck = [], [], False
             try:
                 with self.lock:
                     while missing and self._has_room(wanted, missing[-1]):
@@ -232,13 +257,16 @@ class LayerSlots:
                         # must land first, a prefetch's if there is one
                         in_flight = [f for e, f in self.fills.items() if e not in wanted] \
                             or self.cancelled[:1] or list(self.fills.values())
-                        if not in_flight and not new:
-                            raise RuntimeError(
-                                f"layer {self.layer.index}: no slot can be had: every slot "
-                                f"is in use by a call that was never released")
+                        stuck = not in_flight and not new
             finally:  # a claimed slot is always read, or it would stay filling for ever
                 self._submit(new)
             waits += new
+            if stuck:  # every slot is held by queued compute: settle it (outside the lock)
+                if self.flush is None or not self.flush():
+                    raise RuntimeError(
+                        f"layer {self.layer.index}: no slot can be had: every slot "
+                        f"is in use by a call that was never released")
+                continue
             if in_flight:
                 self._wait(in_flight[:1], raise_errors=False)
         self._wait(waits)
@@ -259,6 +287,11 @@ class LayerSlots:
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
             if self.gated and not self.earned:  # (an untrusted prediction is only scored)
                 missing = []
+            if self.read_whole and not self._resident and self.num_slots >= self.layer.num_experts:
+                # a slot for every expert: hold them all, as mlx-lm does, so that the
+                # layer turns resident and its calls need no routing on the host
+                missing = [e for e in np.flatnonzero(self.slot_of < 0).tolist()
+                           if self.layer.records[e] is not None]
         if missing:
             self._fill_ahead(np.array(sorted(missing)))
 

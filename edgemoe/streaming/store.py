@@ -16,7 +16,7 @@ experts for layer l with this lead".
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -72,6 +72,8 @@ class ExpertStore:
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
         self.gated = False  # see gate_prefetches
+        # counts the model side keeps on the device until asked (edgemoe.model.hostsync)
+        self.settle: Optional[Callable[[], None]] = None
         if not callable(cache_policy):  # a bad name or file fails before threads start
             make_policy(cache_policy, learned_policy)
         self.reader = reader if reader is not None else Reader(pack, readers, io)
@@ -111,6 +113,8 @@ class ExpertStore:
         self._by_index[layer_index].prefetch(experts, lead)
 
     def snapshot(self) -> ExpertStats:
+        if self.settle is not None:
+            self.settle()
         with self.lock:
             stats = self.stats.copy()
         stats.read_busy_s = getattr(self.reader, "busy_s", 0.0)

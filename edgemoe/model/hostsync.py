@@ -1,0 +1,104 @@
+"""The decode path's host syncs, in one place, and what lets it do without most of them.
+
+A MoE layer's call waits on the device once at most: for its routing (`wait`). Its
+experts' compute is left queued (no evaluation after it), so the slots it reads stay in
+use until an evaluation that includes its output has returned: `QueuedReads` holds those
+slots and releases them at the next sync of any layer, which evaluates the held outputs
+with its own routing (they are in its graph anyway: the next layer's input depends on this
+layer's output). GUIDE: never refill a slot that a queued computation still reads. A slot
+pool that needs a held slot before any sync comes (`LayerSlots.flush`) gets it by one
+evaluation of the held outputs.
+
+Every host wait of the streaming expert path goes through `wait`, so that a count of
+`mx.eval` calls (scripts/bench_hotpath.py, tests/test_hotpath.py) counts them all.
+"""
+
+from typing import Callable, Dict, List, Tuple
+
+import mlx.core as mx
+
+TALLY_BATCH = 64  # resident tallies summed into one array after this many calls
+
+
+def wait(*arrays) -> None:
+    """Evaluate `arrays`: the host waits for the device."""
+    mx.eval(*arrays)
+
+
+class QueuedReads:
+    """A model's queued device work that the host must settle before reusing memory or
+    reporting counts:
+
+    - held: slot pools whose slots a queued computation reads, with those computations'
+      outputs; a pool is released once an evaluation that included its outputs returned;
+    - predictions: evaluated later, with the next sync (prerouted decode: no routing sync
+      until the next token's first layer whose routing is not known), then handed to
+      their callback;
+    - tallies: per pool, the distinct experts each resident call requested (lazy counts),
+      added to the store's hits when settled (`settle_tallies`), so that a resident layer
+      keeps its statistics without a host round trip.
+    """
+
+    def __init__(self):
+        self.held: Dict[object, List[mx.array]] = {}
+        self.predictions: List[Tuple[dict, Callable[[dict], None]]] = []
+        self.tallies: List[Tuple[int, object, mx.array]] = []  # (forward call, pool, count)
+        self.calls = 0  # forward calls begun (StreamingModel.__call__)
+        self.layer_calls: Dict[int, int] = {}  # calls of each MoE layer (by its index)
+
+    def hold(self, pool, output: mx.array):
+        self.held.setdefault(pool, []).append(output)
+
+    def defer(self, predictions: dict, then: Callable[[dict], None]):
+        """Evaluate `predictions` with the next sync, then call `then` with them."""
+        if predictions:
+            self.predictions.append((predictions, then))
+
+    def pending(self) -> list:
+        """What the next sync must evaluate along with its own arrays."""
+        return [o for outs in self.held.values() for o in outs] + \
+            [p for preds, _ in self.predictions for p in preds.values()]
+
+    def settled(self):
+        """The arrays `pending()` gave were just evaluated: release the held pools and hand
+        the predictions on."""
+        held, predictions = self.held, self.predictions
+        self.held, self.predictions = {}, []
+        for pool in held:
+            pool.release()
+        for preds, then in predictions:
+            then(preds)
+
+    def sync(self, *arrays):
+        """One host sync: `arrays` and everything pending."""
+        wait(*arrays, *self.pending())
+        self.settled()
+
+    def flush(self) -> bool:
+        """Evaluate what is pending (a pool needs a held slot); False when nothing was."""
+        if not self.held and not self.predictions:
+            return False
+        self.sync()
+        return True
+
+    def tally(self, pool, count: mx.array):
+        self.tallies.append((self.calls, pool, count))
+        if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
+            old, self.tallies = self.tallies[:TALLY_BATCH], self.tallies[TALLY_BATCH:]
+            by_pool: Dict[object, List[mx.array]] = {}
+            for _, p, c in old:
+                by_pool.setdefault(p, []).append(c)
+            self.tallies[:0] = [(old[-1][0], p, mx.sum(mx.stack(cs))) for p, cs in by_pool.items()]
+
+    def settle_tallies(self, everything: bool = False):
+        """Add the resident calls' counts to their pools' statistics: those of forward calls
+        before the latest (whose device work is done in a decode loop: its token was read),
+        or `everything` (then the host may wait)."""
+        done = [t for t in self.tallies if everything or t[0] < self.calls]
+        if not done:
+            return
+        self.tallies = [t for t in self.tallies if not (everything or t[0] < self.calls)]
+        counts = [c for _, _, c in done]
+        wait(*counts)
+        for (_, pool, _), count in zip(done, counts):
+            pool.count_resident_hits(int(count.item()))

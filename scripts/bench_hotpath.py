@@ -1,0 +1,206 @@
+"""The decode hot path against mlx-lm's, in one process: evaluations per token, main-thread
+CPU per MoE layer, tok/s (issue #50).
+
+    python scripts/bench_hotpath.py [--model edgemoe/models/fine] [--budgets 100%,50%,25%]
+           [--routing native,prerouted] [--tokens 48] [--rounds 5] [--out DIR]
+
+Every configuration decodes the same prompt greedily with mlx-lm's own loop
+(`mlx_lm.generate.generate_step`), mlx-lm's model first and each edgemoe budget after it, in
+an order that rotates every round; medians over the rounds. Each model is loaded once and
+warmed by a first run (the page cache holds the experts: "warm"; an edgemoe store keeps its
+slots between rounds, as a server does between requests).
+
+- evaluations per token: every `mx.eval` and `mx.async_eval` during decode (both are
+  patched here; edgemoe's own host syncs go through edgemoe.model.hostsync, which calls
+  them), over the tokens decoded. mlx-lm's loop is one a token (`async_eval` of the next
+  token; `.item()` then waits on that same evaluation).
+- main-thread CPU: `time.thread_time()` of the decoding thread over the same span; MLX
+  computes on its own threads, so this is the host's work (Python, graph building, waits
+  that spin). Reported per MoE layer as edgemoe's minus mlx-lm's.
+- tok/s over the same span; tokens are checked against mlx-lm's (native routing only).
+
+Writes DIR/bench_hotpath.json and DIR/bench_hotpath.png. A model given as an mlx-lm
+checkpoint folder (e.g. scripts/make_large_checkpoint.py's) is read in place; a pack (the
+bundled model) is unpacked to an mlx-lm checkpoint for mlx-lm first.
+"""
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load as mlx_lm_load
+
+import edgemoe
+from edgemoe.format.source import BUNDLED_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class EvalCounter:
+    """Counts `mx.eval` and `mx.async_eval` calls while installed (a context manager)."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def installed(self):
+        real_eval, real_async = mx.eval, mx.async_eval
+
+        def counted_eval(*args, **kwargs):
+            self.count += 1
+            return real_eval(*args, **kwargs)
+
+        def counted_async(*args, **kwargs):
+            self.count += 1
+            return real_async(*args, **kwargs)
+
+        mx.eval, mx.async_eval = counted_eval, counted_async
+        try:
+            yield self
+        finally:
+            mx.eval, mx.async_eval = real_eval, real_async
+
+
+def decode(model, prompt: mx.array, tokens: int, counter: EvalCounter) -> dict:
+    """Greedy decode by mlx-lm's loop; figures over the tokens after the first (the first
+    carries the prefill)."""
+    out, start = [], None
+    for token, _ in generate_step(prompt, model, max_tokens=tokens):
+        out.append(token)
+        if start is None:
+            start = time.perf_counter(), time.thread_time(), counter.count
+    wall, cpu, evals = (time.perf_counter() - start[0], time.thread_time() - start[1],
+                        counter.count - start[2])
+    n = len(out) - 1
+    return {"tokens": out, "tok_s": n / wall, "cpu_us_per_token": 1e6 * cpu / n,
+            "evals_per_token": evals / n}
+
+
+def mlx_lm_folder(model: Path, scratch: Path) -> Path:
+    """An mlx-lm checkpoint of `model`: itself, or a pack unpacked."""
+    if not (model / "manifest.json").exists():
+        return model
+    sys.path.insert(0, str(ROOT / "tests"))
+    from unpack import unpack
+
+    return unpack(model, scratch / "mlx")
+
+
+def moe_layers(model) -> int:
+    return len(model.expert_store.layer_indices)
+
+
+def run(args) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="bench_hotpath-"))
+    reference, tokenizer = mlx_lm_load(str(mlx_lm_folder(args.model, scratch)))
+    text = (ROOT / "README.md").read_text()
+    prompt = mx.array(tokenizer.encode(text)[:args.prompt])
+    models = {"mlx-lm": reference}
+    for routing in args.routing:
+        for budget in args.budgets:
+            name = budget if routing == "native" else f"{budget} {routing}"
+            models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing)
+    layers = moe_layers(models[next(n for n in models if n != "mlx-lm")])
+    counter = EvalCounter()
+    runs = {name: [] for name in models}
+    with counter.installed():
+        for name, model in models.items():  # warm: page cache, slots, compiled kernels
+            decode(model, prompt, args.tokens, counter)
+        names = list(models)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                runs[name].append(decode(models[name], prompt, args.tokens, counter))
+                print(f"round {r} {name}: {runs[name][-1]['tok_s']:.1f} tok/s, "
+                      f"{runs[name][-1]['evals_per_token']:.2f} evals/token", flush=True)
+    expected = runs["mlx-lm"][0]["tokens"]
+    base = {k: statistics.median(x[k] for x in runs["mlx-lm"])
+            for k in ("tok_s", "cpu_us_per_token")}
+    rows = []
+    for name, results in runs.items():
+        med = {k: statistics.median(x[k] for x in results)
+               for k in ("tok_s", "cpu_us_per_token", "evals_per_token")}
+        ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(results, runs["mlx-lm"])]
+        over = [(x["cpu_us_per_token"] - y["cpu_us_per_token"]) / layers
+                for x, y in zip(results, runs["mlx-lm"])]
+        rows.append({
+            "config": name, **med,
+            "evals_per_moe_layer": med["evals_per_token"] / layers,
+            "tok_s_vs_mlx_lm": statistics.median(ratios),
+            "cpu_over_mlx_lm_us_per_moe_layer": statistics.median(over),
+            "same_tokens_as_mlx_lm": all(x["tokens"] == expected for x in results)
+            if "prerouted" not in name else None,
+        })
+    for name, model in models.items():
+        if name != "mlx-lm":
+            model.expert_store.close()
+    return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
+            "decode_tokens": args.tokens - 1, "rounds": args.rounds,
+            "mlx_lm": base, "rows": rows,
+            "command": " ".join(sys.argv)}
+
+
+def plot(result: dict, png: Path, before: dict = None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [("after" if before else "", result)] + ([("before", before)] if before else [])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    metrics = [("evals_per_token", "evaluations per decoded token"),
+               ("cpu_over_mlx_lm_us_per_moe_layer", "main-thread CPU over mlx-lm, us / MoE layer"),
+               ("tok_s_vs_mlx_lm", "tok/s, x mlx-lm's")]
+    configs = [r["config"] for r in result["rows"]]
+    width = 0.8 / len(runs)
+    for ax, (key, title) in zip(axes, metrics):
+        for i, (label, res) in enumerate(runs):
+            by = {r["config"]: r[key] for r in res["rows"]}
+            xs = [j + i * width for j in range(len(configs))]
+            ax.bar(xs, [by.get(c, 0) for c in configs], width, label=label or None)
+        ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(configs))])
+        ax.set_xticklabels(configs, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        if before:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"decode hot path: {Path(result['model']).name}, {result['moe_layers']} MoE "
+                 f"layers, {result['decode_tokens']} tokens x {result['rounds']} rounds (warm)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    p.add_argument("--budgets", default="100%,50%,25%")
+    p.add_argument("--routing", default="native", help="comma-separated: native,prerouted")
+    p.add_argument("--prompt", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("runs/bench_hotpath"))
+    p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
+    args = p.parse_args()
+    args.budgets = args.budgets.split(",")
+    args.routing = args.routing.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
+    before = json.loads(args.before.read_text()) if args.before else None
+    plot(result, args.out / "bench_hotpath.png", before)
+    print(f"{'config':>16} {'evals/tok':>9} {'evals/layer':>11} {'cpu+us/layer':>12} "
+          f"{'tok/s':>7} {'x mlx-lm':>8} same")
+    for r in result["rows"]:
+        print(f"{r['config']:>16} {r['evals_per_token']:9.2f} {r['evals_per_moe_layer']:11.2f} "
+              f"{r['cpu_over_mlx_lm_us_per_moe_layer']:12.1f} {r['tok_s']:7.1f} "
+              f"{r['tok_s_vs_mlx_lm']:8.3f} {r['same_tokens_as_mlx_lm']}")
+
+
+if __name__ == "__main__":
+    main()

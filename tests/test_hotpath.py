@@ -1,0 +1,146 @@
+"""The decode hot path (issue #50): how many times a decoded token makes the host wait for
+the device, per path, and that the paths that wait less stay bit-identical to mlx-lm.
+
+Evaluations are counted as scripts/bench_hotpath.py counts them: every mx.eval and
+mx.async_eval during decode (edgemoe's own host syncs go through edgemoe.model.hostsync,
+which calls mx.eval), with mlx-lm's own decode loop (one a token).
+"""
+
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load as mlx_lm_load
+
+import edgemoe
+from edgemoe.format.pack import Pack
+from edgemoe.model.hostsync import QueuedReads
+from edgemoe.streaming.budget import minimum_bytes
+
+from bench_hotpath import EvalCounter, decode
+from unpack import unpack
+
+BUNDLED = Path(edgemoe.__file__).resolve().parent / "models" / "fine"
+LAYERS = 8  # the bundled model's MoE layers
+TOKENS = 9  # decoded by each counted run: 8 counted (the first carries the prefill)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """mlx-lm's own model of the bundled pack, and a prompt."""
+    model, tokenizer = mlx_lm_load(str(unpack(BUNDLED, tmp_path_factory.mktemp("fine"))))
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return model, mx.array(tokenizer.encode(text)[:32])
+
+
+def wait_resident(store, timeout_s=30.0):
+    """The reads of every whole layer (a slot per expert) have landed."""
+    end = time.monotonic() + timeout_s
+    while not all(store.pool(i).resident for i in store.layer_indices):
+        assert time.monotonic() < end, "the layers never turned resident"
+        time.sleep(0.01)
+
+
+def evaluations_per_token(model, prompt) -> float:
+    counter = EvalCounter()
+    with counter.installed():
+        return decode(model, prompt, TOKENS, counter)["evals_per_token"]
+
+
+def test_a_resident_model_decodes_with_mlx_lms_one_evaluation_a_token(reference):
+    """100%: every layer holds all its experts, so its slots are looked up on the device:
+    no routing sync, one evaluation a token as mlx-lm, the same tokens, and the store
+    still counts every request as a hit."""
+    ref, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="100%")
+    store = model.expert_store
+    counter = EvalCounter()
+    with counter.installed():
+        expected = decode(ref, prompt, TOKENS, counter)
+        decode(model, prompt, TOKENS, counter)  # reads every layer whole
+        wait_resident(store)
+        before = store.snapshot()
+        found = decode(model, prompt, TOKENS, counter)
+    assert found["evals_per_token"] <= 2 and expected["evals_per_token"] == 1
+    assert found["tokens"] == expected["tokens"]
+    stats = store.snapshot() - before
+    assert stats.host_syncs == 0 and stats.bytes_read == 0
+    # (the last call's counts settle with the next snapshot: its token is not read yet)
+    assert stats.hits >= 8 * (TOKENS - 1) * LAYERS and stats.hit_rate == 1.0
+    store.close()
+
+
+def test_a_streamed_layer_waits_once_for_its_routing_and_never_for_its_experts(reference):
+    """50%: one sync per MoE layer (its routing), none after the experts' compute."""
+    _, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
+    evaluations_per_token(model, prompt)  # warm
+    assert evaluations_per_token(model, prompt) <= LAYERS + 1  # + the token's own
+    model.expert_store.close()
+
+
+def test_prerouted_decode_evaluates_twice_a_token(reference):
+    """Prerouted: the routing of every predicted layer is on the host a token ahead, and
+    the predictions are evaluated with the next token's first routing sync."""
+    _, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%", routing="prerouted")
+    evaluations_per_token(model, prompt)
+    assert evaluations_per_token(model, prompt) <= 2
+    model.expert_store.close()
+
+
+def forced_logits(model, prompt, cache=None):
+    cache = cache or make_prompt_cache(model)
+    return mx.concatenate([model(t.reshape(1, 1), cache=cache)[0] for t in prompt])
+
+
+@pytest.mark.parametrize("budget", ["100%", "minimum"])
+def test_the_new_paths_give_mlx_lms_logits_bit_for_bit(reference, budget):
+    """The resident table (100%) and the held slots (minimum budget: a refill at nearly
+    every call) give mlx-lm's logits, token after token."""
+    ref, prompt = reference
+    expected = forced_logits(ref, prompt)
+    amount = minimum_bytes(Pack.open(BUNDLED)) if budget == "minimum" else budget
+    model, _ = edgemoe.load(BUNDLED, expert_budget=amount)
+    store = model.expert_store
+    if budget == "100%":
+        forced_logits(model, prompt[:2])
+        wait_resident(store)
+    before = store.snapshot()
+    assert mx.array_equal(forced_logits(model, prompt), expected).item()
+    stats = store.snapshot() - before
+    assert (stats.host_syncs == 0) == (budget == "100%")
+    assert (stats.evictions > 0) == (budget == "minimum")
+    store.close()
+
+
+def interleaved(model, prompt):
+    """Sequence A's step is built and left unevaluated while sequence B's steps refill
+    the slots; then A is evaluated."""
+    a_cache, b_cache = make_prompt_cache(model), make_prompt_cache(model)
+    out = []
+    for t, u in zip(prompt[: len(prompt) // 2], prompt[len(prompt) // 2:][::-1]):
+        a = model(t.reshape(1, 1), cache=a_cache)[0]  # lazy
+        mx.eval(model(u.reshape(1, 1), cache=b_cache))  # B's reads fill slots
+        out.append(a)
+    return mx.concatenate(out)
+
+
+def test_a_slot_a_queued_computation_reads_is_never_refilled(reference, monkeypatch):
+    """GUIDE: never refill a slot that a queued computation still reads. A's compute is
+    left queued while B's calls need slots: they either find others or first evaluate
+    A's (QueuedReads). Releasing A's slots as soon as its graph is built (what holding
+    them prevents) is caught: B's reads overwrite what A's queued compute reads."""
+    ref, prompt = reference
+    expected = mx.concatenate([forced_logits(ref, prompt[: len(prompt) // 2])])
+    amount = minimum_bytes(Pack.open(BUNDLED))
+    model, _ = edgemoe.load(BUNDLED, expert_budget=amount)
+    assert mx.array_equal(interleaved(model, prompt), expected).item()
+    model.expert_store.close()
+
+    monkeypatch.setattr(QueuedReads, "hold", lambda self, pool, output: pool.release())
+    model, _ = edgemoe.load(BUNDLED, expert_budget=amount)
+    assert not mx.array_equal(interleaved(model, prompt), expected).item()
+    model.expert_store.close()
