@@ -57,7 +57,8 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
     slots.record_routing(ids)
     flat = ids.reshape(-1)
     chosen = flat if rows is None else flat[rows]
-    distinct = np.unique(chosen)
+    # (sorted distinct ids: a set, not np.unique, for the few ids of a decode step)
+    distinct = np.array(sorted(set(chosen.tolist())), dtype=chosen.dtype)
     if len(distinct) > slots.num_slots:  # (a verify window or a prefill over a small pool)
         # the experts already in slots go first, so no pass evicts one a later pass uses
         # (outputs are per entry, so the order of passes changes no bit)

@@ -209,6 +209,8 @@ class LayerSlots:
         """`new_call=False` for the later passes of one call (more experts than slots)."""
         wanted = experts.tolist()
         assert len(wanted) <= self.num_slots
+        if new_call and self._all_hits(wanted):
+            return self.slot_of
         waits, missing = [], []
         with self.lock:
             if new_call:
@@ -275,6 +277,30 @@ class LayerSlots:
             self.state[used] = IN_USE
         self.memory.acquire(used)
         return self.slot_of
+
+    def _all_hits(self, wanted: list) -> bool:
+        """A call whose experts are all ready, in a layer with no prediction or read-ahead
+        to account for: `ensure`'s bookkeeping for it alone, in a few operations (the
+        common decode step). False (nothing done) for any other call."""
+        with self.lock:
+            if (self.pending_prediction is not None or self.next_prediction is not None
+                    or self.prefetched or self.evicted_for_prefetch or self.staged):
+                return False
+            used = self.slot_of[wanted]
+            if (used < 0).any() or (self.state[used] == FILLING).any():
+                return False
+            self.bytes_read *= WASTE_DECAY
+            self.wasted_bytes *= WASTE_DECAY
+            self.last_call = set(wanted)
+            for e in wanted:
+                self.policy.touch(e)
+            n = len(wanted)
+            self.stats.hits += n
+            self.stats.bytes_hit += n * self.layer.expert_bytes
+            self.stats.bytes_used += n * self.layer.expert_bytes
+            self.state[used] = IN_USE
+        self.memory.acquire(used)
+        return True
 
     def release(self):
         with self.lock:
@@ -404,10 +430,16 @@ class LayerSlots:
             if f.error is not None and raise_errors:
                 raise f.error
 
-    def _evictable(self, pinned) -> list:
-        busy = set(pinned) | set(self.fills)
-        return [e for e in self.expert_in.tolist()
-                if e >= 0 and e not in busy and self.state[self.slot_of[e]] == READY]
+    def _evictable(self, pinned) -> np.ndarray:
+        """The experts in ready slots, neither pinned nor being read, in slot order (a
+        ready slot always holds an expert): array operations, as this runs for each miss."""
+        ready = self.expert_in[self.state == READY]
+        if not ready.size:
+            return ready
+        busy = np.zeros(len(self.slot_of), dtype=bool)
+        busy[list(pinned)] = True
+        busy[list(self.fills)] = True
+        return ready[~busy[ready]]
 
     def _worth_a_slot(self, expert: int, pinned) -> bool:
         """Whether a guess may have a slot: a free one, or the policy's victim's if the
@@ -419,7 +451,7 @@ class LayerSlots:
 
     def _victim(self, pinned) -> int:
         """The resident, unpinned, settled expert the policy gives up next."""
-        candidates = set(self._evictable(pinned))
+        candidates = set(self._evictable(pinned).tolist())
         # pinned: the experts this step needs, whether resident yet or not
         victim = self.policy.victim([e for e in self.expert_in.tolist()
                                      if e not in candidates] + list(pinned))
@@ -429,7 +461,7 @@ class LayerSlots:
         return victim
 
     def _has_room(self, pinned, expert: int) -> bool:
-        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned).size)
         return slot_free and self.memory.has_room(expert)
 
     def _submit(self, fills: List[Fill]):
