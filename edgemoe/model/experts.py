@@ -144,9 +144,7 @@ class StreamingExperts(nn.Module):
             self.pool.table = mx.array(self.slots.slot_of.astype(np.uint32))
         self._bind_deltas()
         out = self.pool.module(x, mx.take(self.pool.table, indices))
-        experts = _expert_range(self.slots.layer.num_experts)
-        requested = (indices.reshape(-1, 1) == experts).any(axis=0).sum()
-        self.streaming.queued.tally(self.slots, requested)
+        self.streaming.queued.tally(self.slots, indices, self.slots.layer.num_experts)
         return out
 
     def _bind_deltas(self):
@@ -184,13 +182,6 @@ def prefetch_predictions(streaming: Streaming, predicted: dict, made_in=None,
         streaming.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()},
                                        made_in)
 
-
-@functools.lru_cache(maxsize=None)
-def _expert_range(n: int) -> mx.array:
-    """0 .. n-1, made once (a constant of every resident call)."""
-    ids = mx.arange(n, dtype=mx.uint32)
-    wait(ids)
-    return ids
 
 
 class ExpertProjection(nn.Module):

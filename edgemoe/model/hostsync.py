@@ -34,15 +34,17 @@ class QueuedReads:
     - predictions: evaluated later, with the next sync (prerouted decode: no routing sync
       until the next token's first layer whose routing is not known), then handed to
       their callback;
-    - tallies: per pool, the distinct experts each resident call requested (lazy counts),
-      added to the store's hits when settled (`settle_tallies`), so that a resident layer
-      keeps its statistics without a host round trip.
+    - tallies: per pool, each resident call's expert ids (already on the device, nothing
+      added to its graph); the distinct experts they requested are counted and added to
+      the store's hits when settled (`settle_tallies`), so that a resident layer keeps its
+      statistics without a host round trip.
     """
 
     def __init__(self):
         self.held: Dict[object, List[mx.array]] = {}
         self.predictions: List[Tuple[dict, Callable[[dict], None]]] = []
-        self.tallies: List[Tuple[int, object, mx.array]] = []  # (forward call, pool, count)
+        self.tallies: List[Tuple[int, object, mx.array]] = []  # (forward call, pool, ids
+        #                                                        or a count of several)
         self.calls = 0  # forward calls begun (StreamingModel.__call__)
         self.layer_calls: Dict[int, int] = {}  # calls of each MoE layer (by its index)
 
@@ -81,14 +83,16 @@ class QueuedReads:
         self.sync()
         return True
 
-    def tally(self, pool, count: mx.array):
-        self.tallies.append((self.calls, pool, count))
+    def tally(self, pool, ids: mx.array, num_experts: int):
+        """A resident call of `pool` routed to `ids` (..., k)."""
+        self.tallies.append((self.calls, pool, (ids, num_experts)))
         if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
             old, self.tallies = self.tallies[:TALLY_BATCH], self.tallies[TALLY_BATCH:]
             by_pool: Dict[object, List[mx.array]] = {}
-            for _, p, c in old:
-                by_pool.setdefault(p, []).append(c)
-            self.tallies[:0] = [(old[-1][0], p, mx.sum(mx.stack(cs))) for p, cs in by_pool.items()]
+            for _, p, entry in old:
+                by_pool.setdefault(p, []).append(_requested(entry))
+            self.tallies[:0] = [(old[-1][0], p, mx.sum(mx.stack(cs)))
+                                for p, cs in by_pool.items()]
 
     def settle_tallies(self, everything: bool = False):
         """Add the resident calls' counts to their pools' statistics: those of forward calls
@@ -98,7 +102,16 @@ class QueuedReads:
         if not done:
             return
         self.tallies = [t for t in self.tallies if not (everything or t[0] < self.calls)]
-        counts = [c for _, _, c in done]
+        counts = [_requested(entry) for _, _, entry in done]
         wait(*counts)
         for (_, pool, _), count in zip(done, counts):
             pool.count_resident_hits(int(count.item()))
+
+
+def _requested(entry) -> mx.array:
+    """The distinct experts a tallied call requested (or a count already)."""
+    if isinstance(entry, mx.array):
+        return entry
+    ids, num_experts = entry
+    experts = mx.arange(num_experts, dtype=ids.dtype)
+    return (ids.reshape(-1, 1) == experts).any(axis=0).sum()
