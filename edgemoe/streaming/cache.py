@@ -47,6 +47,11 @@ class Recency:
         pinned = set(pinned)
         return next((e for e in self._order if e not in pinned), None)
 
+    def victim_among(self, candidates) -> Optional[int]:
+        """`victim` given the experts it may choose (every resident one not pinned), which
+        the store knows: the same choice without a list of every other expert."""
+        return next((e for e in self._order if e in candidates), None)
+
 
 class LFUPolicy(Recency):
     """Evict the expert used least often since the start; ties go to the least recent.
@@ -67,6 +72,10 @@ class LFUPolicy(Recency):
         pinned = set(pinned)
         candidates = [e for e in self._order if e not in pinned]  # least recent first
         return min(candidates, key=self._uses.__getitem__, default=None)
+
+    def victim_among(self, candidates) -> Optional[int]:
+        return min((e for e in self._order if e in candidates), key=self._uses.__getitem__,
+                   default=None)
 
     def heat(self, expert: int):
         return self._uses.get(expert, 0), self._last.get(expert, 0)

@@ -253,8 +253,9 @@ class LayerSlots:
             new, in_flight, stuck = [], [], False
             try:
                 with self.lock:
-                    while missing and self._has_room(wanted, missing[-1]):
-                        new.append(self._start_fill(missing.pop(), pinned=wanted))
+                    room = _Room(self, wanted)
+                    while missing and room.fits(missing[-1]):
+                        new.append(self._start_fill(missing.pop(), pinned=wanted, room=room))
                     if missing:  # every other slot (or host row) is filling: a fill
                         # must land first, a prefetch's if there is one
                         in_flight = [f for e, f in self.fills.items() if e not in wanted] \
@@ -449,12 +450,17 @@ class LayerSlots:
         heat = getattr(self.policy, "heat", None)
         return heat is not None and heat(expert) > heat(self._victim(pinned))
 
-    def _victim(self, pinned) -> int:
-        """The resident, unpinned, settled expert the policy gives up next."""
-        candidates = set(self._evictable(pinned).tolist())
-        # pinned: the experts this step needs, whether resident yet or not
-        victim = self.policy.victim([e for e in self.expert_in.tolist()
-                                     if e not in candidates] + list(pinned))
+    def _victim(self, pinned, candidates: Optional[set] = None) -> int:
+        """The resident, unpinned, settled expert the policy gives up next (`candidates`:
+        those experts, when the caller has them)."""
+        if candidates is None:
+            candidates = set(self._evictable(pinned).tolist())
+        among = _victim_among(self.policy)
+        if among is not None:
+            victim = among(candidates)
+        else:  # pinned: the experts this step needs, whether resident yet or not
+            victim = self.policy.victim([e for e in self.expert_in.tolist()
+                                         if e not in candidates] + list(pinned))
         if victim is None or victim not in candidates:
             raise RuntimeError(f"{type(self.policy).__name__}: victim {victim} is not a "
                                f"resident, unpinned expert")
@@ -474,16 +480,20 @@ class LayerSlots:
         if reads:
             self.reader.submit(reads)
 
-    def _start_fill(self, expert: int, pinned, prefetch: bool = False) -> Fill:
-        """Claim a slot for `expert` (the caller holds the lock) and describe its fill."""
+    def _start_fill(self, expert: int, pinned, prefetch: bool = False,
+                    room: Optional["_Room"] = None) -> Fill:
+        """Claim a slot for `expert` (the caller holds the lock) and describe its fill;
+        `room`: the call's free slots and evictable experts, found once (`_Room`)."""
         if self.layer.records[expert] is None:
             raise PackError(f"layer {self.layer.index} expert {expert}: another host's "
                             f"(this host holds only its share)")
-        free = np.flatnonzero(self.state == FREE)
-        if len(free):
-            slot = int(free[0])
+        free = np.flatnonzero(self.state == FREE).tolist() if room is None else room.free
+        if free:
+            slot = free.pop(0)
         else:
-            victim = self._victim(pinned)
+            victim = self._victim(pinned, None if room is None else room.candidates)
+            if room is not None:
+                room.candidates.discard(victim)
             slot = int(self.slot_of[victim])
             self.slot_of[victim] = -1
             self.policy.forget(victim)
@@ -534,3 +544,26 @@ class LayerSlots:
                 self.policy.forget(fill.expert)
                 fill.error = error
         fill.done.set()
+
+
+class _Room:
+    """Where a call's misses can go: the pool's free slots (lowest first) and its evictable
+    experts, found once under the lock and kept as the call's fills claim them (nothing
+    else changes them while the lock is held), so that a miss costs no scan of the slots."""
+
+    def __init__(self, pool: LayerSlots, pinned):
+        self.memory = pool.memory
+        self.free = np.flatnonzero(pool.state == FREE).tolist()
+        self.candidates = set(pool._evictable(pinned).tolist())
+
+    def fits(self, expert: int) -> bool:
+        """As `LayerSlots._has_room`."""
+        return bool(self.free or self.candidates) and self.memory.has_room(expert)
+
+
+def _victim_among(policy):
+    """The policy's `victim_among`, where the class that defines its `victim` defines it
+    too (a subclass that changes `victim` alone is asked by `victim`); else None."""
+    owner = next((c for c in type(policy).__mro__ if "victim" in c.__dict__), None)
+    return policy.victim_among if owner is not None and "victim_among" in owner.__dict__ \
+        else None
