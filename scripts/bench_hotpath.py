@@ -27,6 +27,7 @@ bundled model) is unpacked to an mlx-lm checkpoint for mlx-lm first.
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def moe_layers(model) -> int:
 
 
 def run(args) -> dict:
+    load_before = os.getloadavg()[0]
     scratch = Path(tempfile.mkdtemp(prefix="bench_hotpath-"))
     reference, tokenizer = mlx_lm_load(str(mlx_lm_folder(args.model, scratch)))
     text = (ROOT / "README.md").read_text()
@@ -143,6 +145,9 @@ def run(args) -> dict:
     return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
             "decode_tokens": args.tokens - 1, "rounds": args.rounds,
             "mlx_lm": base, "rows": rows,
+            # the machine's load average (1 min) at the start and the end: timings taken
+            # beside other work are noisy; the evaluation counts are not
+            "load_average": [load_before, os.getloadavg()[0]],
             "command": " ".join(sys.argv)}
 
 

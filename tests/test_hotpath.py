@@ -49,12 +49,13 @@ def evaluations_per_token(model, prompt) -> float:
         return decode(model, prompt, TOKENS, counter)["evals_per_token"]
 
 
-def test_a_resident_model_decodes_with_mlx_lms_one_evaluation_a_token(reference):
+@pytest.mark.parametrize("routing", ["native", "advisory"])
+def test_a_resident_model_decodes_with_mlx_lms_one_evaluation_a_token(reference, routing):
     """100%: every layer holds all its experts, so its slots are looked up on the device:
     no routing sync, one evaluation a token as mlx-lm, the same tokens, and the store
-    still counts every request as a hit."""
+    still counts every request as a hit (advisory: nothing left to prefetch)."""
     ref, prompt = reference
-    model, _ = edgemoe.load(BUNDLED, expert_budget="100%")
+    model, _ = edgemoe.load(BUNDLED, expert_budget="100%", routing=routing)
     store = model.expert_store
     counter = EvalCounter()
     with counter.installed():
@@ -96,14 +97,15 @@ def forced_logits(model, prompt, cache=None):
     return mx.concatenate([model(t.reshape(1, 1), cache=cache)[0] for t in prompt])
 
 
-@pytest.mark.parametrize("budget", ["100%", "minimum"])
-def test_the_new_paths_give_mlx_lms_logits_bit_for_bit(reference, budget):
+@pytest.mark.parametrize("budget,routing", [("100%", "native"), ("100%", "advisory"),
+                                            ("minimum", "native"), ("minimum", "advisory")])
+def test_the_new_paths_give_mlx_lms_logits_bit_for_bit(reference, budget, routing):
     """The resident table (100%) and the held slots (minimum budget: a refill at nearly
     every call) give mlx-lm's logits, token after token."""
     ref, prompt = reference
     expected = forced_logits(ref, prompt)
     amount = minimum_bytes(Pack.open(BUNDLED)) if budget == "minimum" else budget
-    model, _ = edgemoe.load(BUNDLED, expert_budget=amount)
+    model, _ = edgemoe.load(BUNDLED, expert_budget=amount, routing=routing)
     store = model.expert_store
     if budget == "100%":
         forced_logits(model, prompt[:2])

@@ -88,8 +88,8 @@ class StreamingExperts(nn.Module):
         routing, share, queued = self.streaming.routing, self.streaming.share, \
             self.streaming.queued
         queued.layer_calls[layer] = queued.layer_calls.get(layer, 0) + 1
-        if routing is None and share is None and self.slots.trace is None \
-                and self.slots.resident:
+        if share is None and self.slots.trace is None and self.slots.resident \
+                and (routing is None or routing.advisory):  # (no read to advise)
             return self._resident_call(x, indices)
         predicted, ids = {}, None
         if routing is not None:

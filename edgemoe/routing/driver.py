@@ -30,6 +30,12 @@ class PredictedRouting:
         self.state: Optional[RoutingState] = None
         self.rows, self.length = 1, None  # of the current forward call
 
+    @property
+    def advisory(self) -> bool:
+        """Its predictions only prefetch (the router decides): a predictor that never fixes
+        a call's routing. A layer whose experts are all resident needs none of them."""
+        return getattr(self.predictor, "fixes_next_call", None) is None
+
     @contextlib.contextmanager
     def sequence(self, inputs: Optional[mx.array], cache):
         """One forward call of the sequence(s) that own `cache` ((rows, L) `inputs`)."""
