@@ -116,7 +116,7 @@ def relabel(kind, dtype):
 
 
 @pytest.mark.parametrize("lie, expected", [
-    (top_k_1000, "top_k 1000, {cfg} routes 8 experts per token (num_experts_per_tok)"),
+    (top_k_1000, "{cfg}: routes 8 experts per token, the pack was written for 1000"),
     (sixteen_records, "layer 0: 16 expert records, {cfg} has 128 experts (num_experts)"),
     (bits_8, "layer 1 gate_proj: quantization bits 8, {cfg} says 4"),
     (relabel("scales", "int32"), "layer 4 up_proj.scales: dtype int32, expected one of"),

@@ -688,8 +688,9 @@ def check_against_config(pack: "Pack", config: dict, manifest_path: Path):
 
     name, top_k = declared("top_k")
     if top_k is not None and pack.top_k != top_k:
-        raise PackError(f"{manifest_path}: top_k {pack.top_k}, {cfg} routes {top_k} experts "
-                        f"per token ({name}); convert the checkpoint again")
+        raise PackError(f"{cfg}: routes {top_k} experts per token, the pack was written for "
+                        f"{pack.top_k} (manifest top_k; config.json's {name}); restore "
+                        f"config.json or convert the checkpoint again")
     name, experts = declared("experts")
     widths = {v for k, v in text.items() if isinstance(v, int) and not isinstance(v, bool)
               and (k.endswith(("_size", "_dim")) or k in ("d_model", "n_embd"))}
