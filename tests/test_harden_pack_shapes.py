@@ -53,3 +53,31 @@ def test_an_impossible_shape_is_refused_at_once(checkpoint, tmp_path, tool, fiel
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100_000  # KiB
     assert f"{model / 'config.json'}: " in line and expected in line, line
     assert not (tmp_path / "pack").exists()
+
+
+# --- item 9: sizes on the command line -----------------------------------------------
+
+@pytest.mark.parametrize("memory, expected", [
+    ("9" * 400, "expected a size of memory"),
+    ("1.2.3", "expected a size of memory"),
+    ("200%", "not a percentage"),
+    ("0", "expected a size of memory"),
+])
+def test_doctor_memory_that_is_no_size_is_one_line(memory, expected):
+    line = error_line(tool_module("doctor").main, "--memory", memory)
+    assert f"--memory {memory[:40]!r}" in line and expected in line, line
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--memory", "9" * 400], "argument --memory: '9999"),
+    (["--memory", "1.2.3"], "argument --memory: expected a size such as 8G"),
+    (["--read-bps", "20M", "--disk-of", "/nonexistent"], "--disk-of /nonexistent: no such"),
+])
+def test_constrained_sizes_and_paths_are_one_line(capsys, args, expected):
+    from edgemoe import constrained
+
+    with pytest.raises(SystemExit) as exit_:
+        constrained.main([*args, "--", "true"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert expected in err.strip().splitlines()[-1], err
