@@ -321,7 +321,7 @@ class Pack:
                 if t.dtype not in ITEMSIZE:
                     raise PackError(f"{where}: unknown dtype {t.dtype!r}")
                 shape = [_count(n, "each shape entry", where) for n in t.shape]
-                if not shape or 0 in shape:
+                if 0 in shape:  # ([]: a scalar, as nvfp4's global scale)
                     raise PackError(f"{where}: shape {list(t.shape)}: an expert tensor holds "
                                     f"at least one value")
                 _count(t.offset, "offset", where)

@@ -33,18 +33,21 @@ class ShapeError(ValueError):
 
 
 def _whole(config: dict, names, largest: int, where) -> Optional[int]:
-    """The first of `names` the config gives, checked: a whole number in 1..largest."""
+    """The first of `names` the config gives, checked: a whole number in 1..largest (or a
+    list of them, one per layer, as hunyuan's widths: the largest)."""
     for name in names:
         value = config.get(name)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ShapeError(f"{where}: {name} must be a whole number, found "
-                             f"{_show(value)} ({type(value).__name__})")
-        if not 1 <= value <= largest:
-            raise ShapeError(f"{where}: {name} is {_show(value)}, expected 1 to {largest}: "
-                             f"no model has that shape")
-        return value
+        values = value if isinstance(value, list) and 0 < len(value) <= 1 << 12 else [value]
+        for v in values:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ShapeError(f"{where}: {name} must be a whole number, found "
+                                 f"{_show(value)} ({type(v).__name__})")
+            if not 1 <= v <= largest:
+                raise ShapeError(f"{where}: {name} is {_show(v)}, expected 1 to {largest}: "
+                                 f"no model has that shape")
+        return max(values)
     return None
 
 
