@@ -23,14 +23,20 @@ from typing import List, Optional
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+MAX_SIZE = 2**60  # 1 EiB: more than any machine's memory or disk rate
 
 
 def size(text: str) -> int:
     """Bytes of '8G', '300M', '512K', '1024' (binary units, as numfmt --from=iec)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if m is None:
-        raise argparse.ArgumentTypeError(f"expected a size such as 8G or 300M, got {text!r}")
-    return int(float(m[1]) * _UNITS[m[2].upper()])
+        raise argparse.ArgumentTypeError(f"expected a size such as 8G or 300M, got "
+                                         f"{text[:40]!r}")
+    value = float(m[1]) * _UNITS[m[2].upper()]
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}{'...' if len(text) > 40 else ''}: "
+                                         f"expected 1 byte to 1 EiB")
+    return int(value)
 
 
 def cgroup_version() -> Optional[int]:
@@ -67,8 +73,13 @@ def why_unavailable() -> Optional[str]:
 
 def block_device(path: str) -> str:
     """MAJ:MIN of the block device holding `path` (its mount's source)."""
-    source = subprocess.run(["findmnt", "-no", "SOURCE", "--target", path], check=True,
-                            capture_output=True, text=True).stdout.split("\n")[0].strip()
+    if not os.path.exists(path):
+        raise OSError(f"--disk-of {path}: no such file or folder")
+    try:
+        source = subprocess.run(["findmnt", "-no", "SOURCE", "--target", path], check=True,
+                                capture_output=True, text=True).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        raise OSError(f"--disk-of {path}: findmnt cannot name its file system") from None
     try:
         rdev = os.stat(source).st_rdev
     except OSError:
@@ -180,6 +191,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not cmd:
         p.error("no command: give it after --")
+    if not os.path.exists(args.disk_of):
+        p.error(f"--disk-of {args.disk_of}: no such file or folder")
     try:
         sys.exit(run(cmd, args.memory, args.read_bps, args.disk_of))
     except OSError as e:

@@ -42,7 +42,8 @@ from .format.families import check_supported, layer_index, routed_experts, skele
 from .model.experts import expert_modules
 from .format.pack import FORMAT as PACK_FORMAT
 from .format.pack import (ALIGNMENT, EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter,
-                          PackError, PackLayer, record_layout, write_manifest)
+                          PackError, PackLayer, record_layout, record_written_files,
+                          write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -103,6 +104,7 @@ def _convert_locked(src: Path, dst: Path, overwrite, q_bits, q_group_size, q_mod
         tokenizer.save_pretrained(tmp)
         if (src / "generation_config.json").exists():
             shutil.copy(src / "generation_config.json", tmp)
+        record_written_files(tmp, exclude={OURS})  # what --overwrite may remove, checksummed
         _verify_written(tmp)
         kept = _keep_theirs(dst, tmp) if dst.exists() else []
         _replace(tmp, dst)
@@ -133,22 +135,35 @@ def _verify_written(out: Path):
                         f"place: {e}") from None
 
 
-# what convert writes: these names in a pack it replaces are its own; anything else
-# (trained assets: prerouter/, adapter/, cache_policy.npz, a user's notes) is not
+# what convert wrote into a pack whose manifest predates its "files" list: these exact
+# names (mlx-lm's weights and tokenizer files); anything else (trained assets: prerouter/,
+# adapter/, cache_policy.npz, a user's tokenizer_notes.md or vocab.backup) is not ours
 _WRITTEN = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
                       r"|experts\.bin|manifest\.json(\.tmp)?|config\.json|generation_config\.json"
-                      r"|tokenizer.*|special_tokens_map\.json|added_tokens\.json"
-                      r"|chat_template\.(jinja|json)|vocab\..*|merges\.txt|.*\.tiktoken"
-                      r"|sentencepiece.*\.model|spiece\.model)")
+                      r"|tokenizer\.json|tokenizer_config\.json|tokenizer\.model"
+                      r"|special_tokens_map\.json|added_tokens\.json|chat_template\.(jinja|json)"
+                      r"|vocab\.(json|txt)|merges\.txt|spiece\.model|sentencepiece\.bpe\.model)")
+
+
+def written_by_convert(pack: Path) -> set:
+    """The names in an existing pack that convert wrote: its manifest's "files" list, or,
+    for a pack written before the list, the exact names convert writes."""
+    try:
+        files = json.loads((pack / MANIFEST).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if isinstance(files, dict):
+        return set(files) | {MANIFEST}
+    return {p.name for p in pack.iterdir() if _WRITTEN.fullmatch(p.name)}
 
 
 def _keep_theirs(dst: Path, tmp: Path) -> List[str]:
     """Carry what convert did not write from the pack it replaces into the new one
     (hard links where the disk allows, else copies: the old pack keeps its own until
     the swap); the names carried."""
-    kept = []
+    kept, ours = [], written_by_convert(dst)
     for entry in sorted(dst.iterdir()):
-        if _WRITTEN.fullmatch(entry.name) or (tmp / entry.name).exists():
+        if entry.name in ours or (tmp / entry.name).exists():
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, tmp / entry.name, symlinks=True,

@@ -14,10 +14,13 @@ reads with compute could approach the larger of the two, also printed.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import re
+import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -223,10 +226,29 @@ def replay_hit_rate(trace: dict, pack: Pack, budget_bytes: int) -> float:
                     learned=pack_asset(pack.path, "cache_policy")).decode_hit_rate
 
 
+MAX_MEMORY = 2**60  # 1 EiB: more than any machine
+
+
 def parse_memory(text: str) -> int:
-    if re.fullmatch(r"[0-9.]+", text.strip()):
-        return int(float(text) * 1e9)  # a bare number is in GB
-    return parse_budget(text, 0)
+    """Bytes of a --memory: a bare number of GB (16), or a size (16GB, 12GiB); a
+    ValueError naming it otherwise (a percentage, two dots, a size no machine has)."""
+    shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+    expected = "a size of memory: a number of GB (16) or a size (16GB, 12GiB)"
+    if "%" in text:
+        raise ValueError(f"--memory {shown}: {expected}, not a percentage (a share of what? "
+                         f"--expert-budget takes one)")
+    try:
+        if re.fullmatch(r"\s*[0-9]+(\.[0-9]+)?\s*", text):
+            value = float(text) * 1e9  # a bare number is in GB
+        elif re.fullmatch(r"\s*[0-9]+(\.[0-9]+)?\s*[A-Za-z]+\s*", text):
+            value = float(parse_budget(text, 0))
+        else:
+            value = float("nan")
+    except (BudgetError, OverflowError):
+        value = float("nan")
+    if not 1 <= value <= MAX_MEMORY:  # (nan too)
+        raise ValueError(f"--memory {shown}: expected {expected}, up to 1 EiB")
+    return int(value)
 
 
 @tool("doctor")
@@ -252,6 +274,8 @@ def main(argv=None):
                         "--model may also name a twin shape (qwen3-30b-a3b, ...)")
     add_debug_flag(p)
     args = arrange(p, "doctor").parse_args(argv)
+    if args.memory:  # a bad one: one line, before any work
+        parse_memory(args.memory)
     if args.machine:  # edgemoe.twin.forecast: analytic, from the twin's parts
         from .twin.forecast import report as forecast
         budgets = [args.expert_budget] if args.expert_budget not in (None, AUTO) else None
@@ -290,8 +314,8 @@ def report_remote(hub_id, args):
     safetensors headers, read into a temporary folder of sparse files (edgemoe.hub)."""
     if args.trace:
         raise ValueError("--trace with a hub id: replay a trace against a downloaded model")
-    with tempfile.TemporaryDirectory(prefix="edgemoe-doctor-") as tmp:
-        remote = remote_headers(hub_id, Path(tmp) / "model")
+    with headers_folder() as tmp:
+        remote = remote_headers(hub_id, tmp / "model")
         try:
             pack = open_source(remote.folder, verify=False)
         except ValueError as e:  # name the repository, not the temporary folder
@@ -322,6 +346,53 @@ def report_remote(hub_id, args):
         print(f"speed: not predicted from headers (doctor times reads of the model's own "
               f"files); once downloaded (edgemoe.generate --model {hub_id}), run doctor on "
               f"it again")
+
+
+TEMP_PREFIX = "edgemoe-doctor-"
+TEMP_MARK = ".edgemoe-doctor"  # in every folder doctor makes: only those are ever removed
+
+
+@contextlib.contextmanager
+def headers_folder():
+    """A temporary folder for a hub model's headers, named for this process: removed at
+    the end, on SIGTERM too; one a killed doctor left (its process gone) is removed by
+    the next doctor run."""
+    remove_stale_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
+    (folder / TEMP_MARK).touch()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread: the next run cleans up after a kill
+        previous = None
+    try:
+        yield folder
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _exit_on_sigterm(*_):
+    raise SystemExit("edgemoe.doctor: terminated")
+
+
+def remove_stale_folders():
+    """Remove the temporary folders of doctor runs whose process is gone."""
+    for folder in Path(tempfile.gettempdir()).glob(TEMP_PREFIX + "*"):
+        owner = re.match(re.escape(TEMP_PREFIX) + r"(\d+)-", folder.name)
+        if owner and (folder / TEMP_MARK).exists() and not _alive(int(owner[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def fit(pack: Pack, config: dict, args):

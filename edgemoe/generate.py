@@ -166,6 +166,25 @@ def saved_cache(args):
     return cache, args.model or saved, config or None
 
 
+def render_chat(tokenizer, messages, args) -> str:
+    """The model's chat template rendered as the server renders it: bounded in time and
+    size (edgemoe.serving.templates); a template that fails (a sandbox SecurityError, a
+    MemoryError, a loop past the deadline) is one line naming it."""
+    from .serving.errors import BadRequest
+    from .serving.templates import bounded_render
+
+    where = f"{args.model}: its chat template"
+    try:
+        return bounded_render(lambda: tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True,
+            **args.chat_template_config), what=where)
+    except BadRequest as e:
+        raise ValueError(e.message) from None
+    except Exception as e:  # jinja's own message names what the template wanted
+        raise ValueError(f"{where} cannot render this prompt: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}") from None
+
+
 @tool("generate")
 def main(argv=None):
     from .model.loader import load
@@ -194,14 +213,10 @@ def main(argv=None):
     if use_chat_template:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True,
-                                               **args.chat_template_config)
+        prompt = render_chat(tokenizer, messages, args)
         if prompt_cache is not None:  # the cache holds the turn's start: only the rest
             messages[-1]["content"] = "<query>"
-            probe = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True,
-                                                  **args.chat_template_config)
+            probe = render_chat(tokenizer, messages, args)
             prompt = prompt[probe.index("<query>"):]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)

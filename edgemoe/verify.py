@@ -57,7 +57,25 @@ def main(argv=None):
               f"{len(index['resident'])} resident tensors; loads now verify them")
     else:
         print(f"{pack.path}: ok ({records} expert records, {len(pack.resident_crc32)} "
-              f"resident tensors)")
+              f"resident tensors{_coverage(pack)})")
+
+
+def _coverage(pack) -> str:
+    """What a pack's manifest binds beyond each record's bytes; a note for an older one."""
+    if pack.in_place:
+        return ""
+    hashed = sorted(n for n, sha in (pack.written or {}).items() if sha)
+    note = []
+    if pack.bound:
+        note.append("records bound to their layer, expert and tensors")
+    if hashed:
+        note.append(f"{len(hashed)} files checksummed ({', '.join(hashed[:4])})")
+    if pack.bound and hashed:
+        return "; " + "; ".join(note)
+    return ("; " + "; ".join(note) if note else "") + \
+        ("; note: written before edgemoe bound records to their identity and checksummed "
+         "its tokenizer files: swapped records or a changed tokenizer are not caught; "
+         "convert the checkpoint again to check them")
 
 
 if __name__ == "__main__":

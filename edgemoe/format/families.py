@@ -25,7 +25,10 @@ class UnsupportedModelError(ValueError):
 
 
 def check_supported(config: dict, where) -> str:
-    """The config's model_type, if mlx-lm runs it and it is not known to fail."""
+    """The config's model_type, if mlx-lm runs it, it is not known to fail, and its shape
+    is one a model can have (checked by arithmetic, before anything is built from it)."""
+    from .shape import check_shape
+
     model_type = config.get("model_type")
     if model_type in UNSUPPORTED:
         raise UnsupportedModelError(f"{where}: model_type {model_type!r} cannot be streamed: "
@@ -37,6 +40,7 @@ def check_supported(config: dict, where) -> str:
                                     f"mlx-lm {_mlx_lm_version()} runs") from None
     except ImportError:  # no mlx-lm (the CUDA backend): its own loader checks the family
         pass
+    check_shape(config, where)
     return model_type
 
 

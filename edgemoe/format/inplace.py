@@ -52,18 +52,37 @@ def open_mlx_lm(path, verify: bool = True) -> Pack:
         raise PackError(f"{path}: the shards hold no tensors of the routed experts "
                         f"{missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1 else
                         f"{path}: the shards hold no tensors of the routed experts {missing[0]}")
-    layers = [_layer(module, tensors[module], config) for module in experts]
+    layers = [_layer(module, tensors[module], config, files) for module in experts]
     size = sum(f.stat().st_size for f in files)
     pack = Pack(path, config["model_type"], k, layers, size, files=files, in_place=True)
     index = load_index(pack) if verify else None
     return with_index(pack, index) if index is not None else pack
 
 
-def _layer(module: str, found: dict, config: dict) -> PackLayer:
+def _expert_count(config: dict):
+    from .shape import FIELDS
+
+    text = {**config, **(config.get("text_config") or {})}
+    return next((text[n] for n in FIELDS["experts"][0] if isinstance(text.get(n), int)), None)
+
+
+def _layer(module: str, found: dict, config: dict, files) -> PackLayer:
     layout, offset = [], 0
+    expected = _expert_count(config)
     for name in sorted(found):
-        _, _, entry = found[name]
+        file_index, _, entry = found[name]
+        where = f"{files[file_index]}: tensor {module}.{name}"
+        if entry["dtype"] not in _DTYPES:
+            raise PackError(f"{where}: expert dtype {entry['dtype']}, expected one of "
+                            f"{', '.join(_DTYPES)}")
+        if len(entry["shape"]) < 2 or 0 in entry["shape"]:
+            raise PackError(f"{where}: shape {entry['shape']}, expected (experts, ...) with "
+                            f"no empty dimension")
         num_experts, *shape = entry["shape"]
+        if expected is not None and num_experts != expected:
+            raise PackError(f"{where}: {num_experts} experts, config.json has {expected}; "
+                            f"damaged or another model's")
+        expected = num_experts  # (without a count in the config: the layer's first tensor)
         start, end = entry["data_offsets"]
         nbytes = (end - start) // num_experts
         layout.append(TensorLayout(name, _DTYPES[entry["dtype"]], tuple(shape), offset, nbytes))

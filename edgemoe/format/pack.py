@@ -8,11 +8,22 @@
 
 A record holds all of one expert's tensors (weights, scales, biases of every
 projection) back to back, so one `preadv` scatters it straight into the slot arrays.
+
+What the manifest checks, beside each record's CRC32 of its bytes (checked as it is read):
+each record's CRC is bound to its identity (`bound_crc`: its layer's module, index, tensor
+names, dtypes, shapes and quantization, and its expert id), so records, layer lists or
+tensor names swapped with their checksums fail at open; `files` lists every file convert
+wrote, with a SHA-256 of each small one that changes the output (tokenizer, generation
+config, chat template), so `convert --overwrite` removes only those and a changed
+vocabulary fails at open; and the layout must agree with config.json (expert count, top-k,
+quantization, dtypes, widths). Packs written before these fields still open: unbound, and
+`edgemoe.verify` says so.
 """
 
 import hashlib
 import json
 import os
+import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +119,7 @@ class Record:
 
     segments: Tuple[Tuple[int, int, int], ...]
     crc32: Optional[int] = None
+    bound: Optional[int] = None  # crc32 bound to the record's identity (bound_crc)
 
     @property
     def offset(self) -> int:
@@ -164,8 +176,17 @@ class PackLayer:
             ],
             "quantization": self.quantization,
             "records": [None if r is None else [r.offset, r.length, r.crc32]
-                        for r in self.records],  # one segment each
+                        + ([] if r.crc32 is None else [bound_crc(self.identity, e, r.crc32)])
+                        for e, r in enumerate(self.records)],  # one segment each
         }
+
+    @property
+    def identity(self) -> int:
+        """A CRC32 of what the layer's records mean: its module, index, tensor names,
+        dtypes, shapes, offsets and quantization."""
+        tensors = [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors]
+        text = json.dumps([self.module, self.index, tensors, self.quantization], sort_keys=True)
+        return zlib.crc32(text.encode())
 
     @classmethod
     def from_json(cls, d: dict) -> "PackLayer":
@@ -175,7 +196,8 @@ class PackLayer:
             tensors=[TensorLayout(t["name"], t["dtype"], tuple(t["shape"]),
                                   t["offset"], t["nbytes"]) for t in d["tensors"]],
             quantization=d["quantization"],
-            records=[None if r is None else Record(((0, r[0], r[1]),), r[2])
+            records=[None if r is None else Record(((0, r[0], r[1]),), r[2],
+                                                   r[3] if len(r) > 3 else None)
                      for r in d["records"]],
         )
 
@@ -192,6 +214,8 @@ class Pack:
     resident_crc32: Optional[Dict[str, int]] = None  # tensor of model.safetensors -> CRC32
     shard: Optional[dict] = None  # one host's share of the experts (edgemoe.distributed)
     config: Optional[dict] = None  # config.json's sha256 and routing fields, as written
+    bound: bool = False  # every record's checksum bound to its identity (bound_crc)
+    written: Optional[Dict[str, Optional[str]]] = None  # manifest "files": convert's, sha256
 
     def __post_init__(self):
         self.files = self.files or [self.path / EXPERTS_FILE]
@@ -276,6 +300,10 @@ class Pack:
         pack._check_records(manifest_path)
         pack._check_experts_file()
         pack.config = pack._check_config(m.get("config"), manifest_path)
+        pack.bound = pack._check_bound(manifest_path)
+        pack.written = pack._check_files(m.get("files"), manifest_path)
+        if not pack.in_place and (path / CONFIG).exists():
+            check_against_config(pack, read_json(path / CONFIG), manifest_path)
         for f in pack.resident_files:  # a damaged header is named here, not by mx.load
             safetensors_header(f)
         if verify:
@@ -293,6 +321,9 @@ class Pack:
                 if t.dtype not in ITEMSIZE:
                     raise PackError(f"{where}: unknown dtype {t.dtype!r}")
                 shape = [_count(n, "each shape entry", where) for n in t.shape]
+                if 0 in shape:  # ([]: a scalar, as nvfp4's global scale)
+                    raise PackError(f"{where}: shape {list(t.shape)}: an expert tensor holds "
+                                    f"at least one value")
                 _count(t.offset, "offset", where)
                 _count(t.nbytes, "nbytes", where)
                 if int(np.prod(shape, dtype=object)) * ITEMSIZE[t.dtype] != t.nbytes:
@@ -332,6 +363,59 @@ class Pack:
                             f"found {found[:16]}...){detail}; it was changed after convert: "
                             f"restore it or convert the checkpoint again")
         return recorded
+
+    def _check_bound(self, manifest_path: Path) -> bool:
+        """Every record's bound checksum against its identity; whether records are bound
+        (a pack written before they were: none is)."""
+        records = [(layer, e, r) for layer in self.layers for e, r in enumerate(layer.records)
+                   if r is not None and r.crc32 is not None]
+        bound = [r.bound is not None for _, _, r in records]
+        if not any(bound):
+            return False
+        if not all(bound):
+            layer, e, _ = records[bound.index(False)]
+            raise PackError(f"{manifest_path}: layer {layer.index} expert {e}: its record has "
+                            f"no bound checksum where the others have one; edited after "
+                            f"convert: convert the checkpoint again")
+        for layer in self.layers:
+            identity = layer.identity
+            for e, r in enumerate(layer.records):
+                if r is None or r.crc32 is None:
+                    continue
+                _count(r.bound, "bound checksum", f"{manifest_path}: layer {layer.index} "
+                                                  f"expert {e}")
+                if bound_crc(identity, e, r.crc32) != r.bound:
+                    raise PackError(
+                        f"{manifest_path}: layer {layer.index} expert {e}: its checksum is not "
+                        f"bound to this expert of this layer and tensor layout (records, layer "
+                        f"lists or tensor names swapped or relabelled after convert); convert "
+                        f"the checkpoint again")
+        return True
+
+    def _check_files(self, files, manifest_path: Path) -> Optional[Dict[str, Optional[str]]]:
+        """The files convert wrote (manifest "files"): each there, and each small one's
+        SHA-256 (tokenizer, generation config, chat template: they change the output)."""
+        if files is None:
+            return None
+        if not isinstance(files, dict) or not all(
+                isinstance(n, str) and "/" not in n and n not in ("", ".", "..")
+                and (v is None or isinstance(v, str)) for n, v in files.items()):
+            raise PackError(f"{manifest_path}: malformed 'files' (expected file name: sha256 "
+                            f"or null)")
+        for name, sha in sorted(files.items()):
+            if sha is None:
+                continue
+            try:
+                found = hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+            except FileNotFoundError:
+                raise PackError(f"{self.path / name}: missing (the manifest lists its "
+                                f"checksum); restore it or convert the checkpoint again") from None
+            if found != sha:
+                raise PackError(f"{self.path / name}: checksum mismatch (expected {sha[:16]}..., "
+                                f"found {found[:16]}...); it was changed after convert and "
+                                f"changes the output: restore it or convert the checkpoint "
+                                f"again")
+        return files
 
     def check_routing(self, modules: List[str], top_k: int, config_path):
         """What the model built from config.json routes (its MoE modules, experts per
@@ -437,6 +521,13 @@ class Pack:
             if layer.module == module:
                 return layer
         raise KeyError(module)
+
+
+def bound_crc(identity: int, expert: int, crc: int) -> int:
+    """A record's CRC32 bound to its identity: its layer's (PackLayer.identity) and its
+    expert id. A record moved to another expert, layer or tensor layout with its checksum
+    no longer matches."""
+    return zlib.crc32(struct.pack("<QQ", expert, crc), identity)
 
 
 def record_layout(tensors: Dict[str, np.ndarray], dtypes: Dict[str, str]) -> List[TensorLayout]:
@@ -579,8 +670,127 @@ def read_safetensors_header(path: Path) -> Tuple[Dict[str, dict], int]:
     return out, start
 
 
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def check_against_config(pack: "Pack", config: dict, manifest_path: Path):
+    """The manifest's layout against config.json: each layer's expert count, top-k, the
+    quantization of each projection (bits, group size, mode), dtypes a quantized or
+    float weight can have, scales that fit their weight, and widths the config declares."""
+    from .shape import FIELDS
+
+    text = {**config, **(config.get("text_config") or {})}
+    cfg = pack.path / CONFIG
+
+    def declared(key):
+        name = next((n for n in FIELDS[key][0] if isinstance(text.get(n), int)), None)
+        return (name, text[name]) if name else (None, None)
+
+    name, top_k = declared("top_k")
+    if top_k is not None and pack.top_k != top_k:
+        raise PackError(f"{cfg}: routes {top_k} experts per token, the pack was written for "
+                        f"{pack.top_k} (manifest top_k; config.json's {name}); restore "
+                        f"config.json or convert the checkpoint again")
+    name, experts = declared("experts")
+    widths = {v for k, v in text.items() if isinstance(v, int) and not isinstance(v, bool)
+              and (k.endswith(("_size", "_dim")) or k in ("d_model", "n_embd"))}
+    for layer in pack.layers:
+        where = f"{manifest_path}: layer {layer.index}"
+        if experts is not None and layer.num_experts != experts:
+            raise PackError(f"{where}: {layer.num_experts} expert records, {cfg} has "
+                            f"{experts} experts ({name}); convert the checkpoint again")
+        parts = {}
+        for t in layer.tensors:
+            parts.setdefault(t.projection, {})[t.kind] = t
+        for projection, kinds in parts.items():
+            q = layer.quantization.get(projection)
+            _check_quantization(q, text.get("quantization"), layer.module, projection,
+                                f"{where} {projection}", cfg)
+            _check_projection(kinds, q, widths, f"{where} {projection}", cfg)
+
+
+def _check_quantization(q, recipe, module: str, projection: str, where: str, cfg: Path):
+    """A projection's quantization against config.json's recipe (mlx-lm's: a default and
+    per-module entries)."""
+    if q is None:
+        return
+    if not isinstance(recipe, dict):
+        raise PackError(f"{where}: quantized ({q.get('bits')} bits), {cfg} is not; convert "
+                        f"the checkpoint again")
+    want = recipe.get(f"{module}.{projection}", recipe)
+    for key in ("bits", "group_size"):
+        if not isinstance(q.get(key), int) or isinstance(q.get(key), bool) or q[key] <= 0:
+            raise PackError(f"{where}: quantization {key} {json.dumps(q.get(key))[:20]}, "
+                            f"expected a positive whole number")
+        if not isinstance(want, dict) or q[key] != want.get(key):
+            found = want.get(key) if isinstance(want, dict) else want
+            raise PackError(f"{where}: quantization {key} {q[key]}, {cfg} says {found}; "
+                            f"convert the checkpoint again")
+    if q.get("mode", "affine") != want.get("mode", "affine"):
+        raise PackError(f"{where}: quantization mode {q.get('mode')!r}, {cfg} says "
+                        f"{want.get('mode', 'affine')!r}; convert the checkpoint again")
+
+
+def _check_projection(kinds: dict, q, widths: set, where: str, cfg: Path):
+    """A projection's dtypes and shapes: a quantized weight is uint32 with scales (and
+    biases) of its rows and groups, a float one a float; its widths the config's."""
+    weight = kinds.get("weight")
+    if weight is None or len(weight.shape) < 2:
+        return
+    out_features = weight.shape[0]
+    if q is None:
+        if weight.dtype not in FLOAT_DTYPES:
+            raise PackError(f"{where}.weight: dtype {weight.dtype}, expected a float "
+                            f"({', '.join(FLOAT_DTYPES)}) for an unquantized weight")
+        in_features = weight.shape[-1]
+    else:
+        if weight.dtype != "uint32":
+            raise PackError(f"{where}.weight: dtype {weight.dtype}, expected uint32 for a "
+                            f"{q['bits']}-bit quantized weight")
+        in_features = weight.shape[-1] * 32 // q["bits"]
+        scale_dtypes = FLOAT_DTYPES if q.get("mode", "affine") == "affine" else \
+            FLOAT_DTYPES + ("uint8",)
+        expected = (out_features, in_features // q["group_size"])
+        for kind in ("scales", "biases"):
+            t = kinds.get(kind)
+            if t is None:
+                if kind == "scales":
+                    raise PackError(f"{where}: quantized without scales")
+                continue
+            if t.dtype not in scale_dtypes:
+                raise PackError(f"{where}.{kind}: dtype {t.dtype}, expected one of "
+                                f"{', '.join(scale_dtypes)}")
+            if tuple(t.shape) != expected:
+                raise PackError(f"{where}.{kind}: shape {list(t.shape)}, expected "
+                                f"{list(expected)} for a {q['bits']}-bit weight of shape "
+                                f"{list(weight.shape)} in groups of {q['group_size']}")
+    if widths and not {out_features, in_features} & widths:
+        raise PackError(f"{where}.weight: maps {in_features} to {out_features} features, "
+                        f"neither a width {cfg} declares (hidden_size "
+                        f"{next(iter(sorted(widths)), '?')}...); convert the checkpoint again")
+
+
 def _few(names: List[str]) -> str:
     return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
+def record_written_files(path: Path, exclude=()):
+    """Add to the pack's manifest the files convert wrote (every file now in `path`, the
+    pack being written, less `exclude`): those a later --overwrite may remove, with the
+    SHA-256 of each small one (weights, config.json and the manifest have their own
+    checks). Atomic, as write_manifest."""
+    manifest = read_json(path / MANIFEST)
+    heavy = {MANIFEST, CONFIG, EXPERTS_FILE, "model.safetensors.index.json"}
+    files = {}
+    for f in sorted(path.iterdir()):
+        if not f.is_file() or f.name in exclude or f.name.endswith(".tmp"):
+            continue
+        small = f.name not in heavy and not f.name.endswith(".safetensors")
+        files[f.name] = hashlib.sha256(f.read_bytes()).hexdigest() if small else None
+    manifest["files"] = files
+    tmp = path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path / MANIFEST)
 
 
 def write_manifest(path: Path, model_type: str, top_k: int, layers: List[PackLayer],
