@@ -26,7 +26,7 @@ from .constrain import Tokens
 from .errors import BadRequest
 from .engine import Engine
 from .job import Job
-from .sampling import check_sampling
+from ..sampling_params import check_sampling, sampler_args
 
 log = logging.getLogger("edgemoe.server")
 
@@ -205,14 +205,11 @@ class Server:
                              f"{max_tokens} more ({len(prompt) + max_tokens} in all)",
                              max_tokens_name)
         bad = check_sampling(temperature, penalties)
-        if bad is not None:  # a row whose logits would become NaN (engine.check_sampling)
+        if bad is not None:  # a row whose logits would become NaN (sampling_params)
             name = ("options." + _OLLAMA_NAMES.get(bad[0], bad[0])
                     if id_prefix.startswith("ollama") else bad[0])
             raise BadRequest(f"'{name}' {bad[1]}", name)
-        sampling = None  # greedy
-        if temperature > 0:
-            sampling = dict(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-                            seed=seed)
+        sampling = sampler_args(temperature, top_p, min_p, top_k, seed)  # None: greedy
         processors = []
         if logit_bias or any((penalties or {}).values()):
             from mlx_lm.sample_utils import make_logits_processors

@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from ..sampling_params import check_sampling, is_greedy, scaled
 from .job import Job
 
 log = logging.getLogger("edgemoe.server")
@@ -53,38 +54,15 @@ def top_logprobs(logprobs: mx.array, n: int) -> List[tuple]:
     return sorted(pairs, key=lambda p: -p[1])
 
 
-# Sampling ranges inside which a row's logits stay finite in float32: past them every
-# token is equally likely (temperature) or a penalty divides by nearly zero, and the
-# row's logits become NaN (1/1e308 is 0 in float32, and -inf * 0 is NaN)
-MAX_TEMPERATURE = 1000.0
-PENALTY_RANGE = {"repetition_penalty": (1e-3, 1e3), "presence_penalty": (-1e3, 1e3),
-                 "frequency_penalty": (-1e3, 1e3)}
-
-
-def check_sampling(temperature: float = 0.0, penalties: Optional[dict] = None):
-    """None, or (the field, the message) of the first sampling value outside the ranges
-    above (a repetition penalty of 0 or 1 is off)."""
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature <= MAX_TEMPERATURE):
-        return "temperature", (f"must be within [0, {MAX_TEMPERATURE:g}] (higher makes "
-                               f"every token equally likely), got {temperature}")
-    for name, value in (penalties or {}).items():
-        if name not in PENALTY_RANGE or value is None or \
-                (name == "repetition_penalty" and value in (0, 1)):
-            continue
-        lo, hi = PENALTY_RANGE[name]
-        if not (isinstance(value, (int, float)) and lo <= value <= hi):
-            return name, f"must be within [{lo:g}, {hi:g}], got {value}"
-    return None
-
-
 def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
                          top_k: int = 0, seed: Optional[int] = None) -> Optional[Callable]:
     """mlx-lm's sampling chain, drawing from the request's own random key.
 
     Each request splits its own key at every step, so what it samples does not depend
-    on which requests share its batch; with a `seed` it repeats exactly. None: greedy.
+    on which requests share its batch; with a `seed` it repeats exactly. None: greedy
+    (also where the values' limit is greedy: edgemoe.sampling_params).
     """
-    if temp <= 0:
+    if is_greedy(temp, top_p, top_k):
         return None
     if (bad := check_sampling(temp)) is not None:
         raise ValueError(f"'{bad[0]}' {bad[1]}")
@@ -101,7 +79,7 @@ def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
         for method in methods:
             logprobs = method(logprobs)
         key[0], step_key = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * (1 / temp), key=step_key)
+        return mx.random.categorical(scaled(logprobs, temp), key=step_key)
 
     return sample
 

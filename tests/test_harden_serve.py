@@ -1,0 +1,93 @@
+"""Issue 53, the server's half: sampling values at their limits, grammars that cannot
+slow a batch, sizes checked before tokenizing, 400s for client errors. Every probe goes
+over a real socket to one `edgemoe.server` on the bundled model."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from test_hardening import start_server, stop_server
+
+TIMEOUT = httpx.Timeout(60.0)
+PROMPT = "def read_lines(path):"
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = start_server(log_path, "--max-batch", "8")
+    yield url
+    stop_server(proc)
+
+
+def responses_text(r: dict) -> str:
+    return "".join(part["text"] for item in r["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+# each API: (path, a body asking for TOKENS tokens, where its sampling values go, its text)
+APIS = {
+    "completions": ("/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS}, None,
+                    lambda r: r["choices"][0]["text"]),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                                      "max_tokens": TOKENS}, None,
+             lambda r: r["choices"][0]["message"]["content"]),
+    "responses": ("/v1/responses", {"input": PROMPT, "max_output_tokens": TOKENS}, None,
+                  responses_text),
+    "anthropic": ("/v1/messages", {"model": "fine",
+                                   "messages": [{"role": "user", "content": PROMPT}],
+                                   "max_tokens": TOKENS}, None,
+                  lambda r: "".join(b.get("text", "") for b in r["content"])),
+    "ollama": ("/api/generate", {"model": "fine", "prompt": PROMPT, "stream": False,
+                                 "options": {"num_predict": TOKENS}}, "options",
+               lambda r: r["response"]),
+}
+
+
+def ask(url, api, **sampling):
+    path, body, where, text = APIS[api]
+    body = json.loads(json.dumps(body))
+    (body[where] if where else body).update(sampling)
+    r = httpx.post(url + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return text(r.json())
+
+
+# values whose limit is the most likely token, in every API that takes them
+AT_GREEDY_LIMIT = {
+    "temperature 1e-39": ({"temperature": 1e-39}, list(APIS)),
+    "temperature 1e-38": ({"temperature": 1e-38}, list(APIS)),  # 1/temp fits float32
+    "top_p 0": ({"temperature": 1, "top_p": 0}, list(APIS)),
+    "top_p 1e-300": ({"temperature": 1, "top_p": 1e-300}, ["completions", "ollama"]),
+    "top_k 1": ({"temperature": 1, "top_k": 1}, ["chat", "anthropic", "ollama"]),
+}
+
+
+@pytest.fixture(scope="module")
+def greedy(server):
+    return {api: ask(server, api, temperature=0) for api in APIS}
+
+
+@pytest.mark.parametrize("probe", list(AT_GREEDY_LIMIT))
+def test_sampling_values_at_their_greedy_limit_give_the_greedy_text(server, greedy, probe):
+    values, apis = AT_GREEDY_LIMIT[probe]
+    for api in apis:
+        assert ask(server, api, **values) == greedy[api], (api, values)
+
+
+def test_generates_sampler_takes_the_same_limits():
+    from edgemoe.generate import cli_sampler  # what `generate --temp --top-p` samples with
+
+    rng = np.random.default_rng(0)
+    logprobs = mx.array(rng.standard_normal((1, 500)).astype(np.float32) * 4 - 20)
+    best = mx.argmax(logprobs, axis=-1).item()
+    mx.random.seed(0)
+    for temp, top_p in [(1e-39, 1.0), (1e-38, 1.0), (1e-30, 1.0), (1.0, 0.0), (1.0, 1e-300)]:
+        draws = {cli_sampler(temp, top_p)(logprobs).item() for _ in range(20)}
+        assert draws == {best}, (temp, top_p, draws)
