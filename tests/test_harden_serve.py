@@ -91,3 +91,53 @@ def test_generates_sampler_takes_the_same_limits():
     for temp, top_p in [(1e-39, 1.0), (1e-38, 1.0), (1e-30, 1.0), (1.0, 0.0), (1.0, 1e-300)]:
         draws = {cli_sampler(temp, top_p)(logprobs).item() for _ in range(20)}
         assert draws == {best}, (temp, top_p, draws)
+
+
+def deep_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# a schema deeper than llguidance's recursion limit (~200), and than Python's (~1000)
+DEEP = {
+    "chat response_format": ("/v1/chat/completions", lambda s: {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}},
+        "response_format", lambda r: r["error"]["param"]),
+    "responses text.format": ("/v1/responses", lambda s: {
+        "input": "hi", "max_output_tokens": 4,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": s}}},
+        "text.format", lambda r: r["error"]["param"]),
+    "ollama format": ("/api/chat", lambda s: {
+        "model": "fine", "stream": False, "messages": [{"role": "user", "content": "hi"}],
+        "format": s}, "format", lambda r: r["error"]),  # Ollama's shape: {"error": "..."}
+    "chat forced tool": ("/v1/chat/completions", lambda s: {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": s}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tools", lambda r: r["error"]["param"]),
+}
+
+
+@pytest.mark.parametrize("depth", [250, 900])
+@pytest.mark.parametrize("probe", list(DEEP))
+def test_a_schema_too_deep_is_a_400_naming_its_field(server, probe, depth):
+    path, body, name, named = DEEP[probe]
+    r = httpx.post(server + path, json=body(deep_schema(depth)), timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert name in named(r.json()), r.text
+
+
+@pytest.mark.parametrize("item", [
+    {"type": "function_call_output", "output": "42"},
+    {"type": "function_call_output", "output": "42", "call_id": None},
+    {"type": "function_call_output", "output": "42", "call_id": 7},
+])
+def test_a_responses_call_output_without_its_call_id_is_refused(server, item):
+    body = {"input": [{"role": "user", "content": "hi"}, item], "max_output_tokens": 2}
+    r = httpx.post(server + "/v1/responses", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[1].call_id", r.text

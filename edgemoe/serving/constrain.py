@@ -8,6 +8,7 @@ tokens that may come next. The engine masks every other token out of the row's l
 is complete ends the request.
 """
 
+import contextlib
 import json
 from typing import Optional
 
@@ -23,6 +24,20 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 class GrammarError(ValueError):
     """A grammar that does not compile (an unsupported or invalid schema)."""
+
+
+@contextlib.contextmanager
+def compiling():
+    """A schema llguidance (or Python's json) cannot take, as a GrammarError: llguidance
+    raises ValueError past its recursion limit (a schema ~200 levels deep), json.dumps
+    RecursionError past Python's (~1000)."""
+    try:
+        yield
+    except RecursionError:
+        raise GrammarError("the schema is nested too deeply (past Python's recursion "
+                           "limit)") from None
+    except ValueError as e:
+        raise GrammarError(str(e)[:300]) from None
 
 
 class Tokens:
@@ -53,14 +68,18 @@ class Grammar:
         import llguidance
 
         schema = {"type": "object"} if schema is None else schema
-        return cls(tokens, llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=JSON_STYLE))
+        with compiling():
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                    defaults=JSON_STYLE)
+        return cls(tokens, grammar)
 
     @classmethod
     def lark(cls, tokens: Tokens, grammar: str) -> "Grammar":
         import llguidance
 
-        return cls(tokens, llguidance.LLMatcher.grammar_from_lark(grammar))
+        with compiling():
+            grammar = llguidance.LLMatcher.grammar_from_lark(grammar)
+        return cls(tokens, grammar)
 
     def mask(self, logits: mx.array) -> mx.array:
         """`logits` (1, vocab) with every token the grammar forbids at -inf."""
@@ -114,8 +133,9 @@ def forced_call(server, tools: list, name: Optional[str]):
         tok.tool_parser.__module__.endswith(".json_tools")
     start, end = (tok.tool_call_start, tok.tool_call_end) if json_calls else ("", "")
     try:
-        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(start, end, tools,
-                                                                       name))
+        with compiling():  # generation_schema recurses as deep as the schemas
+            grammar = tool_call_grammar(start, end, tools, name)
+        return Grammar.lark(server.grammar_tokens(), grammar)
     except GrammarError as e:
         raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
 
