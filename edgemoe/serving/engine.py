@@ -252,6 +252,7 @@ class Engine:
         if job.detokenizer is None:  # (a completion brings one that keeps leading spaces)
             job.detokenizer = self.tokenizer.detokenizer
         job.sampler = sampling.make_request_sampler(**job.sampling) if job.sampling else None
+        sampling.prefetch_masks([job])  # its first mask, computed during its prefill
         job.prompt_scores = [None]  # the first token has no logprob
         job.prompt_top = [None]
         reuse = self.prompt_cache is not None and job.use_prompt_cache
@@ -302,15 +303,20 @@ class Engine:
         if speculates(self):
             return speculative_step(self, self.active[0])
         before = self.metrics.store_stats()
+        sampling.prefetch_masks(self.active)  # computed while the forward runs
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
+        since = None
+        if self.leader and any(j.grammar is not None for j in self.active):
+            mx.eval(logits)  # the forward, beside the masks; they are waited for from here
+            since = time.perf_counter()
         if not self.leader:  # the leader chooses; this host follows
             mx.eval(logits, [c.state for c in self.batch_cache])
             outcome = self.share.broadcast(None, "sharing the tokens")
             follow(self, outcome["tokens"], outcome["keep"])
             return
         failed = {}
-        logits = sampling.process(self.active, logits, failed)
+        logits = sampling.process(self.active, logits, failed, since)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
         usable = sampling.usable(logprobs)
@@ -354,8 +360,11 @@ class Engine:
         """One row's own failure: its request ends with an error, the batch goes on
         (the caller drops the row). A client whose emit fails is only logged."""
         self.metrics.add(failed=1)
+        event = {"type": "error", "message": message}
+        if getattr(message, "client", False):  # the request's own doing: a 400
+            event.update(status=400, param=message.param)
         try:
-            job.emit({"type": "error", "message": message})
+            job.emit(event)
         except Exception:
             log.exception("request %s: its error could not be sent", job.id)
 

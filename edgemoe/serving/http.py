@@ -277,8 +277,8 @@ class Server:
             tokens, last = await self.collect(request, job, events)
         except ClientGone:
             return error("client disconnected", 499, None)
-        if last["type"] == "error":
-            return error(public(last["message"]), 500, None)
+        if last["type"] == "error":  # a 400 where the request's own grammar failed
+            return error(public(last["message"]), last.get("status", 500), last.get("param"))
         return JSONResponse(shown.whole(tokens, last))
 
     async def submit(self, job: Job) -> asyncio.Queue:

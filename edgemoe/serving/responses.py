@@ -168,6 +168,8 @@ class ResponsesAPI:
                 raise
             raise BadRequest(e.message.replace("'response_format'", "'text.format'"),
                              "text.format") from None
+        if grammar is not None and grammar.param == "response_format":
+            grammar.param = "text.format"
         prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
         d = s.sampling_defaults
         temperature = field(body, "temperature", NUMBER, d.get("temperature", 0.0), lo=0,

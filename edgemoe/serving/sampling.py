@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..sampling_params import check_sampling, is_greedy, scaled
+from .constrain import GrammarError
 from .job import Job
 
 log = logging.getLogger("edgemoe.server")
@@ -118,9 +119,20 @@ def pick(job: Job, logprobs: mx.array, greedy: int):
         raise RowError(row_failed(job, stage, e)) from e
 
 
-def process(jobs: List[Job], logits: mx.array, failed: dict) -> mx.array:
+def prefetch_masks(jobs: List[Job]):
+    """Start each grammar row's next mask on a grammar thread (constrain), so that it is
+    computed while the model's forward pass runs."""
+    for job in jobs:
+        if (prefetch := getattr(job.grammar, "prefetch", None)) is not None:
+            prefetch()
+
+
+def process(jobs: List[Job], logits: mx.array, failed: dict,
+            since: Optional[float] = None) -> mx.array:
     """Each row's logits through its own processors and grammar (other rows are
-    left as they are, bit for bit); a row whose processing fails is put in `failed`."""
+    left as they are, bit for bit); a row whose processing fails is put in `failed`.
+    `since`: when the step's forward ended, from which grammar masks are waited for
+    within their budget (constrain.Grammar.bits)."""
     rows = [i for i, j in enumerate(jobs) if j.processors or j.grammar]
     if not rows:
         return logits
@@ -128,14 +140,14 @@ def process(jobs: List[Job], logits: mx.array, failed: dict) -> mx.array:
     for i in rows:
         job = jobs[i]
         try:
-            parts[i] = process_row(job, parts[i])
+            parts[i] = process_row(job, parts[i], since)
         except Exception as e:
             failed[i] = row_failed(job, "logits processing", e)
             parts[i] = logits[i:i + 1]  # the row is dropped; its shape keeps the batch's
     return mx.concatenate(parts)
 
 
-def process_row(job: Job, row: mx.array) -> mx.array:
+def process_row(job: Job, row: mx.array, since: Optional[float] = None) -> mx.array:
     """One row's logits through the job's processors and grammar."""
     shape = row.shape
     if job.processors:
@@ -143,18 +155,30 @@ def process_row(job: Job, row: mx.array) -> mx.array:
         for processor in job.processors:
             row = processor(history, row)
     if job.grammar is not None:
-        row = job.grammar.mask(row)
+        row = job.grammar.mask(row, since)
     if not isinstance(row, mx.array) or row.shape != shape:
         raise ValueError(f"a logits processor returned "
                          f"{getattr(row, 'shape', type(row).__name__)}, expected {shape}")
     return row
 
 
+class RowFailure(str):
+    """A row's failure message; `client`: caused by the request itself (its grammar),
+    answered as a 400 naming `param`, not as the server's 500."""
+    client, param = False, None
+
+
 def row_failed(job: Job, stage: str, error) -> str:
     """The message of `job`'s own failure at `stage` (logged with its traceback)."""
-    if isinstance(error, Exception):
+    client = isinstance(error, GrammarError)
+    if client:  # the request's own grammar: no traceback to keep
+        log.warning("request %s: %s failed: %s", job.id, stage, error)
+        error = f"{type(error).__name__}: {error}"
+    elif isinstance(error, Exception):
         log.error("request %s: %s failed", job.id, stage, exc_info=error)
         error = f"{type(error).__name__}: {error}"
     else:
         log.error("request %s: %s failed: %s", job.id, stage, error)
-    return f"request {job.id}: {stage} failed: {error}"
+    message = RowFailure(f"request {job.id}: {stage} failed: {error}")
+    message.client, message.param = client, getattr(job.grammar, "param", None)
+    return message
