@@ -3,6 +3,7 @@ slow a batch, sizes checked before tokenizing, 400s for client errors. Every pro
 over a real socket to one `edgemoe.server` on the bundled model."""
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,11 +20,22 @@ TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
+    """(the server's process, its URL)."""
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     proc, url = start_server(log_path, "--max-batch", "8")
-    yield url
+    yield proc, url
     stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def responses_text(r: dict) -> str:
@@ -181,3 +193,27 @@ def test_a_grammar_bomb_fails_its_row_alone_and_does_not_slow_the_batch(server):
     assert r.json()["error"]["param"] == "response_format", r.text
     assert "grammar" in r.json()["error"]["message"]
     assert together_s < 2 * alone_s + 1.0, (alone_s, together_s)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_oversized_inputs_are_refused_before_tokenizing_and_memory_stays(served):
+    """8 concurrent 3.9 MB Responses inputs were tokenized in full before the context
+    check: 310 MB -> 2.7 GB RSS, kept, and /health took 1.5 s."""
+    proc, url = served
+    big = {"input": "word " * (39 * 2**20 // 50), "max_output_tokens": 4}
+    httpx.get(url + "/health", timeout=TIMEOUT)
+    before = rss_mb(proc.pid)
+    with ThreadPoolExecutor(8) as pool:
+        replies = [pool.submit(httpx.post, url + "/v1/responses", json=big, timeout=TIMEOUT)
+                   for _ in range(8)]
+        time.sleep(0.2)
+        tic = time.perf_counter()
+        health = httpx.get(url + "/health", timeout=TIMEOUT)
+        health_s = time.perf_counter() - tic
+        replies = [r.result() for r in replies]
+    for r in replies:
+        assert r.status_code == 400, r.text[:300]
+        assert "bytes of text" in r.json()["error"]["message"]
+    assert health.status_code == 200 and health_s < 3.0, health_s  # loose: shared CPUs
+    grown = rss_mb(proc.pid) - before
+    assert grown < 200, f"RSS grew {grown:.0f} MB"

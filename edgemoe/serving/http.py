@@ -26,6 +26,7 @@ from .constrain import Tokens
 from .errors import BadRequest
 from .engine import Engine
 from .job import Job
+from .limits import BoundedTokenizer
 from ..sampling_params import check_sampling, sampler_args
 
 log = logging.getLogger("edgemoe.server")
@@ -36,6 +37,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 _OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its names of our fields
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 SEND_TIMEOUT_S = 30.0  # a stream whose client takes nothing for this long is cancelled
 # the folders of a path: absolute, ~ or ./ relative, or relative before a file.ext
 _DIRECTORIES = re.compile(r"(?<![\w.~/-])(?:(?:~|\.{1,2})?/(?:[\w.~-]+/)*(?=[\w.-])"
@@ -139,10 +141,15 @@ class Server:
         self.model_type, self.model_bytes = model_type, model_bytes
         self.created = int(time.time())
         self._grammar_tokens = None
+        self._bounded = None  # the tokenizer as the APIs use it
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """The model's tokenizer, its texts' sizes checked before tokenizing (limits)."""
+        inner = self.engine.tokenizer
+        if self._bounded is None or self._bounded._inner is not inner:
+            self._bounded = BoundedTokenizer(inner, self.context_length)
+        return self._bounded
 
     def grammar_tokens(self):
         """The tokenizer as the grammar engine sees it (made on first use)."""
@@ -424,8 +431,11 @@ class Server:
             #                                        an integer over Python's 4300 digits
             raise BadRequest(f"invalid JSON in the request body: "
                              f"{str(e)[:200] or type(e).__name__}") from None
-        try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it (only
+            #   an escape makes one: the body is valid UTF-8; json.dumps of a 4 MB body
+            #   holds the event loop for 0.1 s, the search a few ms)
+            if _SURROGATE_ESCAPE.search(raw):
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRequest(f"invalid Unicode in the request body: a lone surrogate "
                              f"({e.object[e.start:e.end]!r})") from None
