@@ -4,6 +4,7 @@ over a real socket to one `edgemoe.server` on the bundled model."""
 
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from edgemoe.format.source import BUNDLED_MODEL
 from test_hardening import start_server, stop_server
 
 TIMEOUT = httpx.Timeout(60.0)
@@ -217,3 +219,23 @@ def test_oversized_inputs_are_refused_before_tokenizing_and_memory_stays(served)
     assert health.status_code == 200 and health_s < 3.0, health_s  # loose: shared CPUs
     grown = rss_mb(proc.pid) - before
     assert grown < 200, f"RSS grew {grown:.0f} MB"
+
+
+def test_health_is_unavailable_while_a_truncated_pack_fails_every_request(tmp_path):
+    """A pack truncated under a running server failed every request with a 500 while
+    /health said 200."""
+    pack = tmp_path / "pack"
+    shutil.copytree(BUNDLED_MODEL, pack)
+    proc, url = start_server(tmp_path / "server.log", "--model", str(pack),
+                             "--expert-budget", "25%")
+    try:
+        os.truncate(pack / "experts.bin", (pack / "experts.bin").stat().st_size // 2)
+        for n in range(3):
+            r = httpx.post(url + "/v1/completions", json={"prompt": f"hello {n}",
+                                                          "max_tokens": 4}, timeout=TIMEOUT)
+            assert r.status_code == 500, r.text
+        health = httpx.get(url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503, health.text
+        assert "experts.bin" in health.json()["reason"], health.text
+    finally:
+        stop_server(proc)

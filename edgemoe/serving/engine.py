@@ -46,6 +46,11 @@ from .speculation import speculates, speculative_step
 
 log = logging.getLogger("edgemoe.server")
 
+# requests failing in a row for the server's own reasons (a read error, a failed step;
+# never a request's own fault), none finished since: the model cannot serve, and
+# /health says so (a truncated pack once failed every request under a 200 /health)
+UNHEALTHY_AFTER = 3
+
 
 class Engine:
     """Owns the model; runs prefill chunks and batched decode steps on one thread."""
@@ -80,6 +85,8 @@ class Engine:
         self.store = None  # the model's ExpertStore, once loaded
         self.share = None  # the model's HostShare when it is one host of a group
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
+        self.failing = 0  # requests failed in a row by the server's own errors
+        self.last_failure = ""
 
     # ---- HTTP side -------------------------------------------------------------
     def start(self, timeout: Optional[float] = None):
@@ -100,6 +107,15 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive() and self.ready.is_set() and self.load_error is None
+
+    def serving(self) -> bool:
+        """False once UNHEALTHY_AFTER requests in a row failed by the server's own
+        errors (see `last_failure`); a request that finishes makes it True again."""
+        return self.failing < UNHEALTHY_AFTER
+
+    def _failed_by_server(self, count: int, message: str):
+        self.failing += count
+        self.last_failure = message
 
     def store_healthy(self) -> bool:
         """False while an expert read is stuck past the read timeout (any thread may ask)."""
@@ -363,6 +379,8 @@ class Engine:
         event = {"type": "error", "message": message}
         if getattr(message, "client", False):  # the request's own doing: a 400
             event.update(status=400, param=message.param)
+        else:
+            self._failed_by_server(1, message)
         try:
             job.emit(event)
         except Exception:
@@ -379,6 +397,7 @@ class Engine:
         return False
 
     def _finish(self, job: Job, reason: str):
+        self.failing = 0
         now = time.perf_counter()
         done = Finished(now - job.received, (job.first_token_at or now) - job.received,
                         len(job.prompt), len(job.tokens))
@@ -402,6 +421,8 @@ class Engine:
             # the batch's caches are suspect
             self.active, self.batch_cache, self.batch_routing = [], None, None
         self.metrics.add(failed=len(jobs))
+        if jobs and not self.stopping.is_set():
+            self._failed_by_server(len(jobs), message)
         for job in jobs:
             job.cache = None
             job.emit({"type": "error", "message": message})
