@@ -11,7 +11,6 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_MIN_P, DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool
-from mlx_lm.sample_utils import make_sampler
 
 from .cli import add_debug_flag, arrange, tool
 from .hub import resolve as resolve_hub_id
@@ -19,6 +18,7 @@ from .machines import machine_defaults
 from .model.experts import streaming_of
 from .model.generation import generate
 from .options import StreamOptions, number
+from .sampling_params import MAX_TEMPERATURE, cli_sampler
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -43,8 +43,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                    help="Message to be processed by the model ('-' reads from stdin)")
     p.add_argument("--max-tokens", "-m", type=number(int, 1), default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=number(float, 0), default=0.0,
-                   help="Sampling temperature (0: greedy)")
+    p.add_argument("--temp", type=number(float, 0, MAX_TEMPERATURE), default=0.0,
+                   help="Sampling temperature (0, or one whose 1/temp overflows float32: "
+                        "greedy)")
     p.add_argument("--top-p", type=number(float, 0, 1), default=1.0, help="Sampling top-p")
     p.add_argument("--min-p", type=number(float, 0, 1), default=DEFAULT_MIN_P,
                    help="Sampling min-p (default: %(default)s, off)")
@@ -219,7 +220,7 @@ def main(argv=None):
             probe = render_chat(tokenizer, messages, args)
             prompt = prompt[probe.index("<query>"):]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    sampler = cli_sampler(args.temp, args.top_p, args.min_p, args.top_k)
     streaming = streaming_of(model)
     store, share = streaming.store, streaming.share
     follower = share is not None and share.rank > 0  # every host computes; host 0 speaks

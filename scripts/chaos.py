@@ -7,9 +7,15 @@ The server serves a copy of the pack (the faults are made in the copy): every
 --fault-every seconds one byte of a random expert record is flipped for --fault-for
 seconds, then restored. Meanwhile:
   good      greedy completions (plain and streamed), each checked token for token against
-            the same prompt run alone before the chaos began;
+            the same prompt run alone before the chaos began; some ask for greedy by a
+            limit (temperature 1e-39 or 1e-45, top_p 0 or 1e-300, top_k 1), which must
+            give the same tokens;
   bad       requests the server must refuse with a 4xx (a poison top_k, NaN, wrong types,
-            an oversized body, a foreign Host, text/plain, a deep or broken JSON, ...);
+            an oversized body, a foreign Host, text/plain, a deep or broken JSON, a
+            schema deeper than llguidance's recursion limit on each API, a 3.9 MB
+            Responses input, a function_call_output without call_id, a grammar bomb (a
+            schema regex whose masks cost ~0.15 s a token: its row must end with a 400
+            within its budget), ...);
   stalled   streamed requests from clients that never read (a 4 KB receive buffer);
   vanishing streamed requests whose clients hang up after a few chunks;
   poison    requests beside the good ones that would once have failed their whole batch
@@ -28,7 +34,10 @@ server refused to compute on bad bytes); anything else that is not its solo outp
 as wrong, and one that does not finish within --request-timeout as a hang. The report:
 requests sent by kind, good answered correctly, failed by a fault, wrong, hung; bad
 refused with 4xx; 5xx count; p95 latency of good requests; server RSS before and after;
-rows still active at the end; stalled streams the server cancelled for not reading.
+rows still active at the end; stalled streams the server cancelled for not reading; and
+`checks`, each true or false: 0 wrong outputs, 0 hangs, every bad request refused, RSS
+back within 10% of its start, no worker stuck (the exit status is 1 when one is false).
+/health may answer 503 while a fault fails every request (health_not_200).
 """
 
 import argparse
@@ -110,7 +119,49 @@ def bad_requests(url: str):
                         "required": [MARKER]}}}}).status_code),
         ("a model that does not exist", lambda c: _no_folder(c.post(post, json={
             "model": "nope", "prompt": "x", "max_tokens": 2}))),
+        ("chat response_format 250 deep", lambda c: c.post(
+            f"{url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "d", "schema": _deep(250)}}}).status_code),
+        ("responses text.format 250 deep", lambda c: c.post(f"{url}/v1/responses", json={
+            "input": "hi", "max_output_tokens": 4, "text": {"format": {
+                "type": "json_schema", "name": "d", "schema": _deep(250)}}}).status_code),
+        ("ollama format 900 deep", lambda c: c.post(f"{url}/api/chat", json={
+            "model": "pack", "stream": False, "format": _deep(900),
+            "messages": [{"role": "user", "content": "hi"}]}).status_code),
+        ("responses 3.9 MB input", lambda c: c.post(f"{url}/v1/responses", json={
+            "input": "word " * (39 * 2 ** 20 // 50), "max_output_tokens": 4}).status_code),
+        ("function_call_output without call_id", lambda c: c.post(
+            f"{url}/v1/responses", json={"max_output_tokens": 2, "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call_output", "output": "42"}]}).status_code),
+        ("grammar bomb", lambda c: _named(c.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": MARKER}], "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "bomb", "schema": GRAMMAR_BOMB}}}), "response_format")),
     ]
+
+
+GRAMMAR_BOMB = {"type": "string", "pattern": "^(a{700}){700}$"}
+# sampling values whose limit is greedy: a good request may carry any of them
+GREEDY_LIMITS = [{"temperature": 0}, {"temperature": 0}, {"temperature": 1e-39},
+                 {"temperature": 1e-45}, {"temperature": 1, "top_p": 0},
+                 {"temperature": 1, "top_p": 1e-300}, {"temperature": 1, "top_k": 1}]
+
+
+def _deep(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _named(r, param: str) -> int:
+    """A response's status, or 0 (not refused) when a 4xx does not name `param`."""
+    if 400 <= r.status_code < 500 and r.json().get("error", {}).get("param") != param:
+        return 0
+    return r.status_code
 
 
 def _no_folder(r) -> int:
@@ -136,9 +187,11 @@ class Chaos:
                 self.counts[k] += 1
 
     # -- good requests -------------------------------------------------------------
-    def solo(self, client, prompt, stream):
-        """(token ids, or None) and the failure, of one greedy completion."""
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+    def solo(self, client, prompt, stream, sampling=None):
+        """(token ids, or None) and the failure, of one greedy completion (`sampling`:
+        values whose limit is greedy)."""
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
+                **(sampling or {})}
         if not stream:
             r = client.post(f"{self.url}/v1/completions", json=body)
             if r.status_code != 200:
@@ -165,9 +218,10 @@ class Chaos:
             while not self.stop.is_set():
                 prompt = self.rng.choice(PROMPTS)
                 stream = self.rng.random() < 0.5
+                sampling = self.rng.choice(GREEDY_LIMITS)
                 tic, changes = time.perf_counter(), self.fault_changes
                 try:
-                    ids, r = self.solo(client, prompt, stream)
+                    ids, r = self.solo(client, prompt, stream, sampling)
                 except httpx.TimeoutException:
                     self.count("good", "good_hung")
                     continue
@@ -180,8 +234,8 @@ class Chaos:
                     ok = ids == self.reference[prompt]
                     self.count("good", "good_correct" if ok else "good_wrong")
                     if not ok:
-                        self.wrong.append(f"{prompt!r} (stream={stream}): {ids} != "
-                                          f"{self.reference[prompt]}")
+                        self.wrong.append(f"{prompt!r} (stream={stream}, {sampling}): "
+                                          f"{ids} != {self.reference[prompt]}")
                     continue
                 message = r if isinstance(r, str) else r.text
                 status = 500 if isinstance(r, str) else r.status_code
@@ -434,13 +488,27 @@ def main():
                                 for (name, status), n in sorted(chaos.refused.items(), key=str)},
                 "workers_stuck": len(alive), "wrong_examples": chaos.wrong[:10],
             }
+            report["checks"] = checks(report)
         finally:
             proc.terminate()
             proc.wait(30)
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0 if all(report["checks"].values()) else 1
+
+
+def checks(report: dict) -> dict:
+    """What a chaos run must show (the issue's bar), each true or false."""
+    return {"0 wrong outputs": report["good_wrong"] == 0,
+            "0 hangs": report["good_hung"] == 0 and report["health_hung"] == 0,
+            "every bad request refused": report["bad_not_refused"] == 0
+            and report["bombs_not_refused"] == 0,
+            "RSS back within 10% of its start": report["rss_after_bytes"]
+            <= 1.1 * report["rss_before_bytes"],
+            "no worker stuck": report["workers_stuck"] == 0,
+            "no row left active": report["rows_active_after"] == 0}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -76,7 +76,7 @@ class Grammar:
     def __init__(self, fail: str):
         self.fail = fail
 
-    def mask(self, logits):
+    def mask(self, logits, since=None):
         if self.fail == "mask":
             raise ValueError("SECRET-GRAMMAR of the poison request")
         return logits

@@ -8,7 +8,14 @@ tokens that may come next. The engine masks every other token out of the row's l
 is complete ends the request.
 """
 
+import contextlib
 import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 import mlx.core as mx
@@ -25,6 +32,20 @@ class GrammarError(ValueError):
     """A grammar that does not compile (an unsupported or invalid schema)."""
 
 
+@contextlib.contextmanager
+def compiling():
+    """A schema llguidance (or Python's json) cannot take, as a GrammarError: llguidance
+    raises ValueError past its recursion limit (a schema ~200 levels deep), json.dumps
+    RecursionError past Python's (~1000)."""
+    try:
+        yield
+    except RecursionError:
+        raise GrammarError("the schema is nested too deeply (past Python's recursion "
+                           "limit)") from None
+    except ValueError as e:
+        raise GrammarError(str(e)[:300]) from None
+
+
 class Tokens:
     """The tokenizer as llguidance sees it (made once per model: about 50 ms)."""
 
@@ -36,8 +57,40 @@ class Tokens:
         self.vocab_size = vocab_size
 
 
+# A grammar's masks are computed on these threads (llguidance drops the GIL), while the
+# engine runs the model's forward pass: a costly grammar delays its batch only by what
+# its mask takes past the forward, and at most by these budgets, past which its row fails
+# alone (a schema regex like ^(a{700}){700}$ costs ~0.15 s a token, its first 1.5 s).
+# llguidance's own fuel limits do not bound that time (measured: 50k step fuel, 5k lexer
+# states or 5k items a step leave it as slow).
+# They run at a lower priority than the engine where the OS allows a thread its own
+# (Linux): a costly mask, which goes on after its row failed (llguidance cannot be
+# stopped), then takes only a core the model leaves idle.
+MASK_NICE = 10
+
+
+def lower_priority():
+    if sys.platform == "linux":  # a thread's id is its own scheduling entity there only
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MASK_NICE)
+        except OSError:
+            pass
+
+
+MASK_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="edgemoe-grammar",
+                                  initializer=lower_priority)
+MASK_STEP_S = 0.2  # the most a step waits for one row's mask once its forward is done
+MASK_TOTAL_S = 1.0  # the most one row's grammar makes its batch wait in all
+
+
+class GrammarTooSlow(GrammarError):
+    """A grammar whose masks took longer than its budget: its row fails alone."""
+
+
 class Grammar:
     """One request's position in its grammar."""
+
+    param = None  # the request field that asked for it (named in a row's error)
 
     def __init__(self, tokens: Tokens, grammar: str):
         import llguidance
@@ -46,6 +99,8 @@ class Grammar:
         self.matcher = llguidance.LLMatcher(tokens.ll, grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
+        self.next_mask: Optional[Future] = None  # the next step's bits, being computed
+        self.waited = 0.0  # seconds its batch waited for its masks past the forward
 
     @classmethod
     def json(cls, tokens: Tokens, schema: Optional[dict] = None) -> "Grammar":
@@ -53,18 +108,51 @@ class Grammar:
         import llguidance
 
         schema = {"type": "object"} if schema is None else schema
-        return cls(tokens, llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=JSON_STYLE))
+        with compiling():
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                    defaults=JSON_STYLE)
+        return cls(tokens, grammar)
 
     @classmethod
     def lark(cls, tokens: Tokens, grammar: str) -> "Grammar":
         import llguidance
 
-        return cls(tokens, llguidance.LLMatcher.grammar_from_lark(grammar))
+        with compiling():
+            grammar = llguidance.LLMatcher.grammar_from_lark(grammar)
+        return cls(tokens, grammar)
 
-    def mask(self, logits: mx.array) -> mx.array:
-        """`logits` (1, vocab) with every token the grammar forbids at -inf."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+    def prefetch(self):
+        """Start computing the next step's mask on a grammar thread."""
+        if self.next_mask is None:
+            self.next_mask = MASK_THREADS.submit(self.matcher.compute_bitmask)
+
+    def bits(self, since: Optional[float]) -> bytes:
+        """The next step's mask; with `since` (when the step's forward ended) waited
+        for within the budgets, past which GrammarTooSlow (its computation is left
+        to end on its thread: llguidance cannot be stopped)."""
+        self.prefetch()
+        future, self.next_mask = self.next_mask, None
+        if since is None or future.done():
+            return future.result()
+        budget = min(MASK_STEP_S, MASK_TOTAL_S - self.waited)
+        tic = time.perf_counter()
+        try:
+            return future.result(timeout=max(0.0, since + budget - tic))
+        except FutureTimeout:
+            future.cancel()
+            raise GrammarTooSlow(
+                f"its grammar took over {MASK_STEP_S:g} s to find the tokens allowed next "
+                f"(or over {MASK_TOTAL_S:g} s of waits in all): simplify its schema or "
+                f"pattern") from None
+        finally:
+            self.waited += time.perf_counter() - tic
+
+    def mask(self, logits: mx.array, since: Optional[float] = None) -> mx.array:
+        """`logits` (1, vocab) with every token the grammar forbids at -inf (`since`:
+        see `bits`)."""
+        words = np.frombuffer(self.bits(since), dtype=np.uint8)
+        if self.matcher.is_error():  # e.g. past llguidance's limits at this step
+            raise GrammarError(self.matcher.get_error()[:300])
         allowed = np.unpackbits(words, bitorder="little")[:logits.shape[-1]].astype(bool)
         if allowed.size < logits.shape[-1]:  # ids past the tokenizer's: never allowed
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.size))
@@ -114,8 +202,11 @@ def forced_call(server, tools: list, name: Optional[str]):
         tok.tool_parser.__module__.endswith(".json_tools")
     start, end = (tok.tool_call_start, tok.tool_call_end) if json_calls else ("", "")
     try:
-        return Grammar.lark(server.grammar_tokens(), tool_call_grammar(start, end, tools,
-                                                                       name))
+        with compiling():  # generation_schema recurses as deep as the schemas
+            grammar = tool_call_grammar(start, end, tools, name)
+        forced = Grammar.lark(server.grammar_tokens(), grammar)
+        forced.param = "tool_choice"
+        return forced
     except GrammarError as e:
         raise BadRequest(f"a tool's parameters schema: {e}", "tools") from None
 

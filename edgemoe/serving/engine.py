@@ -46,6 +46,11 @@ from .speculation import speculates, speculative_step
 
 log = logging.getLogger("edgemoe.server")
 
+# requests failing in a row for the server's own reasons (a read error, a failed step;
+# never a request's own fault), none finished since: the model cannot serve, and
+# /health says so (a truncated pack once failed every request under a 200 /health)
+UNHEALTHY_AFTER = 3
+
 
 class Engine:
     """Owns the model; runs prefill chunks and batched decode steps on one thread."""
@@ -80,6 +85,8 @@ class Engine:
         self.store = None  # the model's ExpertStore, once loaded
         self.share = None  # the model's HostShare when it is one host of a group
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
+        self.failing = 0  # requests failed in a row by the server's own errors
+        self.last_failure = ""
 
     # ---- HTTP side -------------------------------------------------------------
     def start(self, timeout: Optional[float] = None):
@@ -100,6 +107,15 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive() and self.ready.is_set() and self.load_error is None
+
+    def serving(self) -> bool:
+        """False once UNHEALTHY_AFTER requests in a row failed by the server's own
+        errors (see `last_failure`); a request that finishes makes it True again."""
+        return self.failing < UNHEALTHY_AFTER
+
+    def _failed_by_server(self, count: int, message: str):
+        self.failing += count
+        self.last_failure = message
 
     def store_healthy(self) -> bool:
         """False while an expert read is stuck past the read timeout (any thread may ask)."""
@@ -252,6 +268,7 @@ class Engine:
         if job.detokenizer is None:  # (a completion brings one that keeps leading spaces)
             job.detokenizer = self.tokenizer.detokenizer
         job.sampler = sampling.make_request_sampler(**job.sampling) if job.sampling else None
+        sampling.prefetch_masks([job])  # its first mask, computed during its prefill
         job.prompt_scores = [None]  # the first token has no logprob
         job.prompt_top = [None]
         reuse = self.prompt_cache is not None and job.use_prompt_cache
@@ -302,15 +319,20 @@ class Engine:
         if speculates(self):
             return speculative_step(self, self.active[0])
         before = self.metrics.store_stats()
+        sampling.prefetch_masks(self.active)  # computed while the forward runs
         inputs = mx.array([[j.next_input] for j in self.active])
         logits = self.model(inputs, cache=self.batch_cache)[:, -1, :]
+        since = None
+        if self.leader and any(j.grammar is not None for j in self.active):
+            mx.eval(logits)  # the forward, beside the masks; they are waited for from here
+            since = time.perf_counter()
         if not self.leader:  # the leader chooses; this host follows
             mx.eval(logits, [c.state for c in self.batch_cache])
             outcome = self.share.broadcast(None, "sharing the tokens")
             follow(self, outcome["tokens"], outcome["keep"])
             return
         failed = {}
-        logits = sampling.process(self.active, logits, failed)
+        logits = sampling.process(self.active, logits, failed, since)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
         usable = sampling.usable(logprobs)
@@ -354,8 +376,13 @@ class Engine:
         """One row's own failure: its request ends with an error, the batch goes on
         (the caller drops the row). A client whose emit fails is only logged."""
         self.metrics.add(failed=1)
+        event = {"type": "error", "message": message}
+        if getattr(message, "client", False):  # the request's own doing: a 400
+            event.update(status=400, param=message.param)
+        else:
+            self._failed_by_server(1, message)
         try:
-            job.emit({"type": "error", "message": message})
+            job.emit(event)
         except Exception:
             log.exception("request %s: its error could not be sent", job.id)
 
@@ -370,6 +397,7 @@ class Engine:
         return False
 
     def _finish(self, job: Job, reason: str):
+        self.failing = 0
         now = time.perf_counter()
         done = Finished(now - job.received, (job.first_token_at or now) - job.received,
                         len(job.prompt), len(job.tokens))
@@ -393,6 +421,8 @@ class Engine:
             # the batch's caches are suspect
             self.active, self.batch_cache, self.batch_routing = [], None, None
         self.metrics.add(failed=len(jobs))
+        if jobs and not self.stopping.is_set():
+            self._failed_by_server(len(jobs), message)
         for job in jobs:
             job.cache = None
             job.emit({"type": "error", "message": message})

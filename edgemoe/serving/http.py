@@ -26,7 +26,8 @@ from .constrain import Tokens
 from .errors import BadRequest
 from .engine import Engine
 from .job import Job
-from .sampling import check_sampling
+from .limits import BoundedTokenizer
+from ..sampling_params import check_sampling, sampler_args
 
 log = logging.getLogger("edgemoe.server")
 
@@ -36,6 +37,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 _OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its names of our fields
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 SEND_TIMEOUT_S = 30.0  # a stream whose client takes nothing for this long is cancelled
 # the folders of a path: absolute, ~ or ./ relative, or relative before a file.ext
 _DIRECTORIES = re.compile(r"(?<![\w.~/-])(?:(?:~|\.{1,2})?/(?:[\w.~-]+/)*(?=[\w.-])"
@@ -139,10 +141,15 @@ class Server:
         self.model_type, self.model_bytes = model_type, model_bytes
         self.created = int(time.time())
         self._grammar_tokens = None
+        self._bounded = None  # the tokenizer as the APIs use it
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """The model's tokenizer, its texts' sizes checked before tokenizing (limits)."""
+        inner = self.engine.tokenizer
+        if self._bounded is None or self._bounded._inner is not inner:
+            self._bounded = BoundedTokenizer(inner, self.context_length)
+        return self._bounded
 
     def grammar_tokens(self):
         """The tokenizer as the grammar engine sees it (made on first use)."""
@@ -205,14 +212,11 @@ class Server:
                              f"{max_tokens} more ({len(prompt) + max_tokens} in all)",
                              max_tokens_name)
         bad = check_sampling(temperature, penalties)
-        if bad is not None:  # a row whose logits would become NaN (engine.check_sampling)
+        if bad is not None:  # a row whose logits would become NaN (sampling_params)
             name = ("options." + _OLLAMA_NAMES.get(bad[0], bad[0])
                     if id_prefix.startswith("ollama") else bad[0])
             raise BadRequest(f"'{name}' {bad[1]}", name)
-        sampling = None  # greedy
-        if temperature > 0:
-            sampling = dict(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-                            seed=seed)
+        sampling = sampler_args(temperature, top_p, min_p, top_k, seed)  # None: greedy
         processors = []
         if logit_bias or any((penalties or {}).values()):
             from mlx_lm.sample_utils import make_logits_processors
@@ -280,8 +284,8 @@ class Server:
             tokens, last = await self.collect(request, job, events)
         except ClientGone:
             return error("client disconnected", 499, None)
-        if last["type"] == "error":
-            return error(public(last["message"]), 500, None)
+        if last["type"] == "error":  # a 400 where the request's own grammar failed
+            return error(public(last["message"]), last.get("status", 500), last.get("param"))
         return JSONResponse(shown.whole(tokens, last))
 
     async def submit(self, job: Job) -> asyncio.Queue:
@@ -427,8 +431,11 @@ class Server:
             #                                        an integer over Python's 4300 digits
             raise BadRequest(f"invalid JSON in the request body: "
                              f"{str(e)[:200] or type(e).__name__}") from None
-        try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        try:  # "\ud800" is valid JSON, but no text: the tokenizer cannot take it (only
+            #   an escape makes one: the body is valid UTF-8; json.dumps of a 4 MB body
+            #   holds the event loop for 0.1 s, the search a few ms)
+            if _SURROGATE_ESCAPE.search(raw):
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRequest(f"invalid Unicode in the request body: a lone surrogate "
                              f"({e.object[e.start:e.end]!r})") from None
@@ -442,8 +449,12 @@ class Server:
 
     async def health(self, request: Request):
         ok = self.engine.alive and self.engine.store_healthy()
-        return JSONResponse({"status": "ok" if ok else "unavailable"},
-                            status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable"}
+        if ok and not self.engine.serving():  # every recent request failed: say why
+            ok, body = False, {"status": "unavailable", "reason": public(
+                f"the last {self.engine.failing} requests failed: "
+                f"{self.engine.last_failure}"[:500])}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request):
         return JSONResponse(self.engine.snapshot())

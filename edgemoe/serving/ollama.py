@@ -161,10 +161,11 @@ class OllamaAPI:
         if fmt in (None, ""):
             return None
         try:
-            if fmt == "json":
-                return Grammar.json(self.server.grammar_tokens())
-            if isinstance(fmt, dict):
-                return Grammar.json(self.server.grammar_tokens(), fmt)
+            if fmt == "json" or isinstance(fmt, dict):
+                grammar = Grammar.json(self.server.grammar_tokens(),
+                                       fmt if isinstance(fmt, dict) else None)
+                grammar.param = "format"
+                return grammar
         except GrammarError as e:
             raise BadRequest(f"'format' schema: {e}", "format") from None
         raise BadRequest(f"'format' must be \"json\" or a JSON schema, got "

@@ -179,6 +179,8 @@ class OpenAIAPI:
             except GrammarError as e:
                 raise BadRequest(f"'response_format' schema: {e}", "response_format") \
                     from None
+            if grammar is not None:
+                grammar.param = "response_format"
         if choice in (None, "auto"):
             if tools and s.tokenizer.tool_parser is None:
                 raise BadRequest(no_tool_format(s.tokenizer), "tools")

@@ -12,6 +12,7 @@ tool calls become output items. Nothing is stored: a field that needs a stored r
 this server does not implement.
 """
 
+import json
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -78,7 +79,7 @@ class ResponsesAPI:
                 out.append({"role": ROLES[item["role"]],
                             "content": text_of(_parts(item.get("content"), where), where)})
             elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
+                call = {"id": call_id(item, where), "type": "function",
                         "function": {"name": item.get("name"),
                                      "arguments": item.get("arguments") or "{}"}}
                 calls = tool_call_message([call], where)
@@ -88,7 +89,7 @@ class ResponsesAPI:
                     out.append({"role": "assistant", "content": "", "tool_calls": calls})
             elif kind == "function_call_output":
                 output = item.get("output")
-                out.append({"role": "tool", "tool_call_id": str(item.get("call_id")),
+                out.append({"role": "tool", "tool_call_id": call_id(item, where),
                             "content": text_of(_parts(output, where), where)})
             elif kind == "reasoning":
                 continue  # a previous turn's reasoning: chat templates drop it too
@@ -160,7 +161,15 @@ class ResponsesAPI:
         parallel = field(body, "parallel_tool_calls", bool, True)
         messages = self._messages(body)
         tools = self._tools(body)
-        grammar, reading = self.chat._grammar(self._chat_shape(body), tools)
+        try:
+            grammar, reading = self.chat._grammar(self._chat_shape(body), tools)
+        except BadRequest as e:  # its response_format is this API's text.format
+            if e.param != "response_format":
+                raise
+            raise BadRequest(e.message.replace("'response_format'", "'text.format'"),
+                             "text.format") from None
+        if grammar is not None and grammar.param == "response_format":
+            grammar.param = "text.format"
         prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
         d = s.sampling_defaults
         temperature = field(body, "temperature", NUMBER, d.get("temperature", 0.0), lo=0,
@@ -335,3 +344,13 @@ class ResponseView:
                           output_index=index, content_index=0, part=part)
         self.output.append(item)
         yield self._event("response.output_item.done", output_index=index, item=item)
+
+
+def call_id(item: dict, where: str) -> str:
+    """A function call's (or its output's) call_id: required, a non-empty string (the
+    tool message would otherwise answer a call "None")."""
+    value = item.get("call_id")
+    if not (isinstance(value, str) and value):
+        raise BadRequest(f"'{where}.call_id' is required: a non-empty string naming the "
+                         f"call, got {json.dumps(value)[:60]}", f"{where}.call_id")
+    return value

@@ -10,6 +10,8 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from ..sampling_params import check_sampling, is_greedy, scaled
+from .constrain import GrammarError
 from .job import Job
 
 log = logging.getLogger("edgemoe.server")
@@ -53,38 +55,15 @@ def top_logprobs(logprobs: mx.array, n: int) -> List[tuple]:
     return sorted(pairs, key=lambda p: -p[1])
 
 
-# Sampling ranges inside which a row's logits stay finite in float32: past them every
-# token is equally likely (temperature) or a penalty divides by nearly zero, and the
-# row's logits become NaN (1/1e308 is 0 in float32, and -inf * 0 is NaN)
-MAX_TEMPERATURE = 1000.0
-PENALTY_RANGE = {"repetition_penalty": (1e-3, 1e3), "presence_penalty": (-1e3, 1e3),
-                 "frequency_penalty": (-1e3, 1e3)}
-
-
-def check_sampling(temperature: float = 0.0, penalties: Optional[dict] = None):
-    """None, or (the field, the message) of the first sampling value outside the ranges
-    above (a repetition penalty of 0 or 1 is off)."""
-    if not (isinstance(temperature, (int, float)) and 0 <= temperature <= MAX_TEMPERATURE):
-        return "temperature", (f"must be within [0, {MAX_TEMPERATURE:g}] (higher makes "
-                               f"every token equally likely), got {temperature}")
-    for name, value in (penalties or {}).items():
-        if name not in PENALTY_RANGE or value is None or \
-                (name == "repetition_penalty" and value in (0, 1)):
-            continue
-        lo, hi = PENALTY_RANGE[name]
-        if not (isinstance(value, (int, float)) and lo <= value <= hi):
-            return name, f"must be within [{lo:g}, {hi:g}], got {value}"
-    return None
-
-
 def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
                          top_k: int = 0, seed: Optional[int] = None) -> Optional[Callable]:
     """mlx-lm's sampling chain, drawing from the request's own random key.
 
     Each request splits its own key at every step, so what it samples does not depend
-    on which requests share its batch; with a `seed` it repeats exactly. None: greedy.
+    on which requests share its batch; with a `seed` it repeats exactly. None: greedy
+    (also where the values' limit is greedy: edgemoe.sampling_params).
     """
-    if temp <= 0:
+    if is_greedy(temp, top_p, top_k):
         return None
     if (bad := check_sampling(temp)) is not None:
         raise ValueError(f"'{bad[0]}' {bad[1]}")
@@ -101,7 +80,7 @@ def make_request_sampler(temp: float, top_p: float = 1.0, min_p: float = 0.0,
         for method in methods:
             logprobs = method(logprobs)
         key[0], step_key = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * (1 / temp), key=step_key)
+        return mx.random.categorical(scaled(logprobs, temp), key=step_key)
 
     return sample
 
@@ -140,9 +119,20 @@ def pick(job: Job, logprobs: mx.array, greedy: int):
         raise RowError(row_failed(job, stage, e)) from e
 
 
-def process(jobs: List[Job], logits: mx.array, failed: dict) -> mx.array:
+def prefetch_masks(jobs: List[Job]):
+    """Start each grammar row's next mask on a grammar thread (constrain), so that it is
+    computed while the model's forward pass runs."""
+    for job in jobs:
+        if (prefetch := getattr(job.grammar, "prefetch", None)) is not None:
+            prefetch()
+
+
+def process(jobs: List[Job], logits: mx.array, failed: dict,
+            since: Optional[float] = None) -> mx.array:
     """Each row's logits through its own processors and grammar (other rows are
-    left as they are, bit for bit); a row whose processing fails is put in `failed`."""
+    left as they are, bit for bit); a row whose processing fails is put in `failed`.
+    `since`: when the step's forward ended, from which grammar masks are waited for
+    within their budget (constrain.Grammar.bits)."""
     rows = [i for i, j in enumerate(jobs) if j.processors or j.grammar]
     if not rows:
         return logits
@@ -150,14 +140,14 @@ def process(jobs: List[Job], logits: mx.array, failed: dict) -> mx.array:
     for i in rows:
         job = jobs[i]
         try:
-            parts[i] = process_row(job, parts[i])
+            parts[i] = process_row(job, parts[i], since)
         except Exception as e:
             failed[i] = row_failed(job, "logits processing", e)
             parts[i] = logits[i:i + 1]  # the row is dropped; its shape keeps the batch's
     return mx.concatenate(parts)
 
 
-def process_row(job: Job, row: mx.array) -> mx.array:
+def process_row(job: Job, row: mx.array, since: Optional[float] = None) -> mx.array:
     """One row's logits through the job's processors and grammar."""
     shape = row.shape
     if job.processors:
@@ -165,18 +155,30 @@ def process_row(job: Job, row: mx.array) -> mx.array:
         for processor in job.processors:
             row = processor(history, row)
     if job.grammar is not None:
-        row = job.grammar.mask(row)
+        row = job.grammar.mask(row, since)
     if not isinstance(row, mx.array) or row.shape != shape:
         raise ValueError(f"a logits processor returned "
                          f"{getattr(row, 'shape', type(row).__name__)}, expected {shape}")
     return row
 
 
+class RowFailure(str):
+    """A row's failure message; `client`: caused by the request itself (its grammar),
+    answered as a 400 naming `param`, not as the server's 500."""
+    client, param = False, None
+
+
 def row_failed(job: Job, stage: str, error) -> str:
     """The message of `job`'s own failure at `stage` (logged with its traceback)."""
-    if isinstance(error, Exception):
+    client = isinstance(error, GrammarError)
+    if client:  # the request's own grammar: no traceback to keep
+        log.warning("request %s: %s failed: %s", job.id, stage, error)
+        error = f"{type(error).__name__}: {error}"
+    elif isinstance(error, Exception):
         log.error("request %s: %s failed", job.id, stage, exc_info=error)
         error = f"{type(error).__name__}: {error}"
     else:
         log.error("request %s: %s failed: %s", job.id, stage, error)
-    return f"request {job.id}: {stage} failed: {error}"
+    message = RowFailure(f"request {job.id}: {stage} failed: {error}")
+    message.client, message.param = client, getattr(job.grammar, "param", None)
+    return message
