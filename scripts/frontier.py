@@ -1,0 +1,340 @@
+"""The quality-speed frontier of the routing modes (issue #52): one command, a JSON and a
+picture.
+
+    python scripts/frontier.py --text unseen=U.txt --text stdlib=S.txt ... --out DIR
+        [--heads edgemoe/models/fine/prerouter] [--configs NAME,...] [--max-tokens N]
+
+For native and each mode (`CONFIGS`), on each text (held-out text only): perplexity, KL
+to native and top-1 agreement with native (teacher-forced windows of --context tokens,
+one forward call each, with every expert resident: the routing, not the cache, decides
+the quality; the prerouted modes carry predictions from position to position as decode
+does). Bytes read per token at 10% and 25%: the routing the mode used, replayed through
+the store's own slots (edgemoe.streaming.replay, LFU) as one teacher-forced decode per
+text; cache-conditional routing reads its prediction and routes by the slots it
+simulates, so it is measured at each budget on its own. And a FORECAST of decode tok/s
+of qwen3-30b-a3b on m4-pro-24gb (edgemoe.twin.forecast's analytic model, the mode's
+routing trace mapped onto the shape): exact modes wait for their reads; modes whose
+routing is the heads' read a token ahead; cache-conditional routing reads a token ahead
+but keeps native's routing syncs, its bytes scaled from native's by its replayed ratio;
+per-layer fallback's native layers wait for their reads.
+
+DIR/frontier.json, DIR/frontier.png (KL to native on the unseen text against the forecast
+tok/s at 25%), and a Markdown table on stdout (docs/routing.md's).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgemoe.model.experts import streaming_of  # noqa: E402
+from edgemoe.model.loader import load  # noqa: E402
+from edgemoe.options import StreamOptions  # noqa: E402
+from edgemoe.routing.between import install_conditional, set_top_k, with_native_layers  # noqa: E402
+from edgemoe.routing.gates import moe_blocks  # noqa: E402
+from edgemoe.streaming.budget import SlotPlan  # noqa: E402
+from edgemoe.streaming.replay import simulate  # noqa: E402
+
+PACK = ROOT / "edgemoe" / "models" / "fine"
+BUDGETS = ("10%", "25%")
+SHAPE, MACHINE = "qwen3-30b-a3b", "m4-pro-24gb"
+
+# name -> how it routes: routing, adapter, native layers (fallback-0-j: MoE layers 0..j keep
+# their router), top-k, conditional (the router among the slots and the heads' m most likely)
+CONFIGS = {
+    "native": dict(routing="native"),
+    "native-top4": dict(routing="native", top_k=4),
+    "prerouted": dict(routing="prerouted"),
+    "prerouted+adapter": dict(routing="prerouted", adapter=True),
+    "fallback-0-1": dict(routing="prerouted", native_layers=[1]),
+    "fallback-0-2": dict(routing="prerouted", native_layers=[1, 2]),
+    "fallback-0-3": dict(routing="prerouted", native_layers=[1, 2, 3]),
+    "fallback-0-5": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5]),
+    "prerouted-top4": dict(routing="prerouted", top_k=4),
+    "conditional-8": dict(routing="prerouted", conditional=8),
+    "conditional-16": dict(routing="prerouted", conditional=16),
+    "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
+    "conditional-4-top4": dict(routing="prerouted", conditional=4, top_k=4),
+    "conditional-8+adapter": dict(routing="prerouted", conditional=8,
+                                               adapter=True),
+}
+
+
+def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
+    """The model routed as `spec` says (every expert resident)."""
+    if spec.get("native_layers"):
+        heads = with_native_layers(heads, spec["native_layers"],
+                                   work / ("heads_native_" + "_".join(map(str, spec["native_layers"]))))
+    options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
+                               prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
+                               adapter_path="pack" if spec.get("adapter") else None)
+    model, tokenizer = load(str(PACK), options)
+    blocks = moe_blocks(model)
+    if spec.get("top_k"):
+        set_top_k(blocks.values(), spec["top_k"])
+    taps = None
+    if spec.get("conditional"):
+        predictor = streaming_of(model).routing.predictor
+        taps = install_conditional(predictor, blocks, slots, spec["conditional"])
+    return model, tokenizer, taps
+
+
+def windows(tokens, context):
+    return [np.array(tokens[i:i + context + 1]) for i in range(0, len(tokens) - 1, context)
+            if len(tokens[i:i + context + 1]) > 1]
+
+
+def run_text(model, tokens, context, native_lps=None):
+    """Log-probs of every window, and the routing trace of the whole text as decode."""
+    store = streaming_of(model).store
+    recorder = store.start_trace()
+    lps = []
+    for w in windows(tokens, context):
+        logits = model(mx.array(w[None, :-1]))[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp)
+        lps.append(np.array(lp))
+    trace = recorder.as_trace()
+    store.trace = None
+    for slots in store.layers.values():
+        slots.trace = None
+    n = len(trace["decode"])
+    trace.update(decode=np.ones(n, dtype=bool), calls=np.ones(n, dtype=np.int32))
+    return lps, trace
+
+
+def scores(lps, native_lps, tokens, context):
+    nll = agree = kl = count = 0.0
+    for w, lp, nlp in zip(windows(tokens, context), lps, native_lps):
+        targets = w[1:]
+        nll -= lp[np.arange(len(targets)), targets].sum()
+        agree += (lp.argmax(-1) == nlp.argmax(-1)).sum()
+        kl += (np.exp(nlp) * (nlp - lp)).sum()
+        count += len(targets)
+    return {"tokens": int(count), "perplexity": math.exp(float(nll) / count),
+            "kl": float(kl) / count, "top1": float(agree) / count}
+
+
+def bytes_per_token(trace, budget) -> float:
+    r = simulate(trace, budget, "lfu")
+    return r.decode_bytes_read / int(trace["decode"].sum())
+
+
+def forecast(trace, budget, kind: str, top_k: int, native_share: float = 0.0,
+             bytes_ratio: float = 1.0) -> float:
+    """Decode tok/s on SHAPE at MACHINE (analytic FORECAST; see the module doc)."""
+    from edgemoe.twin.engine import Compute
+    from edgemoe.twin.forecast import decode_forecast
+    from edgemoe.twin.profiles import load_profile
+    from edgemoe.twin.shapes import SHAPES
+
+    shape = replace(SHAPES[SHAPE], top_k=top_k)
+    profile = load_profile(MACHINE)
+    f = decode_forecast(shape, profile, budget, [trace])
+    sync = Compute.from_profile(profile, shape).host_sync_s
+    compute, read = f["compute_ms"] / 1e3, f["read_ms"] / 1e3 * bytes_ratio
+    if kind == "exact":
+        return 1 / (compute + (2 * shape.layers + 1) * sync + read)
+    if kind == "conditional":  # reads a token ahead, routing syncs as native's
+        return 1 / max(compute + (2 * shape.layers + 1) * sync, read)
+    ahead, waits = read * (1 - native_share), read * native_share
+    return 1 / (max(compute + (shape.layers + 1) * sync, ahead) + waits)
+
+
+def measure(name, spec, texts, heads, work, context, native):
+    """Quality per text and bytes/forecasts at each budget for one configuration."""
+    out = {"name": name, "spec": spec, "texts": {}, "budgets": {}}
+    top_k = spec.get("top_k") or 8
+    budgets = BUDGETS if spec.get("conditional") else (None,)
+    for budget in budgets:
+        slots = 0
+        if budget:
+            plan = SlotPlan((1,) * 8, (128,) * 8, 8)
+            slots = plan.slots(budget)
+        model, tok, taps = load_config(spec, heads, work, slots)
+        traces = {}
+        for tname, tokens in texts.items():
+            t0 = time.time()
+            if taps:  # the slots of each text start empty, as its own decode
+                for tap in taps.values():
+                    tap.sim.__init__(slots)
+                    tap.exact = tap.tokens = 0
+            lps, trace = run_text(model, tokens, context)
+            traces[tname] = trace
+            if native is None:  # this is native: keep its log-probs
+                out["texts"][tname] = {"perplexity": None, "_lps": lps}
+                entry = scores(lps, lps, tokens, context)
+            else:
+                entry = scores(lps, native["texts"][tname]["_lps"], tokens, context)
+            if taps:
+                entry["exact_share"] = float(sum(t.exact for t in taps.values()) / max(
+                    1, sum(t.tokens for t in taps.values())))
+                entry["loads_per_token"] = sum(t.sim.loads for t in taps.values()) / max(
+                    1, taps[min(taps)].sim.tokens)
+            key = tname if budget is None else f"{tname}@{budget}"
+            out["texts"].setdefault(key, {}).update(entry)
+            print(f"  {name} {key}: ppl {entry['perplexity']:.2f} kl {entry['kl']:.4f} "
+                  f"top1 {entry['top1']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+        out["traces"] = out.get("traces", {})
+        out["traces"][budget] = traces
+    return out
+
+
+def speed(result, native, heads_native_layers):
+    """Bytes per token (bundled model) and forecast tok/s (SHAPE) per budget, over the
+    texts' traces together."""
+    spec = result["spec"]
+    top_k = spec.get("top_k") or 8
+    for budget in BUDGETS:
+        if spec.get("conditional"):
+            texts = [k for k in result["texts"] if k.endswith("@" + budget)]
+            loads = np.mean([result["texts"][k]["loads_per_token"] for k in texts])
+            native_loads = native["budgets"][budget]["experts_per_token"]
+            ratio = loads / native_loads
+            trace = _joined(native["traces"][None])
+            tok_s = forecast(trace, budget, "conditional", top_k, bytes_ratio=ratio)
+            experts, record = loads, int(trace["expert_bytes"][0])
+        else:
+            trace = _joined(result["traces"][None])
+            per = bytes_per_token(trace, budget)
+            record = int(trace["expert_bytes"][0])
+            experts = per / record
+            if spec["routing"] == "native":
+                tok_s = forecast(trace, budget, "exact", top_k)
+            else:
+                native_layers = set(heads_native_layers) | set(spec.get("native_layers", []))
+                share = len(native_layers - {0}) / trace["routed"].shape[1]
+                tok_s = forecast(trace, budget, "prerouted", top_k, native_share=share)
+        result["budgets"][budget] = {"experts_per_token": float(experts),
+                                     "kb_per_token": float(experts) * record / 1024,
+                                     "forecast_tok_s": float(tok_s)}
+
+
+def _joined(traces: dict) -> dict:
+    """One trace of every text's, one after another (each token a decode step)."""
+    parts = list(traces.values())
+    joined = dict(parts[0])
+    for key in ("routed", "decode", "calls"):
+        joined[key] = np.concatenate([p[key] for p in parts])
+    return joined
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--text", action="append", required=True, metavar="NAME=FILE",
+                   help="held-out text; the first is the headline (the unseen corpus)")
+    p.add_argument("--heads", default=str(PACK / "prerouter"))
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--max-tokens", type=int, default=2048, help="per text")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in args.configs.split(",")]
+    for n in names:
+        if n not in CONFIGS:
+            p.error(f"--configs: {n!r}: expected one of {', '.join(CONFIGS)}")
+    _, tok = load(str(PACK), StreamOptions.of(None, expert_budget="1.0"))
+    texts = {}
+    for spec in args.text:
+        tname, _, path = spec.partition("=")
+        texts[tname] = tok.encode(Path(path).read_text())[:args.max_tokens + 1]
+    heads = Path(args.heads)
+    shipped_native = json.loads((heads / "prerouter_config.json").read_text()).get(
+        "native_layers", [0])
+    native = measure("native", CONFIGS["native"], texts, heads, out, args.context, None)
+    speed(native, native, [])
+    for tname in texts:
+        native["texts"][tname].update(scores(native["texts"][tname]["_lps"],
+                                             native["texts"][tname]["_lps"], texts[tname],
+                                             args.context))
+    results = [native]
+    for name in names:
+        if name == "native":
+            continue
+        r = measure(name, CONFIGS[name], texts, heads, out, args.context, native)
+        speed(r, native, shipped_native)
+        results.append(r)
+        write(results, texts, out, args)
+    write(results, texts, out, args)
+
+
+def write(results, texts, out, args):
+    rows = []
+    for r in results:
+        row = {"name": r["name"], "spec": r["spec"], "budgets": r["budgets"],
+               "texts": {k: {m: v for m, v in e.items() if not m.startswith("_")}
+                         for k, e in r["texts"].items()}}
+        rows.append(row)
+    result = {"heads": args.heads, "context": args.context,
+              "tokens": {k: len(v) - 1 for k, v in texts.items()},
+              "forecast": f"{SHAPE} on {MACHINE}: analytic FORECAST (edgemoe.twin.forecast)",
+              "configs": rows}
+    (out / "frontier.json").write_text(json.dumps(result, indent=1))
+    print_table(result)
+    plot(result, out / "frontier.png")
+
+
+def _quality(row, text, budget):
+    e = row["texts"].get(text) or row["texts"].get(f"{text}@{budget}")
+    return e
+
+
+def print_table(result):
+    texts = list(result["tokens"])
+    head = texts[0]
+    native_ppl = result["configs"][0]["texts"][head]["perplexity"]
+    print(f"| routing | {head}: perplexity (vs native) | KL | top-1 | "
+          + " | ".join(f"{t}: ppl, top-1" for t in texts[1:])
+          + " | experts/token 10% / 25% | forecast tok/s 10% / 25% |")
+    print("|---" * (5 + len(texts)) + "|")
+    for row in result["configs"]:
+        for budget in (BUDGETS if row["spec"].get("conditional") else (BUDGETS[1],)):
+            e = _quality(row, head, budget)
+            name = row["name"] + (f" @{budget}" if row["spec"].get("conditional") else "")
+            others = " | ".join(f"{_quality(row, t, budget)['perplexity']:.2f}, "
+                                f"{_quality(row, t, budget)['top1']:.1%}" for t in texts[1:])
+            b = row["budgets"]
+            print(f"| {name} | {e['perplexity']:.2f} ({e['perplexity'] / native_ppl - 1:+.1%}) | "
+                  f"{e['kl']:.3f} | {e['top1']:.1%} | {others} | "
+                  f"{b['10%']['experts_per_token']:.1f} / {b['25%']['experts_per_token']:.1f} | "
+                  f"{b['10%']['forecast_tok_s']:.1f} / {b['25%']['forecast_tok_s']:.1f} |")
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head = list(result["tokens"])[0]
+    native = result["configs"][0]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in result["configs"]:
+        for budget, marker in (("25%", "o"),):
+            e = _quality(row, head, budget)
+            x = row["budgets"][budget]["forecast_tok_s"] / native["budgets"][budget]["forecast_tok_s"]
+            y = 100 * (e["perplexity"] / native["texts"][head]["perplexity"] - 1)
+            ax.scatter(x, y, marker=marker)
+            ax.annotate(row["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(5, ls="--", c="gray", lw=0.8)
+    ax.axhline(3, ls=":", c="gray", lw=0.8)
+    ax.axvline(1.3, ls="--", c="gray", lw=0.8)
+    ax.set_xlabel(f"FORECAST decode speed, x native ({SHAPE} on {MACHINE}, 25% budget)")
+    ax.set_ylabel(f"perplexity over native on {head}, %")
+    ax.set_title("routing modes: quality against speed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

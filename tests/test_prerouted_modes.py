@@ -1,0 +1,97 @@
+"""The modes between exact and predicted routing (edgemoe.routing.between, issue #52)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import edgemoe
+from edgemoe.format.source import BUNDLED_MODEL
+from edgemoe.model.experts import streaming_of
+from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditional,
+                                     set_top_k, with_native_layers)
+from edgemoe.routing.gates import moe_blocks
+from edgemoe.routing.heads_config import read_config
+from edgemoe.streaming.replay import simulate
+from edgemoe.streaming.trace import load_trace
+
+TEXT = "def read_lines(path):\n    with open(path) as f:\n        return f.read().split()\n"
+
+
+@pytest.mark.parametrize("budget, slots", [("10%", 12), ("25%", 32)])
+def test_simulated_slots_load_as_the_store_does(budget, slots):
+    """SlotSim (what cache-conditional routing measures its bytes with) loads within 1% of
+    the store's own replay, on the bundled model's held-out trace."""
+    trace = load_trace(BUNDLED_MODEL / "traces" / "stdlib.npz")
+    n = len(trace["decode"])
+    trace.update(decode=np.ones(n, dtype=bool), calls=np.ones(n, dtype=np.int32))
+    store_loads = simulate(trace, budget, "lfu").decode_bytes_read / int(trace["expert_bytes"][0])
+    loads = 0
+    for layer in range(trace["routed"].shape[1]):
+        sim = SlotSim(slots)
+        for ids in trace["routed"][:, layer]:
+            sim.step(ids.tolist())
+        loads += sim.loads
+    assert abs(loads / store_loads - 1) < 0.01
+
+
+def test_conditional_routing_chooses_the_routers_best_among_slots_and_prediction():
+    rng = np.random.default_rng(0)
+    tap = ConditionalTap.__new__(ConditionalTap)  # only its choice, no router map
+    tap.top_k, tap.predicted, tap.sim, tap.exact, tap.tokens = 4, 4, SlotSim(6), 0, 0
+    native, predicted = rng.normal(size=(64, 32)), rng.normal(size=(64, 32))
+    predicted[0] = np.nan  # the first token: no prediction, native
+    for row in range(64):
+        resident = set(tap.sim.resident)
+        mask = tap._mask(native[row:row + 1], predicted[row:row + 1])[0]
+        allowed = set(np.flatnonzero(mask == 0).tolist())
+        best = set(np.argsort(-native[row])[:4].tolist())
+        if row == 0:
+            assert allowed == set(range(32))
+            continue
+        ahead = set(np.argsort(-predicted[row])[:4].tolist())
+        assert allowed == resident | ahead
+        chosen = set(sorted(allowed, key=lambda e: -native[row, e])[:4])
+        assert chosen <= allowed and (chosen == best) == (best <= allowed)
+    assert 0 < tap.exact < tap.tokens == 64
+
+
+def test_conditional_routing_with_every_expert_in_slots_is_native():
+    """Exact whenever the router's top-k is available: with every expert in slots, the
+    logits are native's bit for bit."""
+    native, tokenizer = edgemoe.load(expert_budget=1.0)
+    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
+    blocks = moe_blocks(model)
+    taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=128,
+                               predicted=8)
+    for tap in taps.values():
+        tap.sim.step(list(range(128)))
+    tokens = mx.array([tokenizer.encode(TEXT)])
+    assert mx.array_equal(model(tokens), native(tokens)).item()
+    assert all(t.exact == t.tokens > 0 for t in taps.values())
+
+
+def test_fewer_slots_route_otherwise_and_reduced_top_k_routes_k():
+    native, tokenizer = edgemoe.load(expert_budget=1.0)
+    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
+    blocks = moe_blocks(model)
+    taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=8,
+                               predicted=8)
+    tokens = mx.array([tokenizer.encode(TEXT)])
+    assert not mx.array_equal(model(tokens), native(tokens)).item()
+    assert all(t.exact < t.tokens for t in taps.values())
+    store = streaming_of(native).store
+    recorder = store.start_trace()
+    set_top_k(moe_blocks(native).values(), 4)
+    native(tokens)
+    assert recorder.as_trace()["routed"].shape[-1] == 4
+
+
+def test_native_layers_copy_keeps_those_layers_on_their_router(tmp_path):
+    out = with_native_layers(BUNDLED_MODEL / "prerouter", [1, 2], tmp_path / "heads")
+    config = read_config(out)
+    assert config.native_layers == [0, 1, 2]
+    assert config.predicted_layers == [3, 4, 5, 6, 7]
+    shipped = json.loads((BUNDLED_MODEL / "prerouter" / "prerouter_config.json").read_text())
+    assert shipped["native_layers"] == [0]
