@@ -111,6 +111,9 @@ def measure_reads(path: Path, record_bytes: int, reads: int = 64, threads: int =
     offsets = (rng.integers(0, (size - length) // 4096 + 1, reads) * 4096).tolist()
     flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
     fd = os.open(path, flags)
+    if direct and not hasattr(os, "O_DIRECT"):  # macOS: F_NOCACHE, as the store reads
+        import fcntl
+        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
     lock = threading.Lock()
 
     def work():
@@ -162,7 +165,7 @@ def measure_compute(d: int = 2048, f: int = 768, repeats: int = 20) -> dict:
     for _ in range(5):
         zlib.crc32(block)
     crc = len(block) * 5 / (time.perf_counter() - tic) / 1e9
-    sync, idle = measure_sync(wq, scales, biases, d)
+    sync, idle = measure_sync(wq, scales, biases, d, max(4, 2 * repeats))
     return {"int4_gbps": nbytes / one / 1e9, "prefill_tflops": 2 * d * f * 256 / many / 1e12,
             "host_sync_us": sync * 1e6, "sync_idle_us": idle * 1e6, "crc32_gbps": crc,
             "shape": [f, d]}
@@ -181,7 +184,7 @@ def _layer_graph(x, wq, scales, biases):
     return x
 
 
-def measure_sync(wq, scales, biases, d: int, repeats: int = 50) -> tuple:
+def measure_sync(wq, scales, biases, d: int, repeats: int = 40) -> tuple:
     """(readback s, idle s) on the default device: the round trip of reading a result back
     once a layer's queued work has run (host_sync_us: the time beyond the work itself),
     and the host's time to build the next layer's graph, which the device waits for after
