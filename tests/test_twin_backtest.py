@@ -62,3 +62,20 @@ def test_every_design_names_a_profile_and_a_source():
     for d in bt.DESIGNS:
         assert d.profile in names and d.source and d.published > 0
         bt.peer_shape(d.shape)
+
+
+def test_the_defaults_hold_under_the_host_sync_model():
+    """The twin's rows re-forecast with the host-sync model (and the M4's kernel rate) decide
+    the same defaults as edgemoe.machines pins (docs/mac.md, "Defaults per machine"), and
+    every row got slower by the syncs it pays."""
+    from edgemoe.machines import machine_defaults
+    from edgemoe.twin.decide import decide, with_sync_model
+    rows = json.loads((ROOT / "tests" / "data" / "twin_defaults.json").read_text())["rows"]
+    new = with_sync_model(rows)
+    for profile in sorted({r["profile"] for r in rows}):
+        d = machine_defaults(profile)
+        assert decide(new, profile) == {"readers": d.readers, "routing": d.routing,
+                                        "prefill_step_size": d.prefill_step_size}, profile
+    for old, now in zip(rows, new):
+        if old["profile"] != "m4-air-24gb":  # its int4 rate rose (BigRig's kernels)
+            assert now["forecast_decode_tok_s"] < old["forecast_decode_tok_s"]

@@ -46,6 +46,10 @@ GiB = 2**30
 STREAMLX = "https://github.com/srcterm/streamlx README.md"
 BIGRIG = "https://github.com/arjvnv/BigRig docs/HOW-IT-WORKS.md"
 SLOTSTREAM = "https://github.com/carloslfu/slotstream README.md"
+SLOTSTREAM_WARM = ("https://github.com/carloslfu/slotstream "
+                   "db/records/claims/warm-decode-12-tok-s-on-48-gb.md: 'The re-anchored "
+                   "warm-decode ladder reads 11.2 tok/s at 120 experts per layer and 11.6 at "
+                   "150, flat above that' (plain; its README's 20.0 is with the draft head)")
 AS_QUOTED = "as issue #43 and shared/GUIDE.md quote it (primary text not found in the corpus searched)"
 
 # shapes the twin's SHAPES lack, for peers' models
@@ -142,18 +146,20 @@ DESIGNS: List[Design] = [
                  "which layers are predicted is not published: one sync a layer taken",
            assumed=["pool = 11.7 GiB RSS less 4 GB trunk and 1 GB", "one sync a layer",
                     "hidden 0.5 (its heads' 55-65% agreement)"]),
-    Design("slotstream", "125B (104 GB), 181 experts/layer (27.3 GB peak), warm, M5 Pro 48 GB",
-           20.0, "20.0 (README; ~12 in issue #43's earlier quote)", SLOTSTREAM, "m5-pro-48gb",
-           "slotstream-125b", 181 * 48 * 2.77e6, policy="lru", syncs_per_layer=1,
-           page_cache="warm", memory_left_bytes=48e9 - 27.3e9 - 6e9, copy_gbps=0.0,
+    Design("slotstream", "125B (104 GB), 150 experts/layer, warm, plain decode, M5 Pro 48 GB",
+           11.6, "11.6 ('~12')", SLOTSTREAM_WARM, "m5-pro-48gb", "slotstream-125b",
+           150 * 48 * 2.77e6, policy="lru", syncs_per_layer=1, page_cache="warm",
+           memory_left_bytes=48e9 - 150 * 48 * 2.77e6 - 3.9e9 - 6e9, copy_gbps=0.0,
            readers=8,
            notes="one pool for all layers (an even split here), Swift; the sync at the end of "
                  "ensure removed (+10%), a barrier every 4 layers: one read a layer kept",
            assumed=["the trunk's 3.8 GB all computed per token", "page cache beyond the "
-                    "pool served without a copy (pread into slots is a copy: see range)"]),
-    Design("slotstream", "same, 30 experts/layer (7.3 GB peak)", 5.6, "5.6", SLOTSTREAM,
-           "m5-pro-48gb", "slotstream-125b", 30 * 48 * 2.77e6, policy="lru",
-           syncs_per_layer=1, page_cache="cold", readers=8),
+                    "pool served without a copy"]),
+    Design("slotstream", "same, 120 experts/layer", 11.2, "11.2", SLOTSTREAM_WARM,
+           "m5-pro-48gb", "slotstream-125b", 120 * 48 * 2.77e6, policy="lru",
+           syncs_per_layer=1, page_cache="warm",
+           memory_left_bytes=48e9 - 120 * 48 * 2.77e6 - 3.9e9 - 6e9, copy_gbps=0.0,
+           readers=8),
     Design("flash-moe", "Qwen3.5-397B-A17B, 4 of 10 experts, M3 Max 48 GB", 4.36, "4.36",
            "flash-moe " + AS_QUOTED, "m3-max-48gb", "qwen3.5-397b-a17b", 0.0, policy="lru",
            top_k=4, syncs_per_layer=1, page_cache="warm",
