@@ -6,7 +6,7 @@ from pathlib import Path
 
 from edgemoe import doctor
 from edgemoe.twin.measure import measure_machine
-from edgemoe.twin.profiles import FIGURES, load_profile
+from edgemoe.twin.profiles import FIGURES, all_profiles, load_profile
 
 FINE = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "fine"
 TRACE = FINE / "traces" / "stdlib.npz"
@@ -22,6 +22,11 @@ def test_this_machine_measured_and_forecast_from(tmp_path, capsys):
         {(65536, 1), (65536, 2), (262144, 1), (262144, 2)}
     assert not (tmp_path / ".edgemoe-measure.bin").exists()  # the scratch file is gone
     profile = load_profile(str(out))
+    # contributed as edgemoe/twin/profiles/NAME.json, it is a named profile
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    (folder / "mine-measured.json").write_text(out.read_text())
+    assert "mine-measured" in all_profiles(contributed=folder)
     for fig in FIGURES:
         f = profile.figures[fig]
         assert f["kind"] == "measured" and "--measure-machine" in f["source"], fig

@@ -12,6 +12,10 @@ one has distinct layers), and the profile's SSD. Per decode token:
     exact limit      max(compute, Belady's bytes / SSD rate)       (the best exact routing allows)
     prerouted        max(compute + syncs, bytes / SSD rate)        (reads a token ahead)
 
+Host syncs as profiles.json models them: per synced layer the read-back (host_sync_us) and
+the GPU idle while the host builds the layer's next work (sync_idle_us); native syncs twice
+a layer, prerouted once. The exact limit assumes a design with no per-layer sync.
+
 Prefill (TTFT) of a P-token prompt in chunks of C: per chunk, every expert the chunk needs
 read once (the routed experts of a layer, at most all of them) and computed, overlapped:
 max(compute, reads). The twin (scripts/bench_twin.py) runs the real pipeline for the
@@ -71,14 +75,19 @@ def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
     c = Compute.from_profile(profile, shape)
     compute = (shape.layers * (c.resident_layer_s(1) + c.experts_s(shape.top_k, shape.top_k))
                + c.head_s)
-    syncs = (2 * shape.layers + 1) * c.host_sync_s
+    # the host sync model (profiles.json): a read-back per sync, and the GPU idle while the
+    # host builds each synced layer's next work; native reads routing and evaluates the
+    # experts (2 a layer), prerouted decode knows its routing (1 a layer)
+    syncs = shape.layers * (2 * c.host_sync_s + c.sync_idle_s) + c.host_sync_s
+    pre_syncs = shape.layers * (c.host_sync_s + c.sync_idle_s) + c.host_sync_s
     rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
     read = lfu / rate
     return {"bytes_per_token": lfu, "belady_bytes_per_token": best,
             "compute_ms": 1e3 * compute, "read_ms": 1e3 * read,
             "native_tok_s": 1 / (compute + syncs + read),
             "exact_limit_tok_s": 1 / max(compute, best / rate),
-            "prerouted_tok_s": 1 / max(compute + (shape.layers + 1) * c.host_sync_s, read)}
+            "sync_ms": 1e3 * syncs,
+            "prerouted_tok_s": 1 / max(compute + pre_syncs, read)}
 
 
 def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: int = 2048,

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 import numpy as np
 
 PROFILES_FILE = Path(__file__).with_name("profiles.json")
+CONTRIBUTED = Path(__file__).with_name("profiles")  # measured ones, a file each (README.md)
 FIGURES = ("memory_gb", "ssd_read_gbps", "ssd_latency_us", "int4_gbps", "prefill_tflops",
            "host_sync_us", "sync_idle_us", "cpu_vs_here", "crc32_gbps")
 KINDS = ("measured", "derived", "unsourced")
@@ -72,9 +73,17 @@ def check_profile(name: str, d: dict) -> Profile:
     return Profile(name, d.get("chip", name), figures)
 
 
-def all_profiles(path: Path = PROFILES_FILE) -> Dict[str, Profile]:
+def all_profiles(path: Path = PROFILES_FILE, contributed: Path = CONTRIBUTED) -> Dict[str, Profile]:
+    """profiles.json's, and each measured profile contributed under profiles/ (named by
+    its file: `m4-pro-24gb-measured.json` is `m4-pro-24gb-measured`)."""
     data = json.loads(Path(path).read_text())
-    return {k: check_profile(k, v) for k, v in data.items() if not k.startswith("_")}
+    found = {k: check_profile(k, v) for k, v in data.items() if not k.startswith("_")}
+    for f in sorted(Path(contributed).glob("*.json")) if Path(contributed).is_dir() else []:
+        d = json.loads(f.read_text())
+        if f.stem in found:
+            raise ValueError(f"{f}: a profile named {f.stem} is already in {path}")
+        found[f.stem] = check_profile(f.stem, d.get("figures", d))
+    return found
 
 
 def load_profile(name_or_path: str) -> Profile:
