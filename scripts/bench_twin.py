@@ -259,7 +259,7 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     budget, routing = kind.split(":")[:2]
     cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
-                     mac_reads=False)
+                     mac_reads=False, reader_contends=not args.no_contention)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -437,7 +437,8 @@ def backtest(args):
     if not designs:
         raise SystemExit(f"--peers {args.peers}: none of "
                          f"{', '.join(sorted({d.peer for d in bt.DESIGNS}))}")
-    result = bt.run(traces, designs, seed=args.seed)
+    saved = json.loads(Path(args.rescore).read_text()) if args.rescore else None
+    result = bt.run(traces, designs, seed=args.seed, saved=saved)
     result["command"] = " ".join(sys.argv)
     result["traces"] = [str(f) for f in trace_files(args.trace)]
     print(bt.table(result))
@@ -446,6 +447,28 @@ def backtest(args):
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         print(f"wrote {args.json}")
+    return result
+
+
+def routing_check(args):
+    """docs/mac.md, "Shapes": the generator against held-out traces, and --shape's rates."""
+    from edgemoe.twin.routing_gen import check, hit_rates, shape_routing
+    files = trace_files(args.trace)
+    traces = [load_trace(f) for f in files]
+    result = check(traces, [f.stem for f in files], seed=args.seed)
+    for key, v in result["mean"].items():
+        print(f"  {key:>10}  held out {100 * v['real']:5.1f}%  generated "
+              f"{100 * v['generated']:5.1f}%  {v['diff_points']:+.1f} points")
+    result["shapes"] = {}
+    for name in args.shape.split(","):
+        shape = get_shape(name)
+        rates = [hit_rates(t) for t in shape_routing(shape, traces, seed=args.seed)]
+        mean = {k: float(np.mean([r[k] for r in rates])) for k in rates[0]}
+        result["shapes"][name] = mean
+        print(f"  {name}: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in mean.items()))
+    result["command"] = " ".join(sys.argv)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -492,8 +515,15 @@ def main(argv=None):
     p.add_argument("--backtest", action="store_true",
                    help="Forecast every peer's published Mac figure from its design "
                         "(edgemoe.twin.backtest) and print the table; --json writes it; "
-                        "--peers NAME[,..] and --max-decode shorten it")
+                        "--peers NAME[,..] and --max-decode shorten it; --rescore JSON takes "
+                        "the misses an earlier --json replayed and reruns the timing model")
     p.add_argument("--peers", default=None, help="--backtest: only these peers (substring)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="--validate: the twin without the reader's CPU time slowing compute "
+                        "(as it was before #51)")
+    p.add_argument("--routing-check", action="store_true",
+                   help="Generated routing against the held-out traces (leave one out), and "
+                        "the hit rates of --shape's generated routing beside the traces'")
     p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "fine"),
                    help="--validate: edgemoe packs, comma-separated")
     p.add_argument("--kinds", default="1.0:native,0.25:native,0.1:native,0.25:advisory,"
@@ -524,6 +554,8 @@ def main(argv=None):
         return
     if args.backtest:
         return backtest(args)
+    if args.routing_check:
+        return routing_check(args)
     if args.rescore:  # the twin again, against the real runs a --json already holds
         saved = json.loads(Path(args.rescore).read_text())
         args.json = args.json or args.rescore

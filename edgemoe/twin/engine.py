@@ -110,8 +110,14 @@ class Compute:
 class Waiter:
     """Timed waits that stand for compute, and the Python between them dilated."""
 
-    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0):
+    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0,
+                 contending=None):
         self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
+        # CPU seconds other threads spend (the reader's CRC32s and copies) that a compute
+        # wait must make up for: where compute runs on this CPU (a validation here), a
+        # read that overlaps compute slows it; a sleep does not feel it
+        self.contending = contending
+        self.contended = 0.0
         self.debt = 0.0  # slept beyond what was asked, paid back by later waits
         self.asked = self.slept = self.python_s = self.python_pad = 0.0
         self.compute = 0.0  # of `asked`, the profile's compute and syncs (x stretch)
@@ -138,8 +144,17 @@ class Waiter:
         self.compute += seconds * self.stretch
         sleep = want - self.debt
         tic = time.perf_counter()
+        cpu_before = self.contending() if self.contending else 0.0
         if sleep > 0:
             time.sleep(sleep)
+        if self.contending and seconds > 0:
+            stolen = self.contending() - cpu_before
+            if stolen > 0:
+                time.sleep(stolen)
+                self.contended += stolen
+                want += stolen
+                self.asked += stolen
+                self.compute += stolen
         took = time.perf_counter() - tic
         self.slept += took
         self.debt = max(0.0, self.debt + took - want)
@@ -249,6 +264,9 @@ class TwinConfig:
     # the second); 1 keeps one (the routing read, or prerouted's evaluation); 0 none (the
     # slot lookup on the device: one sync a token). Set it to re-forecast a changed path.
     syncs_per_layer: Optional[int] = None
+    # compute runs on this CPU, beside the reader threads (a validation here, with this
+    # machine's reader): the reader's CPU seconds during a compute wait extend the wait
+    reader_contends: bool = False
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
 
@@ -339,7 +357,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     stats = store.stats
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
-    waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
+    waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s,
+                    contending=(lambda: store.reader.verify_s) if cfg.reader_contends
+                    else None)
     if cfg.mac_reads:
         store.reader.stretch = stretch
     mode = routing_mode(cfg.mode)
@@ -481,5 +501,6 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         waits={"reader_busy_s": d.read_busy_s, "reader_verify_s": d.verify_s,
                "blocked_s": d.blocked_s, "loads": d.loads, "on_demand": d.on_demand,
                "asked_s": waiter.asked, "slept_s": waiter.slept,
-               "python_s": waiter.python_s, "python_pad_s": waiter.python_pad},
+               "python_s": waiter.python_s, "python_pad_s": waiter.python_pad,
+               "reader_cpu_during_compute_s": waiter.contended},
         notes=notes)
