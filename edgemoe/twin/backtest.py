@@ -100,6 +100,10 @@ class Design:
     compute_ms: Optional[float] = None
     compute_source: str = ""
     published_miss_rate: Optional[float] = None  # the peer's own, where it published one
+    # a lookahead that reads up to `lookahead_reads` guessed experts a layer that are not
+    # in the pool, right `lookahead_accuracy` of the time: its wrong guesses are reads too
+    lookahead_reads: int = 0
+    lookahead_accuracy: float = 1.0
     notes: str = ""
     assumed: List[str] = field(default_factory=list)
 
@@ -108,17 +112,20 @@ DESIGNS: List[Design] = [
     Design("streamlx", "Qwen3.6-35B-A3B 4-bit, 16 GiB budget, M4 Air 32 GB", 15.9, "15.9",
            STREAMLX + " (Performance table)", "m4-air-32gb", "qwen3.5-35b-a3b", 16 * GiB,
            policy="lru", syncs_per_layer=1, readers=4, hidden=0.7, published_miss_rate=0.036,
+           lookahead_reads=7, lookahead_accuracy=0.7,
            compute_ms=1000 / 33.3, compute_source=STREAMLX + ": --resident, all 40 MoE "
            "layers fit, 33.3 tok/s",
            notes="one sync a layer, which also yields the next layer's guess (~70% right); "
-                 "misses read during attention (hidden 0.7 = that accuracy)",
+                 "misses read during attention (hidden 0.7 = that accuracy); up to "
+                 "STREAMLX_PF_TOPM = 7 guessed experts a layer read when not in the pool "
+                 "(README), the wrong 30% wasted",
            assumed=["readers 4 (reads span-merged; not stated)"]),
     Design("streamlx", "same, 12 GiB budget", 7.6, "7.6", STREAMLX, "m4-air-32gb",
            "qwen3.5-35b-a3b", 12 * GiB, policy="lru", syncs_per_layer=1, readers=4,
-           hidden=0.7, published_miss_rate=0.052, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
+           hidden=0.7, published_miss_rate=0.052, lookahead_reads=7, lookahead_accuracy=0.7, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
     Design("streamlx", "same, 8 GiB budget", 7.2, "7.2", STREAMLX, "m4-air-32gb",
            "qwen3.5-35b-a3b", 8 * GiB, policy="lru", syncs_per_layer=1, readers=4,
-           hidden=0.7, published_miss_rate=0.083, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
+           hidden=0.7, published_miss_rate=0.083, lookahead_reads=7, lookahead_accuracy=0.7, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
     Design("BigRig", "Qwen3.6-35B-A3B 4-bit, 9.7 GB ceiling, M4 24 GB, warm, zero-copy", 21.0,
            "21 (47 ms)", BIGRIG, "m4-air-24gb", "qwen3.5-35b-a3b", 9.7e9 - 4.0e9 - 1.0e9,
            policy="lfu", syncs_per_layer=1, page_cache="warm",
@@ -223,8 +230,16 @@ def token_ms(design: Design, profile: Profile, misses: float, from_page_cache: f
     ssd_records = misses - from_page_cache
     read = 1e3 * ssd_records * profile.read_s(shape.record_bytes, design.readers)
     hidden = min(read * design.hidden, compute)
+    # wrong guesses: random experts, missing from the pool as often as the pool is short;
+    # they take the disk ahead of the true misses, so none of it is hidden
+    cached = min(design.cache_bytes / shape.expert_bytes_total, 1.0)
+    wasted = (shape.layers * design.lookahead_reads * (1 - design.lookahead_accuracy)
+              * (1 - cached))
+    guess = 1e3 * wasted * profile.read_s(shape.record_bytes, design.readers)
+    read += guess
     total = compute + syncs + copy + read - hidden
     return {"compute_ms": compute, "sync_ms": syncs, "copy_ms": copy, "read_ms": read,
+            "wrong_guess_read_ms": guess,
             "hidden_ms": hidden, "token_ms": total, "tok_s": 1e3 / total}
 
 
