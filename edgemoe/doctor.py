@@ -272,10 +272,24 @@ def main(argv=None):
                         "m4-pro-24gb, m4-max-128gb, m3-max-48gb, m4-air-24gb, ...): fit, auto "
                         "budget, decode tok/s and TTFT per routing mode, labelled a forecast; "
                         "--model may also name a twin shape (qwen3-30b-a3b, ...)")
+    p.add_argument("--measure-machine", default=None, metavar="OUT.json",
+                   help="Measure this machine (SSD per record size and queue depth, int4 "
+                        "matmul, host sync, our Python's speed) into a profile that "
+                        "--machine OUT.json forecasts from, and that you can share "
+                        "(docs/mac.md, \"Your Mac's profile\")")
+    p.add_argument("--measure-mb", type=int, default=1024, help=argparse.SUPPRESS)
     add_debug_flag(p)
     args = arrange(p, "doctor").parse_args(argv)
     if args.memory:  # a bad one: one line, before any work
         parse_memory(args.memory)
+    if args.measure_machine:  # edgemoe.twin.measure
+        from .twin.measure import measure_machine
+        prof = measure_machine(Path(args.measure_machine), megabytes=args.measure_mb)
+        for k, f in prof.figures.items():
+            print(f"  {k:>15} {f['value']:>10} {f['unit']}")
+        print(f"wrote {args.measure_machine}: forecast from it with python -m edgemoe.doctor "
+              f"--machine {args.measure_machine} --model qwen3-30b-a3b")
+        return prof
     if args.machine:  # edgemoe.twin.forecast: analytic, from the twin's parts
         from .twin.forecast import report as forecast
         budgets = [args.expert_budget] if args.expert_budget not in (None, AUTO) else None

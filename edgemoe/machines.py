@@ -38,6 +38,9 @@ DEFAULTS = {
     "m3-max-48gb": APPLE,
     "m4-max-128gb": APPLE,
     "m5-max-128gb": APPLE,
+    "m4-mini-16gb": APPLE,  # the back-test's profiles (docs/mac.md, "Back-test"): not
+    "m4-air-32gb": APPLE,  # re-decided by the twin's rows; Apple's defaults
+    "m5-pro-48gb": APPLE,
 }
 
 

@@ -36,7 +36,10 @@ from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E4
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
 
-DEFAULT_PACKS = Path(os.environ.get("EDGEMOE_TWIN_PACKS", "/work/runs/twin/packs"))
+# shape packs are GBs of random records, written once and reused: a cache folder under the
+# user's home, as the hub cache is (EDGEMOE_TWIN_PACKS or --packs elsewhere)
+DEFAULT_PACKS = Path(os.environ.get("EDGEMOE_TWIN_PACKS") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgemoe" / "twin-packs")
 DEFAULT_TRACES = ROOT / "edgemoe" / "models" / "fine" / "traces"  # held-out, teacher-forced
 
 
@@ -256,7 +259,7 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     budget, routing = kind.split(":")[:2]
     cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
-                     mac_reads=False)
+                     mac_reads=False, reader_contends=not args.no_contention)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -425,6 +428,50 @@ def score(run, compute, profile, args) -> dict:
     return row
 
 
+def backtest(args):
+    """The back-test (docs/mac.md, "Back-test"): FORECASTS of the peers' published figures."""
+    from edgemoe.twin import backtest as bt
+    traces = [truncate(load_trace(f), args.max_decode) for f in trace_files(args.trace)]
+    designs = [d for d in bt.DESIGNS if not args.peers
+               or any(p.lower() in d.peer.lower() for p in args.peers.split(","))]
+    if not designs:
+        raise SystemExit(f"--peers {args.peers}: none of "
+                         f"{', '.join(sorted({d.peer for d in bt.DESIGNS}))}")
+    saved = json.loads(Path(args.rescore).read_text()) if args.rescore else None
+    result = bt.run(traces, designs, seed=args.seed, saved=saved)
+    result["command"] = " ".join(sys.argv)
+    result["traces"] = [str(f) for f in trace_files(args.trace)]
+    print(bt.table(result))
+    print(f"{result['within_25pct']} of {result['figures']} published figures within 25% "
+          f"(FORECASTS of a model of each peer's design)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.json}")
+    return result
+
+
+def routing_check(args):
+    """docs/mac.md, "Shapes": the generator against held-out traces, and --shape's rates."""
+    from edgemoe.twin.routing_gen import check, hit_rates, shape_routing
+    files = trace_files(args.trace)
+    traces = [load_trace(f) for f in files]
+    result = check(traces, [f.stem for f in files], seed=args.seed)
+    for key, v in result["mean"].items():
+        print(f"  {key:>10}  held out {100 * v['real']:5.1f}%  generated "
+              f"{100 * v['generated']:5.1f}%  {v['diff_points']:+.1f} points")
+    result["shapes"] = {}
+    for name in args.shape.split(","):
+        shape = get_shape(name)
+        rates = [hit_rates(t) for t in shape_routing(shape, traces, seed=args.seed)]
+        mean = {k: float(np.mean([r[k] for r in rates])) for k in rates[0]}
+        result["shapes"][name] = mean
+        print(f"  {name}: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in mean.items()))
+    result["command"] = " ".join(sys.argv)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -465,6 +512,18 @@ def main(argv=None):
                    help="Measure this machine's profile (reads from --read-file) and write it")
     p.add_argument("--read-file", default=None, help="A large file to read for --measure")
     p.add_argument("--validate", action="store_true")
+    p.add_argument("--backtest", action="store_true",
+                   help="Forecast every peer's published Mac figure from its design "
+                        "(edgemoe.twin.backtest) and print the table; --json writes it; "
+                        "--peers NAME[,..] and --max-decode shorten it; --rescore JSON takes "
+                        "the misses an earlier --json replayed and reruns the timing model")
+    p.add_argument("--peers", default=None, help="--backtest: only these peers (substring)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="--validate: the twin without the reader's CPU time slowing compute "
+                        "(as it was before #51)")
+    p.add_argument("--routing-check", action="store_true",
+                   help="Generated routing against the held-out traces (leave one out), and "
+                        "the hit rates of --shape's generated routing beside the traces'")
     p.add_argument("--models", default=str(ROOT / "edgemoe" / "models" / "fine"),
                    help="--validate: edgemoe packs, comma-separated")
     p.add_argument("--kinds", default="1.0:native,0.25:native,0.1:native,0.25:advisory,"
@@ -482,7 +541,8 @@ def main(argv=None):
                    help="--validate: appended to each row's config (e.g. 'at 20 MB/s')")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode", type=int, default=256)
-    p.add_argument("--text", default="/work/runs/fine/heldout_stdlib.txt")
+    p.add_argument("--text", default=None,
+                   help="--validate: held-out text to prompt the real runs with (required)")
     args = p.parse_args(argv)
     if args.measure:
         if not args.read_file:
@@ -492,6 +552,10 @@ def main(argv=None):
         Path(args.measure).write_text(json.dumps(prof.to_json(), indent=1))
         print(json.dumps({k: v["value"] for k, v in prof.figures.items()}, indent=1))
         return
+    if args.backtest:
+        return backtest(args)
+    if args.routing_check:
+        return routing_check(args)
     if args.rescore:  # the twin again, against the real runs a --json already holds
         saved = json.loads(Path(args.rescore).read_text())
         args.json = args.json or args.rescore
@@ -507,6 +571,9 @@ def main(argv=None):
             raise SystemExit(f"--validate: {args.profile}: measure it first (--measure)")
         if not args.json:
             raise SystemExit("--validate needs --json OUT")
+        if not args.text or not Path(args.text).exists():
+            raise SystemExit(f"--validate needs --text FILE (held-out text for the real runs' "
+                             f"prompts; found {args.text})")
         return validate(args)
     rows = run_rows(args)
     if args.json:

@@ -77,3 +77,31 @@ def decide(rows: List[dict], profile: str) -> dict:
     readers = decide_readers(rows, profile)
     return {"readers": readers, "routing": decide_routing(rows, profile, readers),
             "prefill_step_size": decide_prefill_step(prefill_limits(profile))}
+
+
+def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100.0) -> List[dict]:
+    """The twin's rows (made when a host sync was an unsourced 100 us and nothing else) as the
+    host-sync model has them: each decode token pays, per MoE layer, its syncs at the
+    profile's read-back (host_sync_us) and one GPU idle (sync_idle_us). Native and advisory
+    sync twice a layer, prerouted decode once, and every token once more. The weights'
+    compute follows the profile's int4 rate now (the M4's changed: BigRig's kernels): the
+    native row's compute less its syncs was the shape's active bytes at the rate it was
+    made with. The waits add to the token; reads in flight keep running through them, so
+    the bytes and the blocked time stay."""
+    shape = SHAPES[SHAPE]
+    out = []
+    for r in rows:
+        p = load_profile(r["profile"])
+        native = _by(rows, profile=r["profile"], mode="native", budget=r["budget"])[0]
+        weights_then = native["compute_ms_per_token"] - (2 * layers + 1) * old_sync_us / 1e3
+        weights_now = 1e3 * shape.active_bytes_per_token / (p.value("int4_gbps") * 1e9)
+        syncs = 1 if r["mode"] == "prerouted" else 2
+        added_us = (layers * (syncs * (p.value("host_sync_us") - old_sync_us)
+                              + p.value("sync_idle_us"))
+                    + p.value("host_sync_us") - old_sync_us)
+        added_s = added_us * 1e-6 + (weights_now - weights_then) * 1e-3
+        row = dict(r)
+        row["forecast_decode_tok_s"] = 1 / (1 / r["forecast_decode_tok_s"] + added_s)
+        row["sync_model_added_ms"] = 1e3 * added_s
+        out.append(row)
+    return out

@@ -57,6 +57,10 @@ class Compute:
     # the predictor at each MoE layer but the last (a prerouter head; advisory's next
     # router): tokens -> s
     heads_s: Callable[[int], float] = lambda t: 0.0
+    # the GPU idles this long after a layer's first host sync while the host decides and
+    # builds the layer's next work (profiles.json sync_idle_us); a layer without a sync
+    # keeps the GPU queue full and pays nothing
+    sync_idle_s: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: Profile, shape: Shape) -> "Compute":
@@ -72,7 +76,8 @@ class Compute:
             shape.head_bytes / rate, profile.value("host_sync_us") * 1e-6,
             f"profile {profile.name}: weights / int4_gbps, or 2 x params x tokens / "
             f"prefill_tflops if longer",
-            lambda t: max(4 * heads / rate, 2 * heads * t / flops))  # float32 heads
+            lambda t: max(4 * heads / rate, 2 * heads * t / flops),  # float32 heads
+            profile.value("sync_idle_us") * 1e-6 if "sync_idle_us" in profile.figures else 0.0)
 
     @classmethod
     def calibrated(cls, decode_s: float, prefill_s_per_token: float, layers: int, top_k: int,
@@ -99,14 +104,20 @@ class Compute:
         return Compute(lambda t: self.resident_layer_s(t) * factor,
                        lambda n, e: self.experts_s(n, e) * factor, self.head_s * factor,
                        self.host_sync_s * factor, self.method + f" x{factor:g}",
-                       lambda t: self.heads_s(t) * factor)
+                       lambda t: self.heads_s(t) * factor, self.sync_idle_s * factor)
 
 
 class Waiter:
     """Timed waits that stand for compute, and the Python between them dilated."""
 
-    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0):
+    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0,
+                 contending=None):
         self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
+        # CPU seconds other threads spend (the reader's CRC32s and copies) that a compute
+        # wait must make up for: where compute runs on this CPU (a validation here), a
+        # read that overlaps compute slows it; a sleep does not feel it
+        self.contending = contending
+        self.contended = 0.0
         self.debt = 0.0  # slept beyond what was asked, paid back by later waits
         self.asked = self.slept = self.python_s = self.python_pad = 0.0
         self.compute = 0.0  # of `asked`, the profile's compute and syncs (x stretch)
@@ -133,8 +144,17 @@ class Waiter:
         self.compute += seconds * self.stretch
         sleep = want - self.debt
         tic = time.perf_counter()
+        cpu_before = self.contending() if self.contending else 0.0
         if sleep > 0:
             time.sleep(sleep)
+        if self.contending and seconds > 0:
+            stolen = self.contending() - cpu_before
+            if stolen > 0:
+                time.sleep(stolen)
+                self.contended += stolen
+                want += stolen
+                self.asked += stolen
+                self.compute += stolen
         took = time.perf_counter() - tic
         self.slept += took
         self.debt = max(0.0, self.debt + took - want)
@@ -239,6 +259,14 @@ class TwinConfig:
     track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
     mac_reads: bool = True  # read as macOS does (TwinReader); False: this machine's reader
+    # host syncs per MoE layer in decode: None is the decode path's own (a routing read and
+    # an evaluation after the experts; prerouted decode knows its routing and keeps only
+    # the second); 1 keeps one (the routing read, or prerouted's evaluation); 0 none (the
+    # slot lookup on the device: one sync a token). Set it to re-forecast a changed path.
+    syncs_per_layer: Optional[int] = None
+    # compute runs on this CPU, beside the reader threads (a validation here, with this
+    # machine's reader): the reader's CPU seconds during a compute wait extend the wait
+    reader_contends: bool = False
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
 
@@ -329,7 +357,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     stats = store.stats
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
-    waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s)
+    waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s,
+                    contending=(lambda: store.reader.verify_s) if cfg.reader_contends
+                    else None)
     if cfg.mac_reads:
         store.reader.stretch = stretch
     mode = routing_mode(cfg.mode)
@@ -396,12 +426,15 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         issue(c, -1)
         known = (mode.routes and is_decode and c > 0
                  and bool(decode[calls[c - 1].start]))
+        syncs = 2 if cfg.syncs_per_layer is None or not is_decode else cfg.syncs_per_layer
+        routing_sync = not known and syncs >= 1
+        experts_sync = syncs >= 2 or (known and syncs >= 1)
         for p, pool in enumerate(pools):
             waiter.wait(compute.resident_layer_s(tokens))
             if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))
-            if not known:
-                waiter.wait(compute.host_sync_s)
+            if routing_sync:
+                waiter.wait(compute.host_sync_s + compute.sync_idle_s)
                 stats.host_syncs += 1
             ids = routed[call, p]
 
@@ -409,8 +442,10 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                 entries = ids.size if rows is None else len(rows)
                 n = len(np.unique(slot_ids))
                 waiter.wait(compute.experts_s(n, entries))
-                waiter.wait(compute.host_sync_s)
-                stats.host_syncs += 1
+                if experts_sync:
+                    waiter.wait(compute.host_sync_s
+                                + (0.0 if routing_sync else compute.sync_idle_s))
+                    stats.host_syncs += 1
 
             def on_routed(c=c, p=p):
                 if not mode.routes or not is_decode:
@@ -466,5 +501,6 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         waits={"reader_busy_s": d.read_busy_s, "reader_verify_s": d.verify_s,
                "blocked_s": d.blocked_s, "loads": d.loads, "on_demand": d.on_demand,
                "asked_s": waiter.asked, "slept_s": waiter.slept,
-               "python_s": waiter.python_s, "python_pad_s": waiter.python_pad},
+               "python_s": waiter.python_s, "python_pad_s": waiter.python_pad,
+               "reader_cpu_during_compute_s": waiter.contended},
         notes=notes)

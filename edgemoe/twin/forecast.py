@@ -3,12 +3,18 @@
 The forecast is analytic, labelled so, and uses the twin's own parts: the profile's
 compute (edgemoe.twin.engine.Compute), the bytes a decode token reads at each budget from
 edgemoe.cache_sim's replay of a routing trace mapped onto the model's shape
-(edgemoe.twin.shapes.map_trace: by default the bundled model's teacher-forced traces, or
---trace), and the profile's SSD. Per decode token:
+(edgemoe.twin.routing_gen.shape_routing: the bundled model's teacher-forced traces, or
+--trace, relabelled where the shape has their geometry, else routing generated per layer
+from their fitted statistics, so a 256-expert shape uses all of its experts and a 48-layer
+one has distinct layers), and the profile's SSD. Per decode token:
 
     native (exact)   compute + host syncs + bytes / SSD rate       (reads wait, no overlap)
     exact limit      max(compute, Belady's bytes / SSD rate)       (the best exact routing allows)
     prerouted        max(compute + syncs, bytes / SSD rate)        (reads a token ahead)
+
+Host syncs as profiles.json models them: per synced layer the read-back (host_sync_us) and
+the GPU idle while the host builds the layer's next work (sync_idle_us); native syncs twice
+a layer, prerouted once. The exact limit assumes a design with no per-layer sync.
 
 Prefill (TTFT) of a P-token prompt in chunks of C: per chunk, every expert the chunk needs
 read once (the routed experts of a layer, at most all of them) and computed, overlapped:
@@ -27,11 +33,12 @@ from ..streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budg
 from ..machines import DEFAULTS, GENERIC, machine_defaults
 from .engine import Compute
 from .profiles import Profile, load_profile
-from .shapes import SHAPES, Shape, map_trace, shape_from_config
+from .routing_gen import native_geometry, shape_routing
+from .shapes import SHAPES, Shape, shape_from_config
 
 DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "models" / "fine" / "traces"  # shipped
 METHOD = ("FORECAST (analytic, unvalidated on a Mac): profile compute + cache_sim's bytes of "
-          "a routing trace mapped onto the shape / the profile's SSD rate")
+          "a routing trace's (relabelled or generated for the shape) / the profile's SSD rate")
 
 
 def shape_for(model: str) -> Shape:
@@ -58,7 +65,7 @@ def shape_for(model: str) -> Shape:
 def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
                     readers: int = 2, policy: str = "lfu") -> dict:
     from ..streaming.replay import simulate
-    mapped = [map_trace(t, shape) for t in traces]
+    mapped = shape_routing(shape, traces)
     tokens = sum(int(m["decode"].sum()) for m in mapped)
     if not tokens:
         raise ValueError("the routing trace has no decoded tokens: a decode forecast needs "
@@ -68,14 +75,19 @@ def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
     c = Compute.from_profile(profile, shape)
     compute = (shape.layers * (c.resident_layer_s(1) + c.experts_s(shape.top_k, shape.top_k))
                + c.head_s)
-    syncs = (2 * shape.layers + 1) * c.host_sync_s
+    # the host sync model (profiles.json): a read-back per sync, and the GPU idle while the
+    # host builds each synced layer's next work; native reads routing and evaluates the
+    # experts (2 a layer), prerouted decode knows its routing (1 a layer)
+    syncs = shape.layers * (2 * c.host_sync_s + c.sync_idle_s) + c.host_sync_s
+    pre_syncs = shape.layers * (c.host_sync_s + c.sync_idle_s) + c.host_sync_s
     rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
     read = lfu / rate
     return {"bytes_per_token": lfu, "belady_bytes_per_token": best,
             "compute_ms": 1e3 * compute, "read_ms": 1e3 * read,
             "native_tok_s": 1 / (compute + syncs + read),
             "exact_limit_tok_s": 1 / max(compute, best / rate),
-            "prerouted_tok_s": 1 / max(compute + (shape.layers + 1) * c.host_sync_s, read)}
+            "sync_ms": 1e3 * syncs,
+            "prerouted_tok_s": 1 / max(compute + pre_syncs, read)}
 
 
 def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: int = 2048,
@@ -126,7 +138,9 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
         auto = None
         print(f"does NOT fit in {fmt_bytes(mem)}: {e}")
     print(METHOD)
-    print(f"  routing: {len(traces)} trace(s) from {files[0].parent} mapped onto the shape"
+    how = ("relabelled onto" if all(native_geometry(shape, t) for t in traces) else
+           "fitted per layer, routing generated for")
+    print(f"  routing: {len(traces)} trace(s) from {files[0].parent} {how} the shape"
           + (" (the bundled model's held-out, teacher-forced traces: 128 experts, top-8)"
              if not trace else ""))
     rows = []

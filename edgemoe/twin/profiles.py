@@ -17,8 +17,9 @@ from typing import Dict, Optional
 import numpy as np
 
 PROFILES_FILE = Path(__file__).with_name("profiles.json")
+CONTRIBUTED = Path(__file__).with_name("profiles")  # measured ones, a file each (README.md)
 FIGURES = ("memory_gb", "ssd_read_gbps", "ssd_latency_us", "int4_gbps", "prefill_tflops",
-           "host_sync_us", "cpu_vs_here", "crc32_gbps")
+           "host_sync_us", "sync_idle_us", "cpu_vs_here", "crc32_gbps")
 KINDS = ("measured", "derived", "unsourced")
 
 
@@ -41,6 +42,18 @@ class Profile:
         return (record_bytes / (self.ssd_gbps * 1e9)
                 + self.value("ssd_latency_us") * 1e-6 / max(queue_depth, 1))
 
+    def span(self, figure: str):
+        """(low, high) of a figure: its cited `range`, or its value twice."""
+        f = self.figures[figure]
+        low, high = f.get("range", (f["value"], f["value"]))
+        return float(low), float(high)
+
+    def with_value(self, figure: str, value: float) -> "Profile":
+        """This profile with one figure replaced (the back-test's sensitivity)."""
+        figures = dict(self.figures)
+        figures[figure] = dict(figures[figure], value=value)
+        return Profile(self.name, self.chip, figures)
+
     def unsourced(self):
         return [k for k, f in self.figures.items() if f.get("kind") == "unsourced"]
 
@@ -60,9 +73,17 @@ def check_profile(name: str, d: dict) -> Profile:
     return Profile(name, d.get("chip", name), figures)
 
 
-def all_profiles(path: Path = PROFILES_FILE) -> Dict[str, Profile]:
+def all_profiles(path: Path = PROFILES_FILE, contributed: Path = CONTRIBUTED) -> Dict[str, Profile]:
+    """profiles.json's, and each measured profile contributed under profiles/ (named by
+    its file: `m4-pro-24gb-measured.json` is `m4-pro-24gb-measured`)."""
     data = json.loads(Path(path).read_text())
-    return {k: check_profile(k, v) for k, v in data.items() if not k.startswith("_")}
+    found = {k: check_profile(k, v) for k, v in data.items() if not k.startswith("_")}
+    for f in sorted(Path(contributed).glob("*.json")) if Path(contributed).is_dir() else []:
+        d = json.loads(f.read_text())
+        if f.stem in found:
+            raise ValueError(f"{f}: a profile named {f.stem} is already in {path}")
+        found[f.stem] = check_profile(f.stem, d.get("figures", d))
+    return found
 
 
 def load_profile(name_or_path: str) -> Profile:
@@ -99,6 +120,9 @@ def measure_reads(path: Path, record_bytes: int, reads: int = 64, threads: int =
     offsets = (rng.integers(0, (size - length) // 4096 + 1, reads) * 4096).tolist()
     flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
     fd = os.open(path, flags)
+    if direct and not hasattr(os, "O_DIRECT"):  # macOS: F_NOCACHE, as the store reads
+        import fcntl
+        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
     lock = threading.Lock()
 
     def work():
@@ -150,14 +174,49 @@ def measure_compute(d: int = 2048, f: int = 768, repeats: int = 20) -> dict:
     for _ in range(5):
         zlib.crc32(block)
     crc = len(block) * 5 / (time.perf_counter() - tic) / 1e9
-    a = mx.array([1.0])
-    mx.eval(a + 1)
-    tic = time.perf_counter()
-    for _ in range(200):
-        mx.eval(a + 1)
-    sync = (time.perf_counter() - tic) / 200
+    sync, idle = measure_sync(wq, scales, biases, d, max(4, 2 * repeats))
     return {"int4_gbps": nbytes / one / 1e9, "prefill_tflops": 2 * d * f * 256 / many / 1e12,
-            "host_sync_us": sync * 1e6, "crc32_gbps": crc, "shape": [f, d]}
+            "host_sync_us": sync * 1e6, "sync_idle_us": idle * 1e6, "crc32_gbps": crc,
+            "shape": [f, d]}
+
+
+LAYER_OPS = 40  # ops a MoE layer's decode graph builds (norms, attention, router, experts)
+
+
+def _layer_graph(x, wq, scales, biases):
+    """A decode layer's worth of small ops on `x` (1, d), built lazily."""
+    import mlx.core as mx
+    for _ in range(LAYER_OPS // 4):
+        y = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+        x = x + mx.sum(y) * 1e-6
+        x = x * mx.rsqrt(mx.mean(x * x) + 1e-6)
+    return x
+
+
+def measure_sync(wq, scales, biases, d: int, repeats: int = 40) -> tuple:
+    """(readback s, idle s) on the default device: the round trip of reading a result back
+    once a layer's queued work has run (host_sync_us: the time beyond the work itself),
+    and the host's time to build the next layer's graph, which the device waits for after
+    a read (sync_idle_us)."""
+    import mlx.core as mx
+    x = mx.random.normal((1, d))
+    mx.eval(_layer_graph(x, wq, scales, biases))
+    tic = time.perf_counter()
+    for _ in range(repeats):  # queued, no read: the work alone (pipelined)
+        x = _layer_graph(x, wq, scales, biases)
+        mx.async_eval(x)
+    mx.eval(x)
+    pipelined = (time.perf_counter() - tic) / repeats
+    build = read = 0.0
+    for _ in range(repeats):  # a read after each layer, as a per-layer routing sync does
+        t0 = time.perf_counter()
+        x = _layer_graph(x, wq, scales, biases)
+        t1 = time.perf_counter()
+        x[0, 0].item()
+        t2 = time.perf_counter()
+        build, read = build + t1 - t0, read + t2 - t1
+    work = max(pipelined - build / repeats, 0.0)
+    return max(read / repeats - work, 0.0), build / repeats
 
 
 def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: int = 2) -> Profile:
@@ -183,7 +242,10 @@ def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: 
         "int4_gbps": fig(c["int4_gbps"], "GB/s", f"mx.quantized_matmul int4 g64 fp32, one "
                                                  f"token, {c['shape']}"),
         "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
-        "host_sync_us": fig(c["host_sync_us"], "us", "mx.eval of a one-element graph"),
+        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back after a layer-like graph "
+                                                     "(40 ops), beyond the graph's own time"),
+        "sync_idle_us": fig(c["sync_idle_us"], "us", "Python building that graph (the device "
+                                                     "waits for it after a read)"),
         "cpu_vs_here": fig(1.0, "x", "this machine"),
         "crc32_gbps": fig(c["crc32_gbps"], "GB/s", "zlib.crc32 of 8 MiB, this Python"),
     }
