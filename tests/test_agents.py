@@ -11,12 +11,10 @@ every field, message, block and tool kind as recorded), they run through.
 """
 
 import contextlib
-import gzip
-import inspect
-import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,48 +30,12 @@ from pydantic import TypeAdapter
 
 from test_server import free_port
 
-AGENTS = Path(__file__).parent / "data" / "agents"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from agent_requests import claude_code, codex, fit, split  # noqa: E402
+
 MODEL = "edgemoe-fine"
-
-
-def recorded(name: str):
-    with gzip.open(AGENTS / name, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-CLAUDE = recorded("claude_code-2.1.332.jsonl.gz")
-CODEX = recorded("codex-0.171.0.jsonl.gz")
-CALLED = {"Bash", "exec_command"}  # the tools these sessions call
-
-
-def shorten(value, chars: int):
-    """Every string under a text-bearing key cut to `chars`; the rest as it is."""
-    if isinstance(value, list):
-        return [shorten(v, chars) for v in value]
-    if isinstance(value, dict):
-        return {k: (v[:chars] if isinstance(v, str) and k in (
-                    "text", "description", "content", "output", "system", "instructions")
-                    else shorten(v, chars)) for k, v in value.items()}
-    return value
-
-
-def fit(body: dict, chars: int = 60, max_tokens: int = 4) -> dict:
-    """A recorded body cut to fit the bundled model's context: the tools the session
-    calls, and the hosted ones (the server drops those), long texts cut."""
-    tools = [t for t in body["tools"]
-             if t.get("name") in CALLED or t.get("type", "function") != "function"]
-    out = shorten({**body, "tools": tools}, chars)
-    if "max_tokens" in out:
-        out["max_tokens"] = max_tokens
-    return out
-
-
-def split(body: dict, create) -> tuple:
-    """(the arguments `create` takes, the rest as extra_body): each body is sent as
-    recorded, whatever the client library's version knows."""
-    known = set(inspect.signature(create).parameters)
-    return ({k: v for k, v in body.items() if k in known and k != "stream"},
-            {k: v for k, v in body.items() if k not in known and k != "stream"})
+CLAUDE = claude_code()
+CODEX = codex()
 
 
 @contextlib.contextmanager
@@ -135,10 +97,12 @@ def test_whole_recorded_turns_are_refused_only_for_the_context(url, caplog):
                            headers={"user-agent": r["headers"]["user-agent"]})
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
-        assert re.match(r"the prompt is \d+ tokens; the model's context is 2048 tokens",
-                        error["message"]), error
-        assert error["type"] == "invalid_request_error"
-        counted.append(int(error["message"].split()[3]))
+        # Anthropic's words for it, which Claude Code matches; OpenAI's shape for Codex
+        words = (r"prompt is too long: (\d+) tokens > 2047 maximum$" if "messages" in r["path"]
+                 else r"the prompt is (\d+) tokens; the model's context is 2048 tokens")
+        found = re.match(words, error["message"])
+        assert found and error["type"] == "invalid_request_error", error
+        counted.append(int(found.group(1)))
     assert min(counted) > 2048
     logged = caplog.text
     assert "400 POST /v1/messages from 127.0.0.1:" in logged and "claude-cli/2.1.332" in logged
@@ -152,7 +116,7 @@ def test_whole_recorded_turns_are_refused_only_for_the_context(url, caplog):
         **split(body, anthropic_client(url).beta.messages.count_tokens)[0],
         extra_body=split(body, anthropic_client(url).beta.messages.count_tokens)[1],
     ).input_tokens == counted[0]
-    with pytest.raises(anthropic.BadRequestError, match="the prompt is 17"):
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long: 17"):
         known, extra = split(CLAUDE[0]["body"], anthropic_client(url).beta.messages.create)
         anthropic_client(url).beta.messages.create(**known, extra_body=extra)
 

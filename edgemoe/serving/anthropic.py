@@ -151,7 +151,10 @@ class AnthropicAPI:
         # a max_tokens past the context is a ceiling the context lowers, as Anthropic's
         # API takes it: the reply that reaches the context says so in its stop_reason
         room = s.context_length - len(prompt)
-        window_bound = 0 < room < max_tokens
+        if room < 1:  # in Anthropic's words, which Claude Code reads (and then compacts)
+            raise BadRequest(f"prompt is too long: {len(prompt)} tokens > "
+                             f"{s.context_length - 1} maximum", "messages")
+        window_bound = room < max_tokens
         d = s.sampling_defaults
         job = s.job(prompt, max_tokens=room if window_bound else max_tokens,
                     max_tokens_name="max_tokens",

@@ -140,7 +140,8 @@ class Server:
         self.model_type, self.model_bytes = model_type, model_bytes
         self.created = int(time.time())
         self._grammar_tokens = None
-        self.prompt_cache_scope = "key"  # whose cached prefixes a request reuses (--prompt-cache-scope)
+        # whose cached prefixes a request reuses (--prompt-cache-scope, serving.cache_scope)
+        self.prompt_cache_scope = "key"
 
     @property
     def tokenizer(self):
