@@ -35,7 +35,7 @@ def shorten(value, chars: int):
     return value
 
 
-def fit(body: dict, chars: int = 60, max_tokens: int = 4) -> dict:
+def fit(body: dict, chars: int = 20, max_tokens: int = 4) -> dict:
     """A recorded body cut to fit the bundled model's context: the tools the session
     calls, and the hosted ones (the server drops those), long texts cut to `chars`;
     every field, message, block and tool kind as recorded."""

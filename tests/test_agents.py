@@ -227,12 +227,12 @@ def test_ollama_pings_and_errors_as_ollama(url):
 
 # ---- the prompt cache on disk ----------------------------------------------------------
 
-def three_turns(url, key: str):
-    """The cached tokens of Claude Code's three recorded turns (cut to fit), each sent
-    whole (not streamed), under API key `key`."""
+def three_turns(url, key: str, turns: int = 3):
+    """(prompt tokens, cached tokens) of Claude Code's recorded turns (cut to fit), each
+    sent whole (not streamed), under API key `key`."""
     client = anthropic_client(url, key)
     out = []
-    for r in CLAUDE:
+    for r in CLAUDE[:turns]:
         known, extra = split(fit(r["body"]), client.beta.messages.create)
         reply = client.beta.messages.create(**known, extra_body=extra)
         out.append((reply.usage.input_tokens, reply.usage.cache_read_input_tokens))
@@ -251,7 +251,7 @@ def test_prompt_cache_on_disk_outlives_a_restart_and_keeps_to_its_scope(tmp_path
     assert len(entries) == 2
     with serving("--prompt-cache-dir", str(folder), "--prompt-cache-size", "2") as (url, _):
         again = three_turns(url, "alice")
-        other = three_turns(url, "bob")
+        other = three_turns(url, "bob", turns=2)
     print("turns (input tokens, cached):", first, again, other)
     # after the restart, every turn of alice's is read from disk but its last 3 tokens
     # (the last is decoded, not prefilled; the prefill keeps at least 2: PromptCache.fetch)
