@@ -299,3 +299,34 @@ def test_a_disk_entry_is_complete_or_absent(tmp_path, monkeypatch):
     disk._remove(disk.entries[next(iter(disk.entries))])  # evicted by the first
     assert other.load("s", [1, 2, 3, 4, 5], better_than=0) == (None, 0)
     assert DiskPromptCache(tmp_path, {"model": "n"}, 1 << 30).folder != disk.folder
+
+
+def test_thinking_is_honoured_on_a_model_that_thinks(tmp_path):
+    """On a model with think tokens whose template switches on enable_thinking (as
+    Qwen3's does), `thinking` disabled renders the closed empty think block, enabled and
+    adaptive leave the model to think; on the bundled model (no think tokens) it changes
+    nothing (test_agent_fields_are_taken...)."""
+    from transformers import AutoTokenizer
+
+    import edgemoe
+
+    fine = Path(edgemoe.__file__).parent / "models" / "fine"
+    for f in fine.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (tmp_path / f.name).symlink_to(f)
+    hf = AutoTokenizer.from_pretrained(fine)
+    hf.add_tokens(["<think>", "</think>"])
+    hf.chat_template = (fine / "chat_template.jinja").read_text().replace(
+        '{{- "<|im_start|>assistant\\n" }}',
+        '{{- "<|im_start|>assistant\\n" }}{%- if enable_thinking is defined and not '
+        'enable_thinking %}{{- "<think>\\n\\n</think>\\n\\n" }}{%- endif %}')
+    hf.save_pretrained(tmp_path)
+    with serving("--model", str(tmp_path)) as (url, server):
+        assert server.tokenizer.has_thinking
+        client = anthropic_client(url)
+        ask = dict(model=server.model_id, messages=[{"role": "user", "content": "hi"}])
+        counts = {kind: client.beta.messages.count_tokens(
+            **ask, thinking={"type": kind}).input_tokens
+            for kind in ("disabled", "enabled", "adaptive")}
+        plain = client.beta.messages.count_tokens(**ask).input_tokens
+    assert counts["enabled"] == counts["adaptive"] == plain < counts["disabled"], counts
