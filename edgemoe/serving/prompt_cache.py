@@ -23,7 +23,6 @@ class PromptCache:
                  disk: Optional[DiskPromptCache] = None):
         self.lru = LRUPromptCache(max_entries, max_bytes)
         self.disk = disk
-        self.disk_hits = 0  # fetches whose prefix came from disk
 
     def fetch(self, tokens: List[int], scope: str = ""):
         """(the KV cache of the longest cached prefix of `tokens` in `scope`, the tokens
@@ -41,7 +40,6 @@ class PromptCache:
             found, length = self.disk.load(scope, tokens, better_than=have)
             if found is not None:
                 cache, rest = found, tokens[length:]
-                self.disk_hits += 1
         if cache is not None and len(rest) < 2:
             if not can_trim_prompt_cache(cache) or len(tokens) - len(rest) <= 2:
                 return None, tokens
