@@ -23,6 +23,7 @@ from .cli import add_debug_flag, arrange, tool
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .machines import machine_defaults
 from .options import StreamOptions, number
+from .serving.cache_scope import SCOPES
 from .serving.engine import Engine
 from .serving.guard import guarded_protocol, stop_within
 from .serving.templates import POLICY, RENDER_TIMEOUT_S
@@ -109,6 +110,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="The most memory those caches take, e.g. 2GB (default: no limit "
                         "but --prompt-cache-size)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="Also keep those caches in this folder, so they outlive the "
+                        "server (and its memory's few entries): an agent's next turn, or "
+                        "the same conversation after a restart, prefills only its new "
+                        "tokens. Kept per model, adapter and routing")
+    p.add_argument("--prompt-cache-disk-bytes", type=byte_size, default=10 * 2**30,
+                   metavar="SIZE", help="The most the folder holds; the least recently "
+                                        "used entries go first (default: 10GB)")
+    p.add_argument("--prompt-cache-scope", choices=SCOPES, default="key",
+                   help="Whose cached prefixes a request reuses, and so can learn of "
+                        "through cached_tokens: key (the same API key; the default), "
+                        "client (the same address), shared (everyone's)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_draft_arguments(p)  # a request decoded alone speculates (edgemoe.serving.engine)
@@ -151,6 +164,8 @@ def build(args) -> Tuple[Engine, Server]:
                     prefill_step_size=args.prefill_step_size, max_waiting=args.max_waiting,
                     prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
                     load_draft=(lambda tokenizer: load_draft(args, tokenizer)) if drafting
+                    else None,
+                    prompt_cache_disk=disk_cache_of(args, options) if args.prompt_cache_dir
                     else None)
     engine.start()
     config = engine.config
@@ -167,7 +182,24 @@ def build(args) -> Tuple[Engine, Server]:
                         ("top_k", args.top_k), ("min_p", args.min_p)) if v is not None},
                     model_type=str(config.get("model_type", "")),
                     model_bytes=sum(f.stat().st_size for f in info.files if f.exists()))
+    server.prompt_cache_scope = args.prompt_cache_scope
     return engine, server
+
+
+def disk_cache_of(args, options):
+    """The engine's maker of its DiskPromptCache: keyed by the model's files (each one's
+    path, size and modification time: a re-converted model gets a fresh cache), its
+    adapter and its routing."""
+    from .serving.disk_cache import DiskPromptCache
+
+    def make(store):
+        files = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                       for f in store.info().files if f.exists())
+        identity = {"model": str(args.model or "edgemoe-fine"), "files": files,
+                    "adapter": options.adapter_path, "routing": str(options.routing)}
+        return DiskPromptCache(Path(args.prompt_cache_dir), identity,
+                               args.prompt_cache_disk_bytes)
+    return make
 
 
 def chat_template(value):

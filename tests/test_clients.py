@@ -264,9 +264,8 @@ def test_anthropic_errors_are_anthropic_errors(an):
     with pytest.raises(anthropic.NotFoundError):
         an.messages.create(model="claude-opus-9", max_tokens=5,
                            messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(anthropic.BadRequestError, match="'thinking' is not supported"):
-        an.messages.create(model=MODEL, max_tokens=5, thinking={"type": "enabled",
-                                                                "budget_tokens": 1024},
+    with pytest.raises(anthropic.BadRequestError, match="'thinking.type' must be one of"):
+        an.messages.create(model=MODEL, max_tokens=5, thinking={"type": "sometimes"},
                            messages=[{"role": "user", "content": "x"}])
 
 
@@ -759,7 +758,7 @@ def test_responses_create_and_stream(oa):
         {"type": "function_call_output", "call_id": call.call_id, "output": "cold"}])
     assert again.usage.input_tokens > r.usage.input_tokens
     for extra, name in (({"previous_response_id": "resp_1"}, "previous_response_id"),
-                        ({"tools": [{"type": "web_search"}]}, "web_search")):
+                        ({"include": ["message.output_text.logprobs"]}, "include")):
         with pytest.raises(openai.BadRequestError, match=name):
             oa.responses.create(model=MODEL, input="x", **extra)
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER as VERY_LONG
 
 from ..distributed import connect, share_for
 from ..format.deltas import expert_deltas, with_deltas
@@ -140,6 +141,9 @@ def load(
         model.eval()
     tokenizer = load_tokenizer(path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
+    # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:
+    # the model's context is, checked where a prompt is taken; no warning per long prompt
+    tokenizer._tokenizer.model_max_length = VERY_LONG
     if return_config:
         return model, tokenizer, config
     return model, tokenizer

@@ -19,10 +19,13 @@ from .constrain import forced_call
 from .errors import BadRequest
 from .http import NUMBER, Server, field, public, refuse_unknown, stop_strings
 from .http import sse as _sse
+from .messages_fields import (AGENT_FIELDS, WINDOW_EXCEEDED, check_agent_fields,
+                              fold_system, thinking_args)
 
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
           "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",
-          "service_tier"}
+          "service_tier"} | AGENT_FIELDS
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"} | AGENT_FIELDS
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -45,14 +48,14 @@ class AnthropicAPI:
     def _conversation(self, body: dict) -> List[dict]:
         """The chat template's messages for `system` and `messages`."""
         out = []
-        system = body.get("system")
-        if system is not None:
-            out.append({"role": "system", "content": text_of(system, "system")})
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array of "
                              "{\"role\": \"user\"|\"assistant\", \"content\": ...}", "messages")
-        for i, m in enumerate(messages):
+        system, messages = fold_system(body.get("system"), messages)
+        if system is not None:
+            out.append({"role": "system", "content": system})
+        for i, m in messages:
             where = f"messages.{i}"
             if not (isinstance(m, dict) and m.get("role") in ("user", "assistant")):
                 raise BadRequest(f"{where}: 'role' must be user or assistant", "messages")
@@ -116,6 +119,7 @@ class AnthropicAPI:
     def parse(self, body: dict):
         s = self.server
         refuse_unknown(body, FIELDS, "the Messages API")
+        check_agent_fields(body)
         model = s.model_name(body, required=True)
         if body.get("max_tokens") is None:
             raise BadRequest("'max_tokens' is required", "max_tokens")
@@ -142,9 +146,18 @@ class AnthropicAPI:
         elif kind != "auto":
             raise BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got "
                              f"{kind!r}", "tool_choice")
-        prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
+        prompt = render(s.tokenizer, messages, tools if reading else None,
+                        thinking_args(s, body))
+        # a max_tokens past the context is a ceiling the context lowers, as Anthropic's
+        # API takes it: the reply that reaches the context says so in its stop_reason
+        room = s.context_length - len(prompt)
+        if room < 1:  # in Anthropic's words, which Claude Code reads (and then compacts)
+            raise BadRequest(f"prompt is too long: {len(prompt)} tokens > "
+                             f"{s.context_length - 1} maximum", "messages")
+        window_bound = room < max_tokens
         d = s.sampling_defaults
-        job = s.job(prompt, max_tokens=max_tokens, max_tokens_name="max_tokens",
+        job = s.job(prompt, max_tokens=room if window_bound else max_tokens,
+                    max_tokens_name="max_tokens",
                     prompt_param="messages",
                     # a request's own temperature is Anthropic's (0 to 1); the server's
                     # --temp default is the server's, on OpenAI's scale (up to 2)
@@ -155,7 +168,8 @@ class AnthropicAPI:
                     min_p=d.get("min_p", 0.0),
                     stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
                     grammar=grammar, id_prefix="msg_")
-        opts = {"model": model, "stream": field(body, "stream", bool, False)}
+        opts = {"model": model, "stream": field(body, "stream", bool, False),
+                "window_bound": window_bound}
         return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
                                 forced=reading == "forced",
                                 max_calls=1 if choice.get("disable_parallel_tool_use")
@@ -166,12 +180,12 @@ class AnthropicAPI:
         try:
             body = await s.body(request)
             s.ready()
-            refuse_unknown(body, {"model", "messages", "system", "tools", "tool_choice"},
-                           "count_tokens")
+            refuse_unknown(body, COUNT_FIELDS, "count_tokens")
+            check_agent_fields(body)
             s.model_name(body, required=True)
             prompt = await asyncio.to_thread(
                 lambda: render(s.tokenizer, self._conversation(body), self._tools(body),
-                               s.template_args))
+                               thinking_args(s, body)))
         except BadRequest as e:
             return error(e.message, e.status)
         return JSONResponse({"input_tokens": len(prompt)})
@@ -214,6 +228,8 @@ class MessageView:
 
     def _stop_reason(self, finish: str) -> str:
         reason = STOP[self.reply.finish_reason(finish)]
+        if reason == "max_tokens" and self.opts.get("window_bound"):
+            return WINDOW_EXCEEDED
         return "stop_sequence" if reason == "end_turn" and self.job.stop_hit else reason
 
     def whole(self, events: List[dict], last: dict) -> dict:
@@ -237,8 +253,11 @@ class MessageView:
             return
         if self.index < 0:
             self.index = 0
+            # the prompt is prefilled by now: what came from the prompt cache is known
             start = self._message([], None, {"input_tokens": len(self.job.prompt),
-                                             "output_tokens": 0})
+                                             "output_tokens": 0,
+                                             "cache_read_input_tokens": self.job.cached_tokens,
+                                             "cache_creation_input_tokens": 0})
             yield _sse({"type": "message_start", "message": start}, "message_start")
         if event["type"] == "token":
             self.generated += 1
@@ -249,7 +268,7 @@ class MessageView:
         yield _sse({"type": "message_delta",
                     "delta": {"stop_reason": self._stop_reason(event["finish_reason"]),
                               "stop_sequence": self.job.stop_hit},
-                    "usage": {"output_tokens": event["completion_tokens"]}}, "message_delta")
+                    "usage": self._usage(event)}, "message_delta")
         yield _sse({"type": "message_stop"}, "message_stop")
 
     def _pieces(self, content: str, reasoning: str, calls: List[dict]):

@@ -20,8 +20,10 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .access import LogRefusals
 from .anthropic import AnthropicAPI
 from .http import Server, error_response, public
 from .ollama import OllamaAPI
@@ -35,6 +37,8 @@ async def _http_error(request: Request, exc: HTTPException):
     message = {404: f"no route {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(
         exc.status_code, str(exc.detail))
+    if request.url.path.startswith("/api/"):  # Ollama's routes answer in Ollama's shape
+        return JSONResponse({"error": message}, status_code=exc.status_code)
     return error_response(message, exc.status_code)
 
 
@@ -78,7 +82,7 @@ def make_app(server: Server, cors_origins: Optional[List[str]] = None) -> Starle
     for api in (OpenAIAPI(server), ResponsesAPI(server), AnthropicAPI(server),
                 OllamaAPI(server)):
         routes += api.routes()
-    middleware = [Middleware(CheckHost)]
+    middleware = [Middleware(LogRefusals), Middleware(CheckHost)]
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins,

@@ -58,15 +58,18 @@ class Engine:
     def __init__(self, load: Callable[[], tuple], max_batch: int = 8,
                  prefill_step_size: int = 2048, max_waiting: int = 256,
                  prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
-                 load_draft: Optional[Callable] = None):
+                 load_draft: Optional[Callable] = None, prompt_cache_disk=None):
         """`prompt_cache_size` / `prompt_cache_bytes`: the most KV caches (and bytes of
         them) kept for reuse by later requests that share their prefix (mlx-lm's
         LRUPromptCache); 0 entries: none kept. `load_draft(tokenizer)`: the draft
-        (a DraftModel or PromptLookup) that requests decoded alone speculate with."""
+        (a DraftModel or PromptLookup) that requests decoded alone speculate with.
+        `prompt_cache_disk(store)`: the DiskPromptCache for the loaded model's store, or
+        None (edgemoe.serving.disk_cache; made once the model is loaded)."""
         self._load = load  # returns (model, tokenizer, config); called on the engine thread
         self._load_draft = load_draft
         self.drafting = load_draft is not None
         self.draft = None
+        self._prompt_cache_disk = prompt_cache_disk
         self.prompt_cache = PromptCache(max(prompt_cache_size, 1),
                                         prompt_cache_bytes or 1 << 63) \
             if prompt_cache_size > 0 else None
@@ -148,6 +151,8 @@ class Engine:
             self.store, self.share = streaming.store, streaming.share
             self.metrics = Metrics(self.store)
             self.eos = set(self.tokenizer.eos_token_ids)
+            if self.prompt_cache is not None and self._prompt_cache_disk is not None:
+                self.prompt_cache.disk = self._prompt_cache_disk(self.store)
             if self._load_draft is not None:
                 self.draft = self._load_draft(self.tokenizer)
         except BaseException as e:  # reported by start()
@@ -260,7 +265,7 @@ class Engine:
         if job.prefilled >= len(job.prompt) - 1:
             self.pending.popleft()
             if job.use_prompt_cache:
-                self._remember(job.prompt[:-1], job.cache)
+                self._remember(job.prompt[:-1], job.cache, job.cache_scope)
             self._join_batch(job)
 
     def _start_prefill(self, job: Job):
@@ -272,7 +277,7 @@ class Engine:
         job.prompt_scores = [None]  # the first token has no logprob
         job.prompt_top = [None]
         reuse = self.prompt_cache is not None and job.use_prompt_cache
-        cache, rest = self.prompt_cache.fetch(job.prompt[:-1]) if reuse else \
+        cache, rest = self.prompt_cache.fetch(job.prompt[:-1], job.cache_scope) if reuse else \
             (None, job.prompt[:-1])
         job.cache = cache if cache is not None else make_prompt_cache(self.model)
         job.prefilled = job.cached_tokens = len(job.prompt) - 1 - len(rest)
@@ -280,11 +285,12 @@ class Engine:
             self.metrics.add(cache_hits=job.cached_tokens > 0,
                              cache_misses=job.cached_tokens == 0, cached_tokens=job.cached_tokens)
 
-    def _remember(self, tokens: List[int], cache: list):
-        """Keep `cache` (of `tokens`, all prefilled) for requests that start with them."""
+    def _remember(self, tokens: List[int], cache: list, scope: str = ""):
+        """Keep `cache` (of `tokens`, all prefilled) for requests of `scope` that start
+        with them."""
         if self.prompt_cache is None or not tokens:
             return
-        self.prompt_cache.insert(tokens, cache)
+        self.prompt_cache.insert(tokens, cache, scope)
         with self.metrics.lock:
             self.metrics.cache_entries = len(self.prompt_cache)
             self.metrics.cache_bytes = self.prompt_cache.nbytes

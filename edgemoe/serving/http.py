@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from .cache_scope import cache_scope
 from .constrain import Tokens
 from .errors import BadRequest
 from .engine import Engine
@@ -142,6 +143,8 @@ class Server:
         self.created = int(time.time())
         self._grammar_tokens = None
         self._bounded = None  # the tokenizer as the APIs use it
+        # whose cached prefixes a request reuses (--prompt-cache-scope, serving.cache_scope)
+        self.prompt_cache_scope = "key"
 
     @property
     def tokenizer(self):
@@ -274,7 +277,7 @@ class Server:
             job, opts, reply = await asyncio.to_thread(parse, body)
             if job is None:
                 return JSONResponse(opts)
-            events = await self.submit(job)
+            events = await self.submit(job, request)
         except BadRequest as e:
             return error(e.message, e.status, e.param)
         shown = view(job, opts, reply)
@@ -288,8 +291,11 @@ class Server:
             return error(public(last["message"]), last.get("status", 500), last.get("param"))
         return JSONResponse(shown.whole(tokens, last))
 
-    async def submit(self, job: Job) -> asyncio.Queue:
-        """Queue `job` on the engine; its events arrive on the returned queue."""
+    async def submit(self, job: Job, request: Optional[Request] = None) -> asyncio.Queue:
+        """Queue `job` (of `request`: its prompt-cache scope) on the engine; its events
+        arrive on the returned queue."""
+        if request is not None:
+            job.cache_scope = cache_scope(request, self.prompt_cache_scope)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

@@ -23,6 +23,7 @@ class Job:
     grammar: object = None  # a constrain.Grammar the tokens must follow; None: free
     prompt_logprobs: bool = False  # the logprob of each prompt token (completions echo)
     use_prompt_cache: bool = True
+    cache_scope: str = ""  # whose prompt-cache entries it may use (serving.cache_scope)
     received: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the HTTP side; the engine drops the job between steps
     # engine-side state (MLX arrays are made on the engine thread only)

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from .. import __version__
@@ -67,7 +67,8 @@ class OllamaAPI:
         self.server = server
 
     def routes(self):
-        return [Route("/api/chat", self.chat, methods=["POST"]),
+        return [Route("/", self.running, methods=["GET", "HEAD"]),
+                Route("/api/chat", self.chat, methods=["POST"]),
                 Route("/api/generate", self.generate, methods=["POST"]),
                 Route("/api/tags", self.tags, methods=["GET"]),
                 Route("/api/show", self.show, methods=["POST"]),
@@ -87,6 +88,11 @@ class OllamaAPI:
         return {"name": self._name(), "model": self._name(), "size": self.server.model_bytes,
                 "modified_at": datetime.fromtimestamp(self.server.created, timezone.utc)
                 .isoformat(), "details": self._details()}
+
+    async def running(self, request: Request):
+        """Ollama's liveness ping (apps and Claude Code check it before their first
+        request)."""
+        return PlainTextResponse("Ollama is running")
 
     async def tags(self, request: Request):
         return JSONResponse({"models": [self._card()]})
@@ -131,10 +137,10 @@ class OllamaAPI:
                                  "options." + name)
         o = {**DEFAULTS, **s.sampling_defaults,
              **{k: v for k, v in options.items() if v is not None}}
-        num_ctx = field(o, "num_ctx", int, s.context_length, lo=1, where="options.")
-        if num_ctx > s.context_length:
-            raise BadRequest(f"'options.num_ctx' is {num_ctx}; the model's context is "
-                             f"{s.context_length} tokens", "options.num_ctx")
+        # as Ollama does, a num_ctx past the model's context is lowered to it (Continue
+        # and others send a large one whatever the model)
+        num_ctx = min(field(o, "num_ctx", int, s.context_length, lo=1, where="options."),
+                      s.context_length)
         predict = field(o, "num_predict", int, -1, lo=-2, where="options.")
         repeat = field(o, "repeat_penalty", NUMBER, 1.0, lo=0, where="options.")
         last_n = field(o, "repeat_last_n", int, 64, lo=-1, where="options.")

@@ -303,7 +303,7 @@ class OpenAIAPI:
         queues = []
         try:
             for job in jobs:
-                queues.append(await s.submit(job))
+                queues.append(await s.submit(job, request))
         except BadRequest as e:
             for job in jobs[:len(queues)]:
                 s.engine.cancel(job)

@@ -13,6 +13,7 @@ this server does not implement.
 """
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -28,8 +29,18 @@ from .openai import NO_EFFECT, OpenAIAPI, check_reasoning_effort
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "stream_options", "text",
-          "reasoning", "truncation", "include", "max_tool_calls"} | NO_EFFECT
+          "reasoning", "truncation", "include", "max_tool_calls",
+          "client_metadata"} | NO_EFFECT  # (Codex's ids of its session: no effect)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# `include` entries that add nothing here: no reasoning is encrypted (a reasoning item
+# carries its text), and hosted tools' outputs never occur (those tools are dropped).
+# message.output_text.logprobs would add logprobs, which this API does not give: refused.
+INCLUDE_NOTHING = {"reasoning.encrypted_content", "web_search_call.action.sources",
+                   "web_search_call.results", "file_search_call.results",
+                   "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                   "message.input_image.image_url"}
+log = logging.getLogger("edgemoe.server")
+_dropped_logged = set()  # the hosted tool kinds whose drop was logged (once each)
 
 
 def error(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
@@ -40,6 +51,17 @@ def error(message: str, status: int = 400, param: Optional[str] = None) -> JSONR
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _drop_hosted(tool: dict):
+    """A hosted tool (web_search, file_search, a namespace of tools an agent hosts, ...)
+    runs on OpenAI's side or the agent's own, never in the model's reply here: it is left
+    out of the prompt, as a model without it would be called. Logged once per kind."""
+    kind = tool["type"] + (f" {tool['name']!r}" if isinstance(tool.get("name"), str) else "")
+    if kind not in _dropped_logged:
+        _dropped_logged.add(kind)
+        log.warning("the Responses API: %s tools are not run here; dropped from the "
+                    "request (logged once)", kind)
 
 
 class ResponsesAPI:
@@ -68,6 +90,10 @@ class ResponsesAPI:
             raise BadRequest("'input' is required", "input")
         if isinstance(items, str):
             return out + [{"role": "user", "content": items}]
+        return _one_system(out + self._items(items))
+
+    def _items(self, items) -> List[dict]:
+        out: List[dict] = []
         if not isinstance(items, list) or not items:
             raise BadRequest("'input' must be a string or a non-empty array of items", "input")
         for i, item in enumerate(items):
@@ -106,16 +132,17 @@ class ResponsesAPI:
             raise BadRequest("'tools' must be an array", "tools")
         out = []
         for i, t in enumerate(tools):
-            if not (isinstance(t, dict) and t.get("type") == "function"):
-                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-                raise BadRequest(f"'tools[{i}]': {kind!r} tools are not supported here "
-                                 f"(function tools are)", "tools")
+            if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+                raise BadRequest(f"'tools[{i}]' must be a tool object with a 'type'", "tools")
+            if t["type"] != "function":
+                _drop_hosted(t)
+                continue
             refuse_unknown(t, {"type", "name", "description", "parameters", "strict"},
                            "tools", f"tools[{i}].")
             out.append({"type": "function", "function": {
                 "name": t.get("name"), "description": t.get("description") or "",
                 "parameters": t.get("parameters") or {"type": "object"}}})
-        return check_tools(out)
+        return check_tools(out) if out else None
 
     @staticmethod
     def _chat_shape(body: dict) -> dict:
@@ -155,8 +182,10 @@ class ResponsesAPI:
             raise BadRequest("'truncation' must be \"disabled\" (a prompt longer than the "
                              "context is refused, not cut)", "truncation")
         include = field(body, "include", list, [])
-        if include:
-            raise BadRequest(f"'include' {include[0]!r} is not supported", "include")
+        extra = [e for e in include if e not in INCLUDE_NOTHING]
+        if extra:
+            raise BadRequest(f"'include' {extra[0]!r} is not supported (taken: "
+                             f"{', '.join(sorted(INCLUDE_NOTHING))})", "include")
         max_calls = field(body, "max_tool_calls", int, None, lo=1)
         parallel = field(body, "parallel_tool_calls", bool, True)
         messages = self._messages(body)
@@ -191,6 +220,14 @@ class ResponsesAPI:
             "previous_response_id": None, "reasoning": None, "service_tier": "default"}}
         return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
                                 forced=reading == "forced", max_calls=limit)
+
+
+def _one_system(messages: List[dict]) -> List[dict]:
+    """The instructions and every system or developer message (Codex sends several), in
+    order, as one system message first: chat templates take one, first."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
 
 def _parts(content, where: str):
@@ -230,7 +267,9 @@ class ResponseView:
         if last is not None:
             p, c = last["prompt_tokens"], last["completion_tokens"]
             out["usage"] = {"input_tokens": p,
-                            "input_tokens_details": {"cached_tokens": last["cached_tokens"]},
+                            # (cache_write_tokens: the SDK's type requires it)
+                            "input_tokens_details": {"cached_tokens": last["cached_tokens"],
+                                                     "cache_write_tokens": 0},
                             "output_tokens": c,
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": p + c}
