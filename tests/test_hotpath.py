@@ -146,3 +146,28 @@ def test_a_slot_a_queued_computation_reads_is_never_refilled(reference, monkeypa
     model, _ = edgemoe.load(BUNDLED, expert_budget=amount)
     assert not mx.array_equal(interleaved(model, prompt), expected).item()
     model.expert_store.close()
+
+
+def test_a_resident_layers_hits_are_counted_whether_or_not_its_tallies_were_compacted(
+        reference, monkeypatch):
+    """A resident call's requests are counted on the device, many calls at a time: the
+    store's hits are the same however many calls are counted together."""
+    from edgemoe.model import hostsync
+
+    _, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="100%")
+    store = model.expert_store
+    counter = EvalCounter()
+    with counter.installed():
+        decode(model, prompt, TOKENS, counter)
+        wait_resident(store)
+        hits = []
+        for batch in (hostsync.TALLY_BATCH, 3):
+            monkeypatch.setattr(hostsync, "TALLY_BATCH", batch)
+            model.streaming.queued.settle_tallies(everything=True)
+            before = store.snapshot()
+            decode(model, prompt, TOKENS, counter)
+            model.streaming.queued.settle_tallies(everything=True)
+            hits.append((store.snapshot() - before).hits)
+    assert hits[0] == hits[1] > 8 * TOKENS * LAYERS
+    store.close()

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
 
-TALLY_BATCH = 64  # resident tallies summed into one array after this many calls
+TALLY_BATCH = 256  # resident calls' tallies counted together after this many
 
 
 def wait(*arrays) -> None:
@@ -88,11 +88,7 @@ class QueuedReads:
         self.tallies.append((self.calls, pool, (ids, num_experts)))
         if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
             old, self.tallies = self.tallies[:TALLY_BATCH], self.tallies[TALLY_BATCH:]
-            by_pool: Dict[object, List[mx.array]] = {}
-            for _, p, entry in old:
-                by_pool.setdefault(p, []).append(_requested(entry))
-            self.tallies[:0] = [(old[-1][0], p, mx.sum(mx.stack(cs)))
-                                for p, cs in by_pool.items()]
+            self.tallies[:0] = [(old[-1][0], p, c) for p, c in _counts(old)]
 
     def settle_tallies(self, everything: bool = False):
         """Add the resident calls' counts to their pools' statistics: those of forward calls
@@ -102,16 +98,25 @@ class QueuedReads:
         if not done:
             return
         self.tallies = [t for t in self.tallies if not (everything or t[0] < self.calls)]
-        counts = [_requested(entry) for _, _, entry in done]
-        wait(*counts)
-        for (_, pool, _), count in zip(done, counts):
+        counts = _counts(done)
+        wait(*(c for _, c in counts))
+        for pool, count in counts:
             pool.count_resident_hits(int(count.item()))
 
 
-def _requested(entry) -> mx.array:
-    """The distinct experts a tallied call requested (or a count already)."""
-    if isinstance(entry, mx.array):
-        return entry
-    ids, num_experts = entry
-    experts = mx.arange(num_experts, dtype=ids.dtype)
-    return (ids.reshape(-1, 1) == experts).any(axis=0).sum()
+def _counts(tallies) -> List[Tuple[object, mx.array]]:
+    """(pool, the distinct experts its tallied calls requested, summed over the calls): the
+    calls of one shape counted together, a few operations for many calls."""
+    groups: Dict[tuple, list] = {}
+    for _, pool, entry in tallies:
+        key = (pool, entry[0].shape, entry[1]) if isinstance(entry, tuple) else (pool, None, 0)
+        groups.setdefault(key, []).append(entry if key[1] is None else entry[0])
+    counts = []
+    for (pool, shape, num_experts), entries in groups.items():
+        if shape is None:  # counts already
+            counts.append((pool, mx.sum(mx.stack(entries))))
+            continue
+        calls = mx.stack(entries).reshape(len(entries), -1, 1)
+        experts = mx.arange(num_experts, dtype=calls.dtype)
+        counts.append((pool, (calls == experts).any(axis=1).sum()))
+    return counts

@@ -15,8 +15,9 @@ from ..streaming.slots import UnorderedMemory
 
 class MLXSlotMemory(UnorderedMemory):
     """A layer's slots as MLX arrays in unified memory, filled in place: the reader's
-    rows are numpy views of the arrays. Compute evaluates before it releases slots
-    (StreamingExperts), so no device ordering is needed here."""
+    rows are numpy views of the arrays. Compute releases slots only once an evaluation
+    that included the computation reading them has returned (edgemoe.model.hostsync), so
+    no device ordering is needed here."""
 
     arrays: Dict[str, mx.array]
 
