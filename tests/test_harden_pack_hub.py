@@ -57,7 +57,9 @@ def hub(variants, monkeypatch, tmp_path):
     standin.add_repo("org/giant-unlisted", variants["tiny"], giant={"config.json": 300 << 20},
                      claimed_sizes={"config.json": 3000})  # the listing lies, the header not
     standin.start()
-    monkeypatch.setattr(constants, "ENDPOINT", standin.url)
+    monkeypatch.setattr(constants, "ENDPOINT", standin.url)  # (HF_ENDPOINT, read at import)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        standin.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("EDGEMOE_HUB_TIMEOUT", TIMEOUT)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
