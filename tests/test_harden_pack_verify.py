@@ -38,7 +38,7 @@ def edit_manifest(pack: Path, change):
 
 def unbound(m):
     """The manifest as edgemoe wrote it before records were bound and files listed."""
-    m.pop("files")
+    m.pop("files", None)
     for layer in m["layers"]:
         layer["records"] = [r[:3] for r in layer["records"]]
 
@@ -232,9 +232,6 @@ def test_overwrite_keeps_user_files_whose_names_look_like_ours(tiny_mlx_checkpoi
     from edgemoe.convert import convert
 
     dst = convert(tiny_mlx_checkpoint, tmp_path / "pack")
-    written = json.loads((dst / MANIFEST).read_text())["files"]
-    assert {"tokenizer.json", "experts.bin", "config.json"} <= set(written)
-    assert written["tokenizer.json"] and written["experts.bin"] is None
     (dst / "tokenizer_notes.md").write_text("my notes")
     (dst / "vocab.backup").write_text("my backup")
     (dst / "merges.txt.orig").write_text("mine")
@@ -242,6 +239,10 @@ def test_overwrite_keeps_user_files_whose_names_look_like_ours(tiny_mlx_checkpoi
     assert (dst / "tokenizer_notes.md").read_text() == "my notes"
     assert (dst / "vocab.backup").read_text() == "my backup"
     assert (dst / "merges.txt.orig").read_text() == "mine"
+    written = json.loads((dst / MANIFEST).read_text())["files"]  # what the next one removes
+    assert {"tokenizer.json", "experts.bin", "config.json"} <= set(written)
+    assert written["tokenizer.json"] and written["experts.bin"] is None
+    assert "tokenizer_notes.md" not in written
     Pack.open(dst)
 
 
@@ -249,7 +250,7 @@ def test_overwrite_of_an_older_pack_keeps_user_files_too(tiny_mlx_checkpoint, tm
     from edgemoe.convert import convert
 
     dst = convert(tiny_mlx_checkpoint, tmp_path / "pack")
-    edit_manifest(dst, lambda m: m.pop("files"))  # as written before the list
+    edit_manifest(dst, unbound)  # as written before the list
     (dst / "tokenizer_notes.md").write_text("my notes")
     (dst / "vocab.backup").write_text("my backup")
     convert(tiny_mlx_checkpoint, dst, overwrite=True)
