@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import BadRequest
+from .limits import give_memory_back
 
 # JSON as a model writes it: no whitespace but one space after ',' and ':', so that a
 # small or unsure model cannot spend its tokens on newlines
@@ -101,6 +102,7 @@ class Grammar:
             raise GrammarError(self.matcher.get_error())
         self.next_mask: Optional[Future] = None  # the next step's bits, being computed
         self.waited = 0.0  # seconds its batch waited for its masks past the forward
+        self.abandoned = False  # its row failed while a mask was being computed
 
     @classmethod
     def json(cls, tokens: Tokens, schema: Optional[dict] = None) -> "Grammar":
@@ -124,7 +126,20 @@ class Grammar:
     def prefetch(self):
         """Start computing the next step's mask on a grammar thread."""
         if self.next_mask is None:
-            self.next_mask = MASK_THREADS.submit(self.matcher.compute_bitmask)
+            self.next_mask = MASK_THREADS.submit(self._compute)
+
+    def _compute(self) -> bytes:
+        """One mask (on a grammar thread); a mask its row gave up on frees its matcher
+        and gives the memory back as it ends (a bomb's lexer holds ~185 MB)."""
+        try:
+            return self.matcher.compute_bitmask()
+        finally:
+            if self.abandoned:
+                self._drop()
+
+    def _drop(self):
+        self.matcher = None
+        give_memory_back()
 
     def bits(self, since: Optional[float]) -> bytes:
         """The next step's mask; with `since` (when the step's forward ended) waited
@@ -139,7 +154,9 @@ class Grammar:
         try:
             return future.result(timeout=max(0.0, since + budget - tic))
         except FutureTimeout:
-            future.cancel()
+            self.abandoned = True
+            if future.cancel() or future.done():  # else _compute drops it as it ends
+                self._drop()
             raise GrammarTooSlow(
                 f"its grammar took over {MASK_STEP_S:g} s to find the tokens allowed next "
                 f"(or over {MASK_TOTAL_S:g} s of waits in all): simplify its schema or "

@@ -39,6 +39,7 @@ from ..model.experts import streaming_of
 from ..routing.state import RoutingState, bind, sequence_state
 from . import sampling
 from .job import Job
+from .limits import IdleTrim
 from .lockstep import fatal_in_group, follow, share_turn
 from .metrics import Finished, Metrics, log_finished
 from .prompt_cache import PromptCache
@@ -170,7 +171,10 @@ class Engine:
         self._release()
 
     def _serve(self):
+        trim = IdleTrim()
         while True:
+            if not self.active and not self.pending:
+                trim()  # idle: what finished requests freed goes back to the system
             if self.leader:
                 new = self._admit(block=not self.active and not self.pending)
             if self.share is None:

@@ -15,6 +15,7 @@ freed unless asked to give it back (malloc_trim)."""
 import ctypes
 import sys
 import threading
+import time
 
 from .errors import BadRequest
 
@@ -36,6 +37,21 @@ def give_memory_back():
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # another C library (musl): nothing to ask
             pass
+
+
+class IdleTrim:
+    """give_memory_back at most every `every_s` seconds, for a server gone idle: what
+    refused requests allocated (a 4 MB body's parse, its template's render) is freed
+    but kept by glibc until then."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s, self.last = every_s, 0.0
+
+    def __call__(self):
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            give_memory_back()
 
 
 class BoundedTokenizer:
