@@ -79,3 +79,24 @@ def test_the_defaults_hold_under_the_host_sync_model():
     for old, now in zip(rows, new):
         if old["profile"] != "m4-air-24gb":  # its int4 rate rose (BigRig's kernels)
             assert now["forecast_decode_tok_s"] < old["forecast_decode_tok_s"]
+
+
+def test_a_compute_wait_makes_up_the_cpu_a_reader_took_meanwhile():
+    """--validate's twin (compute on this CPU): CPU seconds the reader spent during a
+    compute wait extend it; a wait with no reader work is as asked."""
+    import time
+    from edgemoe.twin.engine import Waiter
+    cpu = {"s": 0.0}
+
+    def reader_cpu():  # 10 ms of reader CPU appear during each wait
+        cpu["s"] += 0.005
+        return cpu["s"]
+
+    w = Waiter(1.0, contending=reader_cpu)
+    tic = time.perf_counter()
+    w.wait(0.01)
+    took = time.perf_counter() - tic
+    assert w.contended == pytest.approx(0.005) and took >= 0.015
+    plain = Waiter(1.0)
+    plain.wait(0.01)
+    assert plain.contended == 0.0 and plain.compute == pytest.approx(0.01)

@@ -243,7 +243,7 @@ def token_ms(design: Design, profile: Profile, misses: float, from_page_cache: f
             "hidden_ms": hidden, "token_ms": total, "tok_s": 1e3 / total}
 
 
-SENSITIVE = ("host_sync_us", "sync_idle_us", "ssd_read_gbps", "int4_gbps")
+SENSITIVE = ("host_sync_us", "sync_idle_us", "ssd_read_gbps", "ssd_latency_us", "int4_gbps")
 
 
 def replay_misses(design: Design, traces: Sequence[dict], seed: int = 0,
