@@ -165,8 +165,8 @@ def build(args) -> Tuple[Engine, Server]:
                     prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
                     load_draft=(lambda tokenizer: load_draft(args, tokenizer)) if drafting
                     else None,
-                    prompt_cache_disk=disk_cache_of(args, options) if args.prompt_cache_dir
-                    else None)
+                    prompt_cache_disk=(lambda: disk_cache_of(args, options, engine.store))
+                    if args.prompt_cache_dir else None)
     engine.start()
     config = engine.config
     context = int(config.get("max_position_embeddings") or 4096)
@@ -186,20 +186,18 @@ def build(args) -> Tuple[Engine, Server]:
     return engine, server
 
 
-def disk_cache_of(args, options):
-    """The engine's maker of its DiskPromptCache: keyed by the model's files (each one's
-    path, size and modification time: a re-converted model gets a fresh cache), its
+def disk_cache_of(args, options, store):
+    """The prompt cache's folder on disk for the loaded model: keyed by its files (each
+    one's path, size and modification time: a re-converted model gets a fresh cache), its
     adapter and its routing."""
     from .serving.disk_cache import DiskPromptCache
 
-    def make(store):
-        files = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
-                       for f in store.info().files if f.exists())
-        identity = {"model": str(args.model or "edgemoe-fine"), "files": files,
-                    "adapter": options.adapter_path, "routing": str(options.routing)}
-        return DiskPromptCache(Path(args.prompt_cache_dir), identity,
-                               args.prompt_cache_disk_bytes)
-    return make
+    files = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in store.info().files if f.exists())
+    identity = {"model": str(args.model or "edgemoe-fine"), "files": files,
+                "adapter": options.adapter_path, "routing": str(options.routing)}
+    return DiskPromptCache(Path(args.prompt_cache_dir), identity,
+                           args.prompt_cache_disk_bytes)
 
 
 def chat_template(value):

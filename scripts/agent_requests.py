@@ -21,6 +21,10 @@ def claude_code():
     return recorded("claude_code-2.1.332.jsonl.gz")
 
 
+def claude_code_counts():
+    return recorded("claude_code-2.1.332-count_tokens.jsonl.gz")
+
+
 def codex():
     return recorded("codex-0.171.0.jsonl.gz")
 

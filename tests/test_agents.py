@@ -31,7 +31,7 @@ from pydantic import TypeAdapter
 from test_server import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from agent_requests import claude_code, codex, fit, split  # noqa: E402
+from agent_requests import claude_code, claude_code_counts, codex, fit, split  # noqa: E402
 
 MODEL = "edgemoe-fine"
 CLAUDE = claude_code()
@@ -119,6 +119,22 @@ def test_whole_recorded_turns_are_refused_only_for_the_context(url, caplog):
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long: 17"):
         known, extra = split(CLAUDE[0]["body"], anthropic_client(url).beta.messages.create)
         anthropic_client(url).beta.messages.create(**known, extra_body=extra)
+
+
+def test_claude_codes_token_counts_are_answered(url):
+    """Its /context report's 23 count_tokens requests, as recorded: each counted (200),
+    and the SDK reads each answer."""
+    client = anthropic_client(url)
+    counts = []
+    for r in claude_code_counts():
+        reply = httpx.post(url + r["path"], json=r["body"], timeout=120,
+                           headers={"user-agent": r["headers"]["user-agent"]})
+        assert reply.status_code == 200, reply.text
+        known, extra = split(r["body"], client.beta.messages.count_tokens)
+        counted = client.beta.messages.count_tokens(**known, extra_body=extra)
+        assert counted.input_tokens == reply.json()["input_tokens"] > 0
+        counts.append(counted.input_tokens)
+    assert max(counts) > 2048  # (its whole tool set: counted, though no prompt could hold it)
 
 
 # ---- the recorded turns, cut to fit: every event parsed ---------------------------------

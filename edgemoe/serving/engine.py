@@ -64,15 +64,13 @@ class Engine:
         them) kept for reuse by later requests that share their prefix (mlx-lm's
         LRUPromptCache); 0 entries: none kept. `load_draft(tokenizer)`: the draft
         (a DraftModel or PromptLookup) that requests decoded alone speculate with.
-        `prompt_cache_disk(store)`: the DiskPromptCache for the loaded model's store, or
-        None (edgemoe.serving.disk_cache; made once the model is loaded)."""
+        `prompt_cache_disk()`: opens the cache's folder on disk (serving.prompt_cache)."""
         self._load = load  # returns (model, tokenizer, config); called on the engine thread
         self._load_draft = load_draft
         self.drafting = load_draft is not None
         self.draft = None
-        self._prompt_cache_disk = prompt_cache_disk
         self.prompt_cache = PromptCache(max(prompt_cache_size, 1),
-                                        prompt_cache_bytes or 1 << 63) \
+                                        prompt_cache_bytes or 1 << 63, prompt_cache_disk) \
             if prompt_cache_size > 0 else None
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
@@ -152,8 +150,6 @@ class Engine:
             self.store, self.share = streaming.store, streaming.share
             self.metrics = Metrics(self.store)
             self.eos = set(self.tokenizer.eos_token_ids)
-            if self.prompt_cache is not None and self._prompt_cache_disk is not None:
-                self.prompt_cache.disk = self._prompt_cache_disk(self.store)
             if self._load_draft is not None:
                 self.draft = self._load_draft(self.tokenizer)
         except BaseException as e:  # reported by start()
@@ -290,8 +286,7 @@ class Engine:
                              cache_misses=job.cached_tokens == 0, cached_tokens=job.cached_tokens)
 
     def _remember(self, tokens: List[int], cache: list, scope: str = ""):
-        """Keep `cache` (of `tokens`, all prefilled) for requests of `scope` that start
-        with them."""
+        """Keep `cache` (of `tokens`, all prefilled) for `scope`'s requests starting so."""
         if self.prompt_cache is None or not tokens:
             return
         self.prompt_cache.insert(tokens, cache, scope)

@@ -9,7 +9,7 @@ request's output what it is alone: only prefills are kept, and at least two toke
 left to prefill (see `fetch`)."""
 
 import logging
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
@@ -20,9 +20,18 @@ log = logging.getLogger("edgemoe.server")
 
 class PromptCache:
     def __init__(self, max_entries: int, max_bytes: int,
-                 disk: Optional[DiskPromptCache] = None):
+                 open_disk: Optional[Callable[[], DiskPromptCache]] = None):
+        """`open_disk()`: the DiskPromptCache, opened on first use (the model is loaded
+        by then: its files are the cache's identity), or None: memory only."""
         self.lru = LRUPromptCache(max_entries, max_bytes)
-        self.disk = disk
+        self.open_disk = open_disk
+        self._disk: Optional[DiskPromptCache] = None
+
+    @property
+    def disk(self) -> Optional[DiskPromptCache]:
+        if self._disk is None and self.open_disk is not None:
+            self._disk = self.open_disk()
+        return self._disk
 
     def fetch(self, tokens: List[int], scope: str = ""):
         """(the KV cache of the longest cached prefix of `tokens` in `scope`, the tokens
