@@ -33,6 +33,7 @@ def check_supported(config: dict, where) -> str:
     if model_type in UNSUPPORTED:
         raise UnsupportedModelError(f"{where}: model_type {model_type!r} cannot be streamed: "
                                     f"{UNSUPPORTED[model_type]}")
+    check_shape(config, where)  # first: arithmetic, before mlx-lm's classes are imported
     try:
         _model_classes(config)
     except ValueError:
@@ -40,7 +41,6 @@ def check_supported(config: dict, where) -> str:
                                     f"mlx-lm {_mlx_lm_version()} runs") from None
     except ImportError:  # no mlx-lm (the CUDA backend): its own loader checks the family
         pass
-    check_shape(config, where)
     return model_type
 
 
