@@ -63,9 +63,12 @@ def shape_for(model: str) -> Shape:
 
 
 def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
-                    readers: int = 2, policy: str = "lfu") -> dict:
+                    readers: int = 2, policy: str = "lfu",
+                    mapped: Optional[List[dict]] = None) -> dict:
+    """`mapped`: the traces' routing for the shape already (shape_routing), reused across
+    budgets: generating it is the slow part."""
     from ..streaming.replay import simulate
-    mapped = shape_routing(shape, traces)
+    mapped = mapped if mapped is not None else shape_routing(shape, traces)
     tokens = sum(int(m["decode"].sum()) for m in mapped)
     if not tokens:
         raise ValueError("the routing trace has no decoded tokens: a decode forecast needs "
@@ -144,6 +147,7 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
           + (" (the bundled model's held-out, teacher-forced traces: 128 experts, top-8)"
              if not trace else ""))
     rows = []
+    mapped = shape_routing(shape, traces)
     asked = budgets or ["5%", "10%", "25%"]
     if auto:
         asked = asked + [auto]
@@ -158,7 +162,7 @@ def report(model: str, machine: str, budgets: Optional[List[str]] = None,
             print(f"  {label:>10} below the minimum budget")
             continue
         f = decode_forecast(shape, profile, budget_bytes, traces, defaults.readers,
-                            defaults.cache_policy)
+                            defaults.cache_policy, mapped)
         f.update(budget=label, slots=slots,
                  ttft_512_s=ttft_forecast(shape, profile, 512, slots,
                                           defaults.prefill_step_size, defaults.readers),
