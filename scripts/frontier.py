@@ -25,6 +25,7 @@ tok/s at 25%), and a Markdown table on stdout (docs/routing.md's).
 import argparse
 import json
 import math
+import pickle
 import sys
 import time
 from dataclasses import replace
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.model.experts import streaming_of  # noqa: E402
 from edgemoe.model.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.routing.between import install_conditional, set_top_k, with_native_layers  # noqa: E402
+from edgemoe.routing.between import SlotSim, install_conditional, set_top_k, with_native_layers  # noqa: E402
 from edgemoe.routing.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.replay import simulate  # noqa: E402
@@ -47,6 +48,7 @@ from edgemoe.streaming.replay import simulate  # noqa: E402
 PACK = ROOT / "edgemoe" / "models" / "fine"
 BUDGETS = ("10%", "25%")
 SHAPE, MACHINE = "qwen3-30b-a3b", "m4-pro-24gb"
+FORECAST_TOKENS = 1024  # of native's trace, replayed on the shape (48 layers: slow)
 
 # name -> how it routes: routing, adapter, native layers (fallback-0-j: MoE layers 0..j keep
 # their router), top-k, conditional (the router among the slots and the heads' m most likely)
@@ -63,6 +65,7 @@ CONFIGS = {
     "conditional-8": dict(routing="prerouted", conditional=8),
     "conditional-16": dict(routing="prerouted", conditional=16),
     "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
+    "conditional-16-top4": dict(routing="prerouted", conditional=16, top_k=4),
     "conditional-4-top4": dict(routing="prerouted", conditional=4, top_k=4),
     "conditional-8+adapter": dict(routing="prerouted", conditional=8,
                                                adapter=True),
@@ -129,25 +132,41 @@ def bytes_per_token(trace, budget) -> float:
     return r.decode_bytes_read / int(trace["decode"].sum())
 
 
-def forecast(trace, budget, kind: str, top_k: int, native_share: float = 0.0,
-             bytes_ratio: float = 1.0) -> float:
-    """Decode tok/s on SHAPE at MACHINE (analytic FORECAST; see the module doc)."""
-    from edgemoe.twin.engine import Compute
-    from edgemoe.twin.forecast import decode_forecast
-    from edgemoe.twin.profiles import load_profile
-    from edgemoe.twin.shapes import SHAPES
+class Forecast:
+    """Decode tok/s on SHAPE at MACHINE (analytic FORECAST, edgemoe.twin.forecast's model).
+    Native's bytes per token on the shape come from its trace mapped onto the shape and
+    replayed (LFU); a mode's are native's scaled by the ratio of the two on the bundled
+    model (the map keeps each token's routing, so hit rates carry over)."""
 
-    shape = replace(SHAPES[SHAPE], top_k=top_k)
-    profile = load_profile(MACHINE)
-    f = decode_forecast(shape, profile, budget, [trace])
-    sync = Compute.from_profile(profile, shape).host_sync_s
-    compute, read = f["compute_ms"] / 1e3, f["read_ms"] / 1e3 * bytes_ratio
-    if kind == "exact":
-        return 1 / (compute + (2 * shape.layers + 1) * sync + read)
-    if kind == "conditional":  # reads a token ahead, routing syncs as native's
-        return 1 / max(compute + (2 * shape.layers + 1) * sync, read)
-    ahead, waits = read * (1 - native_share), read * native_share
-    return 1 / (max(compute + (shape.layers + 1) * sync, ahead) + waits)
+    def __init__(self, native_trace: dict):
+        from edgemoe.twin.profiles import load_profile
+        from edgemoe.twin.shapes import SHAPES, map_trace
+
+        self.shape, self.profile = SHAPES[SHAPE], load_profile(MACHINE)
+        first = {k: v[:FORECAST_TOKENS] if k in ("routed", "decode", "calls") else v
+                 for k, v in native_trace.items()}
+        mapped = map_trace(first, self.shape)
+        tokens = int(mapped["decode"].sum())
+        self.native_bytes = {b: simulate(mapped, b, "lfu").decode_bytes_read / tokens
+                             for b in BUDGETS}
+        record = self.shape.record_bytes
+        self.rate = record / self.profile.read_s(record, 2)
+
+    def tok_s(self, budget, kind: str, top_k: int, bytes_ratio: float,
+              native_share: float = 0.0) -> float:
+        from edgemoe.twin.engine import Compute
+
+        shape = replace(self.shape, top_k=top_k)
+        c = Compute.from_profile(self.profile, shape)
+        compute = shape.layers * (c.resident_layer_s(1) + c.experts_s(top_k, top_k)) + c.head_s
+        sync = c.host_sync_s
+        read = self.native_bytes[budget] * bytes_ratio / self.rate
+        if kind == "exact":  # reads wait
+            return 1 / (compute + (2 * shape.layers + 1) * sync + read)
+        if kind == "conditional":  # reads a token ahead, routing syncs as native's
+            return 1 / max(compute + (2 * shape.layers + 1) * sync, read)
+        ahead, waits = read * (1 - native_share), read * native_share
+        return 1 / (max(compute + (shape.layers + 1) * sync, ahead) + waits)
 
 
 def measure(name, spec, texts, heads, work, context, native):
@@ -178,8 +197,10 @@ def measure(name, spec, texts, heads, work, context, native):
             if taps:
                 entry["exact_share"] = float(sum(t.exact for t in taps.values()) / max(
                     1, sum(t.tokens for t in taps.values())))
-                entry["loads_per_token"] = sum(t.sim.loads for t in taps.values()) / max(
-                    1, taps[min(taps)].sim.tokens)
+                # every layer's loads: the predicted layers' simulated slots, the first
+                # layer's (native) replayed as the store would
+                entry["loads"] = sum(t.sim.loads for t in taps.values()) + first_layer_loads(
+                    trace, slots)
             key = tname if budget is None else f"{tname}@{budget}"
             out["texts"].setdefault(key, {}).update(entry)
             print(f"  {name} {key}: ppl {entry['perplexity']:.2f} kl {entry['kl']:.4f} "
@@ -189,34 +210,44 @@ def measure(name, spec, texts, heads, work, context, native):
     return out
 
 
-def speed(result, native, heads_native_layers):
-    """Bytes per token (bundled model) and forecast tok/s (SHAPE) per budget, over the
-    texts' traces together."""
+def speed(result, native, heads_native_layers, forecast: "Forecast"):
+    """Experts read per token (bundled model, all layers) and forecast tok/s (SHAPE) per
+    budget: each text's trace replayed from empty slots, the texts' tokens together."""
     spec = result["spec"]
     top_k = spec.get("top_k") or 8
     for budget in BUDGETS:
         if spec.get("conditional"):
             texts = [k for k in result["texts"] if k.endswith("@" + budget)]
-            loads = np.mean([result["texts"][k]["loads_per_token"] for k in texts])
-            native_loads = native["budgets"][budget]["experts_per_token"]
-            ratio = loads / native_loads
-            trace = _joined(native["traces"][None])
-            tok_s = forecast(trace, budget, "conditional", top_k, bytes_ratio=ratio)
-            experts, record = loads, int(trace["expert_bytes"][0])
+            loads = sum(result["texts"][k]["loads"] for k in texts)
+            experts = loads / sum(result["texts"][k]["tokens"] for k in texts)
+            kind, share = "conditional", 0.0
         else:
-            trace = _joined(result["traces"][None])
-            per = bytes_per_token(trace, budget)
-            record = int(trace["expert_bytes"][0])
-            experts = per / record
-            if spec["routing"] == "native":
-                tok_s = forecast(trace, budget, "exact", top_k)
-            else:
-                native_layers = set(heads_native_layers) | set(spec.get("native_layers", []))
-                share = len(native_layers - {0}) / trace["routed"].shape[1]
-                tok_s = forecast(trace, budget, "prerouted", top_k, native_share=share)
-        result["budgets"][budget] = {"experts_per_token": float(experts),
-                                     "kb_per_token": float(experts) * record / 1024,
-                                     "forecast_tok_s": float(tok_s)}
+            experts = replayed_experts(result["traces"][None], budget)
+            native_layers = set(heads_native_layers) | set(spec.get("native_layers", []))
+            kind = "exact" if spec["routing"] == "native" else "prerouted"
+            share = len(native_layers - {0}) / 8
+        ratio = 1.0 if result is native else \
+            experts / native["budgets"][budget]["experts_per_token"]
+        record = int(next(iter(native["traces"][None].values()))["expert_bytes"][0])
+        result["budgets"][budget] = {
+            "experts_per_token": float(experts), "kb_per_token": float(experts) * record / 1024,
+            "forecast_tok_s": float(forecast.tok_s(budget, kind, top_k, ratio, share))}
+
+
+def first_layer_loads(trace, slots) -> int:
+    sim = SlotSim(slots)
+    for ids in trace["routed"][:, 0]:
+        sim.step(ids.tolist())
+    return sim.loads
+
+
+def replayed_experts(traces: dict, budget) -> float:
+    """Experts loaded per token, each text's trace replayed through the store's slots."""
+    loads = tokens = 0
+    for trace in traces.values():
+        loads += simulate(trace, budget, "lfu").decode_bytes_read / int(trace["expert_bytes"][0])
+        tokens += int(trace["decode"].sum())
+    return loads / tokens
 
 
 def _joined(traces: dict) -> dict:
@@ -252,8 +283,15 @@ def main(argv=None):
     heads = Path(args.heads)
     shipped_native = json.loads((heads / "prerouter_config.json").read_text()).get(
         "native_layers", [0])
-    native = measure("native", CONFIGS["native"], texts, heads, out, args.context, None)
-    speed(native, native, [])
+    cached = out / "native.pkl"  # native's log-probs and traces, for a rerun with other modes
+    key = {k: len(v) for k, v in texts.items()}, args.context
+    native = pickle.loads(cached.read_bytes()) if cached.exists() else None
+    if native is None or native.get("key") != key:
+        native = measure("native", CONFIGS["native"], texts, heads, out, args.context, None)
+        native["key"] = key
+        cached.write_bytes(pickle.dumps(native))
+    forecast = Forecast(_joined(native["traces"][None]))
+    speed(native, native, [], forecast)
     for tname in texts:
         native["texts"][tname].update(scores(native["texts"][tname]["_lps"],
                                              native["texts"][tname]["_lps"], texts[tname],
@@ -263,7 +301,7 @@ def main(argv=None):
         if name == "native":
             continue
         r = measure(name, CONFIGS[name], texts, heads, out, args.context, native)
-        speed(r, native, shipped_native)
+        speed(r, native, shipped_native, forecast)
         results.append(r)
         write(results, texts, out, args)
     write(results, texts, out, args)

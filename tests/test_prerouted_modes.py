@@ -95,3 +95,50 @@ def test_native_layers_copy_keeps_those_layers_on_their_router(tmp_path):
     assert config.predicted_layers == [3, 4, 5, 6, 7]
     shipped = json.loads((BUNDLED_MODEL / "prerouter" / "prerouter_config.json").read_text())
     assert shipped["native_layers"] == [0]
+
+
+@pytest.fixture(scope="module")
+def conditional_heads(tmp_path_factory):
+    """The shipped heads set to route cache-conditionally among their 8 most likely and
+    the slots, 4 experts a token (the modes' fields of prerouter_config.json)."""
+    out = with_native_layers(BUNDLED_MODEL / "prerouter", [],
+                             tmp_path_factory.mktemp("conditional") / "heads")
+    config = json.loads((out / "prerouter_config.json").read_text())
+    config.update(conditional=8, route_top_k=4)
+    (out / "prerouter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_conditional_heads_run_through_generate_eval_and_the_server(conditional_heads):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+    from test_server import completion, running_server
+
+    from edgemoe.eval import ModelConfig, evaluate
+
+    model, tokenizer = edgemoe.load(expert_budget="25%", routing="prerouted",
+                                    prerouter_path=str(conditional_heads))
+    blocks = moe_blocks(model)
+    assert all(b.top_k == 4 for b in blocks.values())
+    taps = streaming_of(model).routing.predictor.taps
+    assert all(isinstance(t, ConditionalTap) and t.sim.slots == 32 for t in taps.values())
+    prompt = tokenizer.encode(TEXT)
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
+                                               sampler=make_sampler(0.0))]
+    assert len(tokens) == 6 and all(t.tokens > 0 for t in taps.values())
+    config = ModelConfig.parse(f"{BUNDLED_MODEL},budget=0.25,routing=prerouted,"
+                               f"prerouter={conditional_heads}")
+    result = evaluate([config], TEXT * 4, context=32, max_tokens=64)
+    assert 1 < result["configs"][0]["perplexity"] < 1e4
+    with running_server("--expert-budget", "25%", "--routing", "prerouted",
+                        "--prerouter", str(conditional_heads)) as url:
+        ids, _, text, _ = completion(url, TEXT, max_tokens=6)
+    assert len(ids) == 6
+
+
+def test_other_backends_refuse_heads_of_a_mode_they_do_not_run(conditional_heads):
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from edgemoe.cuda.prerouted import load_heads
+
+    with pytest.raises(ValueError, match="conditional 8"):
+        load_heads(conditional_heads, "cpu")

@@ -95,7 +95,12 @@ def multi_hot(ids: torch.Tensor, n: int) -> torch.Tensor:
 def load_heads(path, device) -> Heads:
     """The heads of a prerouter folder on `device`."""
     path = Path(path)
-    heads = Heads(read_config(path))
+    config = read_config(path)
+    if not config.plain:
+        raise ValueError(f"{path / CONFIG}: route_top_k {config.route_top_k}, conditional "
+                         f"{config.conditional}: the MLX backend's modes; this backend "
+                         f"routes by plain heads (both 0)")
+    heads = Heads(config)
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)
     if missing or unexpected:

@@ -130,7 +130,8 @@ def load(
     except BaseException:
         store.close()
         raise
-    predictor = routing.predictor(heads, moe_blocks(model)) if routing.predicts else None
+    predictor = (routing.predictor(heads, moe_blocks(model), store.info().slots_per_layer)
+                 if routing.predicts else None)
     if predictor is not None:
         store.gate_prefetches(routing.gates_prefetches)
         streaming.routing = PredictedRouting(predictor, store.prefetch)

@@ -33,6 +33,10 @@ class PrerouterConfig:
     sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
     same_token: bool = False  # predict layer l+1 of token t, not of token t+1
     native_layers: List[int] = field(default_factory=list)  # keep the native router here
+    # modes between exact and predicted (edgemoe.routing.between; MLX only):
+    route_top_k: int = 0  # > 0: every MoE layer routes to its k most likely (reduced top-k)
+    conditional: int = 0  # > 0: the router chooses among the experts in slots and the heads'
+    #                       m most likely, which are read a token ahead (cache-conditional)
 
     @classmethod
     def for_layers(cls, model_type: str, hidden_size: int, layers: Sequence[int],
@@ -51,6 +55,11 @@ class PrerouterConfig:
         """1: the heads predict the next token's routing (their target's next call); 0:
         this token's (same-token heads)."""
         return 0 if self.same_token else 1
+
+    @property
+    def plain(self) -> bool:
+        """The heads' prediction is the routing, at the model's top-k."""
+        return not (self.route_top_k or self.conditional)
 
     @property
     def targets(self) -> List[int]:

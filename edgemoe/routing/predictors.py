@@ -15,11 +15,12 @@ token ahead).
   layers.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .between import install_conditional, set_top_k
 from .gates import RouterTap, gate_logits, indices_from_logits, install_tap
 from .prerouter import Prerouter
 from .state import RoutingState
@@ -63,9 +64,14 @@ class PreroutedPredictor:
     while layer l computes (a layer ahead: more accurate, less lead).
     """
 
-    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module]):
+    def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module],
+                 slots: Optional[int] = None):
+        """`slots`: each layer's slots (the store's; None: every expert), which
+        cache-conditional heads (config.conditional) route among."""
         self.prerouter = prerouter
         config = prerouter.config
+        if config.route_top_k:  # reduced top-k: every layer, native or predicted
+            set_top_k(blocks.values(), config.route_top_k)
         self.targets_of = config.targets_of
         # compiled, as the next router is: a head and its target's routing code cost no
         # Python on the decode path (the heads' weights are fixed once loaded)
@@ -77,6 +83,13 @@ class PreroutedPredictor:
         # next-token predictions: the host knows a decode step's routing of their layers
         # before it runs (`fixes_next_call`)
         self.fixes = set() if self.same_token else set(self.predicted_layers)
+        if config.conditional:  # the router decides among slots and the prediction, which
+            #                    is read ahead: its heads' m most likely
+            install_conditional(self, blocks, slots or config.num_experts, config.conditional)
+            m = config.conditional
+            self.indices = {t: mx.compile(lambda logits: mx.argpartition(-logits, m - 1,
+                                                                         axis=-1)[..., :m])
+                            for t in config.targets}
 
     def _logits_of(self, target: int):
         return lambda x, recent: self.prerouter.logits_of_recent(target, x, recent)
