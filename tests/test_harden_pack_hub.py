@@ -4,7 +4,6 @@ fetch, sized from what the hub declares before it is read, against a hostile sta
 runs in this process (its hub calls read huggingface_hub's endpoint at call time);
 downloads and killed runs in subprocesses, as a user runs them."""
 
-import json
 import os
 import shutil
 import signal

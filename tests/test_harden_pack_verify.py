@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.format.pack import MANIFEST, Pack, PackError
+from edgemoe.format.pack import MANIFEST, Pack
 from edgemoe.format.source import BUNDLED_MODEL
 
 from conftest import error_line, tool_module
