@@ -67,6 +67,8 @@ CONFIGS = {
     "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
     "conditional-16-top4": dict(routing="prerouted", conditional=16, top_k=4),
     "conditional-4-top4": dict(routing="prerouted", conditional=4, top_k=4),
+    "conditional-8-top4+adapter": dict(routing="prerouted", conditional=8, top_k=4,
+                                       adapter=True),
     "conditional-8+adapter": dict(routing="prerouted", conditional=8,
                                                adapter=True),
 }
