@@ -67,6 +67,8 @@ CONFIGS = {
     "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
     "conditional-16-top4": dict(routing="prerouted", conditional=16, top_k=4),
     "conditional-4-top4": dict(routing="prerouted", conditional=4, top_k=4),
+    "conditional-8-top4+adapter": dict(routing="prerouted", conditional=8, top_k=4,
+                                       adapter=True),
     "conditional-8+adapter": dict(routing="prerouted", conditional=8,
                                                adapter=True),
 }
@@ -261,7 +263,10 @@ def _joined(traces: dict) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", action="append", required=True, metavar="NAME=FILE",
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="only merge frontier.json files of earlier runs (the same texts) "
+                        "into --out's, with its table and picture")
+    p.add_argument("--text", action="append", metavar="NAME=FILE",
                    help="held-out text; the first is the headline (the unseen corpus)")
     p.add_argument("--heads", default=str(PACK / "prerouter"))
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -271,6 +276,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge([json.loads(Path(f).read_text()) for f in args.merge], out)
+    if not args.text:
+        p.error("--text NAME=FILE: give the held-out texts")
     names = [n.strip() for n in args.configs.split(",")]
     for n in names:
         if n not in CONFIGS:
@@ -321,6 +330,21 @@ def write(results, texts, out, args):
     (out / "frontier.json").write_text(json.dumps(result, indent=1))
     print_table(result)
     plot(result, out / "frontier.png")
+
+
+def merge(results, out: Path):
+    """One frontier of several runs' (their native rows must agree)."""
+    first = dict(results[0])
+    natives = {json.dumps(r["configs"][0]["texts"], sort_keys=True) for r in results}
+    if len(natives) != 1:
+        raise SystemExit("--merge: the runs' native rows differ: other texts or tokens")
+    seen = {c["name"] for c in first["configs"]}
+    for r in results[1:]:
+        first["configs"] += [c for c in r["configs"] if c["name"] not in seen]
+        seen |= {c["name"] for c in r["configs"]}
+    (out / "frontier.json").write_text(json.dumps(first, indent=1))
+    print_table(first)
+    plot(first, out / "frontier.png")
 
 
 def _quality(row, text, budget):

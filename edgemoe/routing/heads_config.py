@@ -7,7 +7,8 @@ Neither MLX nor PyTorch here.
 
 The config says which MoE layer each head predicts (its target) and at which it runs (its
 source), which layers keep the native router, and whether the heads predict the next
-token or this one. Heads saved before the head variants left (#44; their figures:
+token or this one, and optionally a mode between exact and predicted routing
+(`route_top_k`, `conditional`: edgemoe.routing.between, docs/routing.md). Heads saved before the head variants left (#44; their figures:
 docs/benchmarks.md, "Variants") record each variant's field; the shipped heads hold the
 plain values. A field of a removed variant loads at its plain value only.
 """
