@@ -15,12 +15,12 @@ files of the real sizes, so that the same code that opens a local checkpoint siz
 on the hub without downloading its weights.
 
 Every byte edgemoe itself asks the hub for goes through `fetch`: one call with a deadline
-(EDGEMOE_HUB_TIMEOUT seconds without a byte, default 15; the whole call within
-EDGEMOE_HUB_DEADLINE, default 120) and a limit on its size, checked against what the
-hub declares (a listing's size, a Content-Length, a header's length field) before the
-body is read. huggingface_hub's own downloads run under the same per-read timeout. A
-call that stalls says which file stalled and after how many bytes; a hub that never
-answered is "cannot be reached".
+(EDGEMOE_HUB_TIMEOUT seconds without a byte, default 10 as huggingface_hub's own; the
+whole call within EDGEMOE_HUB_DEADLINE, default 120) and a limit on its size, checked
+against what the hub declares (a listing's size, a Content-Length, a header's length
+field) before the body is read. huggingface_hub's own downloads run under the same
+per-read timeout. A call that stalls says which file stalled and after how many bytes;
+a hub that never answered is "cannot be reached".
 """
 
 import fnmatch
@@ -279,7 +279,7 @@ class Stalled(HubError):
 
 
 def stall_seconds() -> float:
-    return _seconds("EDGEMOE_HUB_TIMEOUT", 15.0)
+    return _seconds("EDGEMOE_HUB_TIMEOUT", 10.0)
 
 
 def deadline_seconds() -> float:

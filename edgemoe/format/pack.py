@@ -409,7 +409,8 @@ class Pack:
                 found = hashlib.sha256((self.path / name).read_bytes()).hexdigest()
             except FileNotFoundError:
                 raise PackError(f"{self.path / name}: missing (the manifest lists its "
-                                f"checksum); restore it or convert the checkpoint again") from None
+                                f"checksum); restore it or convert the checkpoint "
+                                f"again") from None
             if found != sha:
                 raise PackError(f"{self.path / name}: checksum mismatch (expected {sha[:16]}..., "
                                 f"found {found[:16]}...); it was changed after convert and "
