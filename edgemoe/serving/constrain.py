@@ -80,6 +80,10 @@ def lower_priority():
 
 MASK_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="edgemoe-grammar",
                                   initializer=lower_priority)
+# llguidance's regex fuel (its default 1M): a schema regex like ^(a{700}){700}$ burns
+# 14 s and ~185 MB in its first mask at 1M, and stops with a lexer error in ~1 s at 300k;
+# formats (email, uri, date-time, uuid, ipv6), patterns and long strings need far less
+LEXER_FUEL = 300_000
 MASK_STEP_S = 0.2  # the most a step waits for one row's mask once its forward is done
 MASK_TOTAL_S = 1.0  # the most one row's grammar makes its batch wait in all
 
@@ -97,7 +101,8 @@ class Grammar:
         import llguidance
 
         self.vocab_size = tokens.vocab_size
-        self.matcher = llguidance.LLMatcher(tokens.ll, grammar)
+        self.matcher = llguidance.LLMatcher(tokens.ll, grammar, limits=llguidance.LLParserLimits(
+            initial_lexer_fuel=LEXER_FUEL))
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
         self.next_mask: Optional[Future] = None  # the next step's bits, being computed
