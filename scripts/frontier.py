@@ -62,6 +62,8 @@ CONFIGS = {
     "fallback-0-3": dict(routing="prerouted", native_layers=[1, 2, 3]),
     "fallback-0-5": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5]),
     "prerouted-top4": dict(routing="prerouted", top_k=4),
+    "fallback-0-3-top4": dict(routing="prerouted", native_layers=[1, 2, 3], top_k=4),
+    "fallback-0-5-top4": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5], top_k=4),
     "conditional-8": dict(routing="prerouted", conditional=8),
     "conditional-16": dict(routing="prerouted", conditional=16),
     "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
