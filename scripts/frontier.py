@@ -62,6 +62,8 @@ CONFIGS = {
     "fallback-0-3": dict(routing="prerouted", native_layers=[1, 2, 3]),
     "fallback-0-5": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5]),
     "prerouted-top4": dict(routing="prerouted", top_k=4),
+    "fallback-0-3-top4": dict(routing="prerouted", native_layers=[1, 2, 3], top_k=4),
+    "fallback-0-5-top4": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5], top_k=4),
     "conditional-8": dict(routing="prerouted", conditional=8),
     "conditional-16": dict(routing="prerouted", conditional=16),
     "conditional-8-top4": dict(routing="prerouted", conditional=8, top_k=4),
@@ -231,6 +233,10 @@ def speed(result, native, heads_native_layers, forecast: "Forecast"):
         ratio = 1.0 if result is native else \
             experts / native["budgets"][budget]["experts_per_token"]
         record = int(next(iter(native["traces"][None].values()))["expert_bytes"][0])
+        if spec.get("adapter"):  # each expert's delta rides with it: more bytes a read
+            ratio *= delta_share()
+            experts *= delta_share()  # (in experts' worth of bytes)
+            result["deltas_counted"] = True
         result["budgets"][budget] = {
             "experts_per_token": float(experts), "kb_per_token": float(experts) * record / 1024,
             "forecast_tok_s": float(forecast.tok_s(budget, kind, top_k, ratio, share))}
@@ -241,6 +247,15 @@ def first_layer_loads(trace, slots) -> int:
     for ids in trace["routed"][:, 0]:
         sim.step(ids.tolist())
     return sim.loads
+
+
+def delta_share() -> float:
+    """(expert record + its delta) / expert record, of the pack's adapter, layer 0."""
+    expert = json.loads((PACK / "manifest.json").read_text())["layers"][0]["records"][0][1]
+    delta = PACK / "adapter" / "expert_deltas.json"
+    if not delta.exists():  # written when the adapter first loads
+        return 1.0
+    return 1 + json.loads(delta.read_text())["layers"][0]["records"][0][1] / expert
 
 
 def replayed_experts(traces: dict, budget) -> float:
@@ -320,6 +335,7 @@ def write(results, texts, out, args):
     rows = []
     for r in results:
         row = {"name": r["name"], "spec": r["spec"], "budgets": r["budgets"],
+               "deltas_counted": r.get("deltas_counted", False),
                "texts": {k: {m: v for m, v in e.items() if not m.startswith("_")}
                          for k, e in r["texts"].items()}}
         rows.append(row)
@@ -342,9 +358,29 @@ def merge(results, out: Path):
     for r in results[1:]:
         first["configs"] += [c for c in r["configs"] if c["name"] not in seen]
         seen |= {c["name"] for c in r["configs"]}
+    native = first["configs"][0]
+    for row in first["configs"]:  # runs before the deltas' bytes were counted
+        if row["spec"].get("adapter") and not row.get("deltas_counted"):
+            count_deltas(row, native, out)
     (out / "frontier.json").write_text(json.dumps(first, indent=1))
     print_table(first)
     plot(first, out / "frontier.png")
+
+
+def count_deltas(row, native, out: Path):
+    """An adapter row's bytes and forecast with its experts' deltas (native's traces from
+    the cache of a run in `out`)."""
+    cached = pickle.loads((out / "native.pkl").read_bytes())
+    forecast = Forecast(_joined(cached["traces"][None]))
+    spec, share = row["spec"], delta_share()
+    for budget, b in row["budgets"].items():
+        ratio = share * b["experts_per_token"] / native["budgets"][budget]["experts_per_token"]
+        kind = "conditional" if spec.get("conditional") else "prerouted"
+        b.update(experts_per_token=b["experts_per_token"] * share,
+                 kb_per_token=b["kb_per_token"] * share,
+                 forecast_tok_s=forecast.tok_s(budget, kind, spec.get("top_k") or 8, ratio,
+                                               len(set(spec.get("native_layers", []))) / 8))
+    row["deltas_counted"] = True
 
 
 def _quality(row, text, budget):
