@@ -517,6 +517,9 @@ def main(argv=None):
                         "(edgemoe.twin.backtest) and print the table; --json writes it; "
                         "--peers NAME[,..] and --max-decode shorten it; --rescore JSON takes "
                         "the misses an earlier --json replayed and reruns the timing model")
+    p.add_argument("--at-peers", action="store_true",
+                   help="edgemoe's analytic forecast at each peer's own setting and at 100%%, "
+                        "native and prerouted, today's decode path beside the one before it")
     p.add_argument("--peers", default=None, help="--backtest: only these peers (substring)")
     p.add_argument("--no-contention", action="store_true",
                    help="--validate: the twin without the reader's CPU time slowing compute "
@@ -554,6 +557,8 @@ def main(argv=None):
         return
     if args.backtest:
         return backtest(args)
+    if args.at_peers:
+        return at_peers(args)
     if args.routing_check:
         return routing_check(args)
     if args.rescore:  # the twin again, against the real runs a --json already holds
@@ -580,6 +585,30 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)},
                                               indent=1))
         print(f"wrote {args.json}")
+
+
+def at_peers(args):
+    """FORECAST: edgemoe beside each peer at the peer's setting (docs/mac.md, "At the
+    peers' settings")."""
+    from edgemoe.streaming.trace import load_trace
+    from edgemoe.twin.backtest import ours_at_peers
+    files = [Path(t) for t in args.trace.split(",")]
+    files = [f for p in files for f in (sorted(p.glob("*.npz")) if p.is_dir() else [p])]
+    rows = ours_at_peers([load_trace(f) for f in files])
+    print(f"FORECAST (analytic), tok/s; before = two host syncs a streamed layer (prerouted "
+          f"one), today = one (none held whole; prerouted one a token)")
+    for r in rows:
+        print(f"  {r['peer']:>17} {r['shape']:>16} {r['profile']:>12} {r['budget']:>8} "
+              f"published {r['published']:>10}: native {r['native_before']:5.1f} -> "
+              f"{r['native_today']:5.1f}, prerouted {r['prerouted_before']:5.1f} -> "
+              f"{r['prerouted_today']:5.1f} (syncs {r['sync_ms_before']:.1f} -> "
+              f"{r['sync_ms_today']:.1f} ms, reads {r['read_ms']:.1f} ms, compute "
+              f"{r['compute_ms']:.1f} ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)},
+                                              indent=1))
+        print(f"wrote {args.json}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -331,3 +331,37 @@ def table(result: dict) -> str:
             f"{r['copy_ms']:.1f} + {r['read_ms']:.1f} - {r['hidden_ms']:.1f} | {own} | "
             f"{sens} |")
     return "\n".join(lines)
+
+
+# the peers' own settings at which edgemoe's forecast stands beside their figure (issue #50)
+AT_PEERS = ["mlx-vlm PR #1813", "BigRig", "streamlx", "Edge0"]
+BEFORE_HOTPATH = (2, 1)  # (native, prerouted) syncs a layer before edgemoe.model.hostsync
+
+
+def ours_at_peers(traces, peers: Sequence[str] = AT_PEERS) -> List[dict]:
+    """edgemoe's analytic forecast (edgemoe.twin.forecast) at each peer's own model, machine
+    and expert memory (its first design in DESIGNS: the cold or plain figure where it has
+    one), and at 100% on the same machine: native and prerouted, on today's decode path and
+    on the path before it (two syncs a streamed layer)."""
+    from .forecast import decode_forecast
+    rows = []
+    for name in peers:
+        d = next(d for d in DESIGNS if d.peer == name and d.page_cache == "cold"
+                 or d.peer == name)
+        shape, profile = peer_shape(d.shape), load_profile(d.profile)
+        mapped = shape_routing(shape, traces)
+        total = shape.layers * shape.experts * shape.record_bytes
+        for label, budget in ((f"{d.cache_bytes / 1e9:.1f} GB", int(d.cache_bytes)),
+                              ("100%", total)):
+            row = {"peer": d.peer, "setting": d.setting, "published": d.published_text,
+                   "shape": d.shape, "profile": d.profile, "budget": label}
+            for path, syncs in (("before", BEFORE_HOTPATH), ("today", None)):
+                f = decode_forecast(shape, profile, budget, traces, 2, "lfu", mapped,
+                                    syncs_per_layer=syncs)
+                row[f"native_{path}"] = f["native_tok_s"]
+                row[f"prerouted_{path}"] = f["prerouted_tok_s"]
+                row[f"sync_ms_{path}"] = f["sync_ms"]
+                row["read_ms"], row["compute_ms"] = f["read_ms"], f["compute_ms"]
+                row["mb_per_token"] = f["bytes_per_token"] / 1e6
+            rows.append(row)
+    return rows

@@ -18,7 +18,7 @@ cache, in the same unified memory the slots live in), and the cache policy (LFU:
 bytes of a replay do not depend on the machine; docs/cache.md).
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..streaming.budget import SlotPlan, parse_budget
 from .forecast import ttft_forecast
@@ -79,11 +79,14 @@ def decide(rows: List[dict], profile: str) -> dict:
             "prefill_step_size": decide_prefill_step(prefill_limits(profile))}
 
 
-def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100.0) -> List[dict]:
-    """The twin's rows (made when a host sync was an unsourced 100 us and nothing else) as the
-    host-sync model has them: each decode token pays, per MoE layer, its syncs at the
-    profile's read-back (host_sync_us) and one GPU idle (sync_idle_us). Native and advisory
-    sync twice a layer, prerouted decode once, and every token once more. The weights'
+def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100.0,
+                    syncs_per_layer: Optional[tuple] = None) -> List[dict]:
+    """The twin's rows (made when a host sync was an unsourced 100 us and nothing else, on
+    a path that synced native and advisory twice a layer and prerouted once) as the
+    host-sync model has them: each synced layer pays the profile's read-back (host_sync_us)
+    and one GPU idle (sync_idle_us). Today's path (edgemoe.model.hostsync) syncs native and
+    advisory once a streamed layer, prerouted decode once a token, and every token once
+    more; `syncs_per_layer=(2, 1)` gives the path before it. The weights'
     compute follows the profile's int4 rate now (the M4's changed: BigRig's kernels): the
     native row's compute less its syncs was the shape's active bytes at the rate it was
     made with. The waits add to the token; reads in flight keep running through them, so
@@ -95,10 +98,15 @@ def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100
         native = _by(rows, profile=r["profile"], mode="native", budget=r["budget"])[0]
         weights_then = native["compute_ms_per_token"] - (2 * layers + 1) * old_sync_us / 1e3
         weights_now = 1e3 * shape.active_bytes_per_token / (p.value("int4_gbps") * 1e9)
-        syncs = 1 if r["mode"] == "prerouted" else 2
-        added_us = (layers * (syncs * (p.value("host_sync_us") - old_sync_us)
-                              + p.value("sync_idle_us"))
-                    + p.value("host_sync_us") - old_sync_us)
+        host, idle = p.value("host_sync_us"), p.value("sync_idle_us")
+        prerouted = r["mode"] == "prerouted"
+        then_us = ((1 if prerouted else 2) * layers + 1) * old_sync_us
+        if syncs_per_layer is None:  # today's path: a sync a streamed layer, prerouted a token
+            now_us = (1 if prerouted else layers) * (host + idle) + host
+        else:  # (native, prerouted) syncs a layer, each layer paying one GPU idle
+            n = syncs_per_layer[1 if prerouted else 0]
+            now_us = layers * (n * host + idle) + host
+        added_us = now_us - then_us
         added_s = added_us * 1e-6 + (weights_now - weights_then) * 1e-3
         row = dict(r)
         row["forecast_decode_tok_s"] = 1 / (1 / r["forecast_decode_tok_s"] + added_s)

@@ -259,10 +259,12 @@ class TwinConfig:
     track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
     mac_reads: bool = True  # read as macOS does (TwinReader); False: this machine's reader
-    # host syncs per MoE layer in decode: None is the decode path's own (a routing read and
-    # an evaluation after the experts; prerouted decode knows its routing and keeps only
-    # the second); 1 keeps one (the routing read, or prerouted's evaluation); 0 none (the
-    # slot lookup on the device: one sync a token). Set it to re-forecast a changed path.
+    # host syncs per MoE layer in decode: None is the decode path's own (edgemoe.model.
+    # hostsync): a streamed layer reads its routing back (1), a layer whose every expert
+    # is in its slots looks them up on the device (0), prerouted decode knows its routing
+    # a token ahead (0: its one sync a token is the first layer's, which has no head).
+    # 2 is the path before it (a routing read and an evaluation after the experts;
+    # prerouted kept the second). Set it to forecast another path.
     syncs_per_layer: Optional[int] = None
     # compute runs on this CPU, beside the reader threads (a validation here, with this
     # machine's reader): the reader's CPU seconds during a compute wait extend the wait
@@ -426,10 +428,16 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         issue(c, -1)
         known = (mode.routes and is_decode and c > 0
                  and bool(decode[calls[c - 1].start]))
-        syncs = 2 if cfg.syncs_per_layer is None or not is_decode else cfg.syncs_per_layer
-        routing_sync = not known and syncs >= 1
-        experts_sync = syncs >= 2 or (known and syncs >= 1)
+        syncs = 2 if not is_decode else cfg.syncs_per_layer
         for p, pool in enumerate(pools):
+            if syncs is None:  # today's path: the routing read of a streamed layer alone;
+                # prerouted's predictions are evaluated at its first layer's sync
+                streamed = pool.num_slots < pool.layer.num_experts
+                routing_sync = (not known and streamed) or (known and p == 0)
+                experts_sync = False
+            else:
+                routing_sync = not known and syncs >= 1
+                experts_sync = syncs >= 2 or (known and syncs >= 1)
             waiter.wait(compute.resident_layer_s(tokens))
             if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))

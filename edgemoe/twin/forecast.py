@@ -13,8 +13,11 @@ one has distinct layers), and the profile's SSD. Per decode token:
     prerouted        max(compute + syncs, bytes / SSD rate)        (reads a token ahead)
 
 Host syncs as profiles.json models them: per synced layer the read-back (host_sync_us) and
-the GPU idle while the host builds the layer's next work (sync_idle_us); native syncs twice
-a layer, prerouted once. The exact limit assumes a design with no per-layer sync.
+the GPU idle while the host builds the layer's next work (sync_idle_us). Native syncs once
+a streamed layer (its routing read; a layer held whole looks its slots up on the device and
+syncs none), prerouted once a token (edgemoe.model.hostsync); `syncs_per_layer=(2, 1)`
+forecasts the path before it (native twice a layer, prerouted once). The exact limit
+assumes a design with no per-layer sync.
 
 Prefill (TTFT) of a P-token prompt in chunks of C: per chunk, every expert the chunk needs
 read once (the routed experts of a layer, at most all of them) and computed, overlapped:
@@ -64,9 +67,11 @@ def shape_for(model: str) -> Shape:
 
 def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
                     readers: int = 2, policy: str = "lfu",
-                    mapped: Optional[List[dict]] = None) -> dict:
+                    mapped: Optional[List[dict]] = None,
+                    syncs_per_layer: Optional[tuple] = None) -> dict:
     """`mapped`: the traces' routing for the shape already (shape_routing), reused across
-    budgets: generating it is the slow part."""
+    budgets: generating it is the slow part. `syncs_per_layer`: (native, prerouted) host
+    syncs per MoE layer; None: today's decode path's."""
     from ..streaming.replay import simulate
     mapped = mapped if mapped is not None else shape_routing(shape, traces)
     tokens = sum(int(m["decode"].sum()) for m in mapped)
@@ -79,10 +84,16 @@ def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
     compute = (shape.layers * (c.resident_layer_s(1) + c.experts_s(shape.top_k, shape.top_k))
                + c.head_s)
     # the host sync model (profiles.json): a read-back per sync, and the GPU idle while the
-    # host builds each synced layer's next work; native reads routing and evaluates the
-    # experts (2 a layer), prerouted decode knows its routing (1 a layer)
-    syncs = shape.layers * (2 * c.host_sync_s + c.sync_idle_s) + c.host_sync_s
-    pre_syncs = shape.layers * (c.host_sync_s + c.sync_idle_s) + c.host_sync_s
+    # host builds each synced layer's next work; the token's own sync (its sampled id)
+    synced = lambda n: n * (c.host_sync_s + c.sync_idle_s)  # noqa: E731
+    if syncs_per_layer is None:  # today's path: a streamed layer reads its routing back
+        resident = budget >= shape.layers * shape.experts * shape.record_bytes
+        syncs = synced(0 if resident else shape.layers) + c.host_sync_s
+        pre_syncs = synced(1) + c.host_sync_s  # the first layer's, a token
+    else:  # the path before: native read routing and evaluated the experts, prerouted
+        native_n, pre_n = syncs_per_layer  # evaluated the experts
+        syncs = shape.layers * (native_n * c.host_sync_s + c.sync_idle_s) + c.host_sync_s
+        pre_syncs = shape.layers * (pre_n * c.host_sync_s + c.sync_idle_s) + c.host_sync_s
     rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
     read = lfu / rate
     return {"bytes_per_token": lfu, "belady_bytes_per_token": best,
