@@ -140,12 +140,19 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
     shape, pack = tiny
     trace = map_trace(synthetic_trace(decode=10), shape)
     prof = load_profile("m4-pro-24gb")
-    syncs = {m: run_twin(pack, trace, zero_compute(), prof,
-                         TwinConfig(budget="50%", mode=m, io="buffered", stretch=1.0)
-                         ).host_syncs_per_token for m in ("native", "advisory", "prerouted")}
-    assert syncs["native"] == pytest.approx(2 * 3)
-    assert syncs["advisory"] == pytest.approx(2 * 3)
-    assert syncs["prerouted"] < syncs["native"]
+    def syncs(mode, budget="50%", per_layer=None):
+        return run_twin(pack, trace, zero_compute(), prof,
+                        TwinConfig(budget=budget, mode=mode, io="buffered", stretch=1.0,
+                                   syncs_per_layer=per_layer)).host_syncs_per_token
+
+    # today's path (edgemoe.model.hostsync): a streamed layer reads its routing back once,
+    # a layer held whole none, prerouted decode syncs once a token
+    assert syncs("native") == pytest.approx(3)
+    assert syncs("advisory") == pytest.approx(3)
+    # (the first decoded token has no prediction yet: a streamed layer's sync each)
+    assert syncs("prerouted") == pytest.approx((9 * 1 + 3) / 10)
+    assert syncs("native", "100%") == pytest.approx(0)
+    assert syncs("native", per_layer=2) == pytest.approx(2 * 3)  # the path before it
 
 
 def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):
