@@ -437,6 +437,21 @@ def _no_constant(name):
     raise ValueError(f"{name} in a response (not JSON)")
 
 
+def warm_up(url: str, timeout: float):
+    """One good request of each feature that builds something once (the grammar engine's
+    view of the tokenizer, the chat template, each API's first use), so that RSS at the
+    start is the server's working size, not its cold one (rss_cold_bytes)."""
+    user = [{"role": "user", "content": "hi"}]
+    with httpx.Client(timeout=timeout) as c:
+        c.post(f"{url}/v1/chat/completions", json={"messages": user, "max_tokens": 8,
+                                                   "response_format": {"type": "json_object"}})
+        c.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 8})
+        c.post(f"{url}/api/chat", json={"model": "pack", "messages": user, "stream": False,
+                                        "options": {"num_predict": 8}})
+        c.post(f"{url}/v1/messages", json={"model": "pack", "messages": user,
+                                           "max_tokens": 8})
+
+
 def settled_rss(pid: int, start: int) -> float:
     """Seconds until the server's RSS is back within 10% of `start` (a grammar bomb's
     abandoned mask gives its memory back when it ends), at most RSS_SETTLE_S."""
@@ -473,6 +488,8 @@ def main():
             with httpx.Client(timeout=args.request_timeout) as client:
                 for prompt in PROMPTS:  # each prompt alone, before any chaos
                     chaos.reference[prompt], _ = chaos.solo(client, prompt, stream=False)
+            cold_rss = rss_bytes(proc.pid)
+            warm_up(url, args.request_timeout)
             rss_before = rss_bytes(proc.pid)
             print(f"chaos: {args.duration:.0f} s against {url} ({args.good_clients} good "
                   f"clients; a fault every {args.fault_every:.0f} s)", file=sys.stderr)
@@ -499,6 +516,7 @@ def main():
                 "good_p95_latency_s": float(np.percentile(chaos.latencies, 95))
                 if chaos.latencies else None,
                 "health_max_s": max(chaos.health_s) if chaos.health_s else None,
+                "rss_cold_bytes": cold_rss,
                 "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(proc.pid),
                 "rss_settle_s": settle_s,
                 "rows_active_after": metrics["requests"]["active"],
