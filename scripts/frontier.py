@@ -43,6 +43,7 @@ from edgemoe.options import StreamOptions  # noqa: E402
 from edgemoe.routing.between import SlotSim, install_conditional, set_top_k, with_native_layers  # noqa: E402
 from edgemoe.routing.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
+from edgemoe.streaming.cache import make_policy  # noqa: E402
 from edgemoe.streaming.replay import simulate  # noqa: E402
 
 PACK = ROOT / "edgemoe" / "models" / "fine"
@@ -91,7 +92,8 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
     taps = None
     if spec.get("conditional"):
         predictor = streaming_of(model).routing.predictor
-        taps = install_conditional(predictor, blocks, slots, spec["conditional"])
+        taps = install_conditional(predictor, blocks, slots, spec["conditional"],
+                                   lambda: make_policy("lfu"))
     return model, tokenizer, taps
 
 
@@ -243,7 +245,7 @@ def speed(result, native, heads_native_layers, forecast: "Forecast"):
 
 
 def first_layer_loads(trace, slots) -> int:
-    sim = SlotSim(slots)
+    sim = SlotSim(slots, make_policy("lfu"))
     for ids in trace["routed"][:, 0]:
         sim.step(ids.tolist())
     return sim.loads

@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
     return model, mx.array(tokenizer.encode(text)[:32])
 
 
-def wait_resident(store, timeout_s=30.0):
+def wait_resident(store, timeout_s=120.0):
     """The reads of every whole layer (a slot per expert) have landed."""
     end = time.monotonic() + timeout_s
     while not all(store.pool(i).resident for i in store.layer_indices):

@@ -13,6 +13,7 @@ from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditiona
                                      set_top_k, with_native_layers)
 from edgemoe.routing.gates import moe_blocks
 from edgemoe.routing.heads_config import read_config
+from edgemoe.streaming.cache import make_policy
 from edgemoe.streaming.replay import simulate
 from edgemoe.streaming.trace import load_trace
 
@@ -29,7 +30,7 @@ def test_simulated_slots_load_as_the_store_does(budget, slots):
     store_loads = simulate(trace, budget, "lfu").decode_bytes_read / int(trace["expert_bytes"][0])
     loads = 0
     for layer in range(trace["routed"].shape[1]):
-        sim = SlotSim(slots)
+        sim = SlotSim(slots, make_policy("lfu"))
         for ids in trace["routed"][:, layer]:
             sim.step(ids.tolist())
         loads += sim.loads
@@ -39,7 +40,7 @@ def test_simulated_slots_load_as_the_store_does(budget, slots):
 def test_conditional_routing_chooses_the_routers_best_among_slots_and_prediction():
     rng = np.random.default_rng(0)
     tap = ConditionalTap.__new__(ConditionalTap)  # only its choice, no router map
-    tap.top_k, tap.predicted, tap.sim, tap.exact, tap.tokens = 4, 4, SlotSim(6), 0, 0
+    tap.top_k, tap.predicted, tap.sim, tap.exact, tap.tokens = 4, 4, SlotSim(6, make_policy("lfu")), 0, 0
     native, predicted = rng.normal(size=(64, 32)), rng.normal(size=(64, 32))
     predicted[0] = np.nan  # the first token: no prediction, native
     for row in range(64):
@@ -64,7 +65,7 @@ def test_conditional_routing_with_every_expert_in_slots_is_native():
     model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
     blocks = moe_blocks(model)
     taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=128,
-                               predicted=8)
+                               predicted=8, new_policy=lambda: make_policy("lfu"))
     for tap in taps.values():
         tap.sim.step(list(range(128)))
     tokens = mx.array([tokenizer.encode(TEXT)])
@@ -77,7 +78,7 @@ def test_fewer_slots_route_otherwise_and_reduced_top_k_routes_k():
     model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
     blocks = moe_blocks(model)
     taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=8,
-                               predicted=8)
+                               predicted=8, new_policy=lambda: make_policy("lfu"))
     tokens = mx.array([tokenizer.encode(TEXT)])
     assert not mx.array_equal(model(tokens), native(tokens)).item()
     assert all(t.exact < t.tokens for t in taps.values())

@@ -130,7 +130,8 @@ def load(
     except BaseException:
         store.close()
         raise
-    predictor = (routing.predictor(heads, moe_blocks(model), store.info().slots_per_layer)
+    predictor = (routing.predictor(heads, moe_blocks(model), store.info().slots_per_layer,
+                                   store.new_policy)
                  if routing.predicts else None)
     if predictor is not None:
         store.gate_prefetches(routing.gates_prefetches)

@@ -16,13 +16,12 @@
 import json
 import shutil
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Set
+from typing import Callable, Dict, Iterable, Optional, Sequence, Set
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..streaming.cache import make_policy
 from .gates import RouterTap, _linear_map
 from .heads_config import CONFIG
 
@@ -31,8 +30,9 @@ class SlotSim:
     """One layer's slots as the store keeps them: `slots` experts, evicted by the cache
     policy (LFU by default), never one the current token needs. Counts what it loads."""
 
-    def __init__(self, slots: int, policy: str = "lfu"):
-        self.slots, self.policy = slots, make_policy(policy)
+    def __init__(self, slots: int, policy):
+        """`policy`: a fresh cache policy (edgemoe.streaming.cache.make_policy), the store's."""
+        self.slots, self.policy = slots, policy
         self.resident: Set[int] = set()
         self.loads = self.tokens = 0
 
@@ -106,15 +106,16 @@ class ConditionalTap(RouterTap):
 
 
 def install_conditional(predictor, blocks: Dict[int, nn.Module], slots: int,
-                        predicted: int, policy: str = "lfu") -> Dict[int, ConditionalTap]:
+                        predicted: int, new_policy: Callable) -> Dict[int, ConditionalTap]:
     """Make a PreroutedPredictor's layers route conditionally: each predicted layer's tap
-    becomes a ConditionalTap over simulated slots; the host no longer takes a prediction
-    as a decode step's routing (the router decides)."""
+    becomes a ConditionalTap over simulated slots (`new_policy()`: a fresh cache policy, the
+    store's); the host no longer takes a prediction as a decode step's routing (the router
+    decides)."""
     taps = {}
     for layer, tap in list(predictor.taps.items()):
         owner, name, _ = _linear_map(blocks[layer])
         top_k = int(getattr(blocks[layer], "top_k"))
-        new = ConditionalTap(tap.native, top_k, SlotSim(slots, policy), predicted)
+        new = ConditionalTap(tap.native, top_k, SlotSim(slots, new_policy()), predicted)
         new.hands_to = tap.hands_to
         setattr(owner, name, new)
         predictor.taps[layer] = taps[layer] = new

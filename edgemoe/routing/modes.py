@@ -67,17 +67,19 @@ class RoutingMode:
         an exact mode reuses one."""
         return self.exact
 
-    def predictor(self, heads: Optional[Path], blocks, slots: Optional[int] = None):
+    def predictor(self, heads: Optional[Path], blocks, slots: Optional[int] = None,
+                  new_policy=None):
         """The MLX predictor of this mode over the model's MoE `blocks`
         (edgemoe.routing.gates.moe_blocks) with the heads folder `heads` and `slots` per
-        layer (what cache-conditional heads route among); None in native."""
+        layer (what cache-conditional heads route among, simulated with `new_policy()`:
+        the store's cache policy); None in native."""
         if not self.predicts:
             return None
         from .predictors import NextRouterPredictor, PreroutedPredictor
         from .prerouter import load_prerouter
 
         if self.routes:
-            return PreroutedPredictor(load_prerouter(heads), blocks, slots)
+            return PreroutedPredictor(load_prerouter(heads), blocks, slots, new_policy)
         return NextRouterPredictor(blocks)
 
 

@@ -15,7 +15,7 @@ token ahead).
   layers.
 """
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,9 +65,10 @@ class PreroutedPredictor:
     """
 
     def __init__(self, prerouter: Prerouter, blocks: Dict[int, nn.Module],
-                 slots: Optional[int] = None):
+                 slots: Optional[int] = None, new_policy: Optional[Callable] = None):
         """`slots`: each layer's slots (the store's; None: every expert), which
-        cache-conditional heads (config.conditional) route among."""
+        cache-conditional heads (config.conditional) route among, simulated with
+        `new_policy()` (the store's cache policy; needed by such heads)."""
         self.prerouter = prerouter
         config = prerouter.config
         if config.route_top_k:  # reduced top-k: every layer, native or predicted
@@ -85,7 +86,8 @@ class PreroutedPredictor:
         self.fixes = set() if self.same_token else set(self.predicted_layers)
         if config.conditional:  # the router decides among slots and the prediction, which
             #                    is read ahead: its heads' m most likely
-            install_conditional(self, blocks, slots or config.num_experts, config.conditional)
+            install_conditional(self, blocks, slots or config.num_experts, config.conditional,
+                                new_policy)
             m = config.conditional
             self.indices = {t: mx.compile(lambda logits: mx.argpartition(-logits, m - 1,
                                                                          axis=-1)[..., :m])

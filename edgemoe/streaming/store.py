@@ -76,6 +76,8 @@ class ExpertStore:
         self.settle: Optional[Callable[[], None]] = None
         if not callable(cache_policy):  # a bad name or file fails before threads start
             make_policy(cache_policy, learned_policy)
+        # a fresh policy as each layer's slots use (cache-conditional routing simulates them)
+        self.new_policy = lambda: make_policy(cache_policy, learned_policy)
         self.reader = reader if reader is not None else Reader(pack, readers, io)
         self.layers: Dict[str, LayerSlots] = {
             l.module: LayerSlots(l, self.slots_per_layer,
