@@ -41,16 +41,12 @@ from . import sampling
 from .job import Job
 from .limits import IdleTrim
 from .lockstep import fatal_in_group, follow, share_turn
-from .metrics import Finished, Metrics, log_finished
+from .metrics import Metrics
+from .outcomes import Health, advance, fail_jobs, fail_row
 from .prompt_cache import PromptCache
 from .speculation import speculates, speculative_step
 
 log = logging.getLogger("edgemoe.server")
-
-# requests failing in a row for the server's own reasons (a read error, a failed step;
-# never a request's own fault), none finished since: the model cannot serve, and
-# /health says so (a truncated pack once failed every request under a 200 /health)
-UNHEALTHY_AFTER = 3
 
 
 class Engine:
@@ -87,8 +83,7 @@ class Engine:
         self.store = None  # the model's ExpertStore, once loaded
         self.share = None  # the model's HostShare when it is one host of a group
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
-        self.failing = 0  # requests failed in a row by the server's own errors
-        self.last_failure = ""
+        self.health = Health()  # /health's word on the server's own failures
 
     # ---- HTTP side -------------------------------------------------------------
     def start(self, timeout: Optional[float] = None):
@@ -109,15 +104,6 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive() and self.ready.is_set() and self.load_error is None
-
-    def serving(self) -> bool:
-        """False once UNHEALTHY_AFTER requests in a row failed by the server's own
-        errors (see `last_failure`); a request that finishes makes it True again."""
-        return self.failing < UNHEALTHY_AFTER
-
-    def _failed_by_server(self, count: int, message: str):
-        self.failing += count
-        self.last_failure = message
 
     def store_healthy(self) -> bool:
         """False while an expert read is stuck past the read timeout (any thread may ask)."""
@@ -190,16 +176,16 @@ class Engine:
                 except Exception as e:
                     fatal_in_group(self, e)
                     log.exception("request %s: prefill failed", job.id)
-                    self._fail([job], f"request {job.id}: prompt processing failed: "
-                                      f"{type(e).__name__}: {e}")
+                    fail_jobs(self, [job], f"request {job.id}: prompt processing failed: "
+                                           f"{type(e).__name__}: {e}")
             if self.active:
                 try:
                     self._step()
                 except Exception as e:  # a failed step poisons the batch: fail its rows
                     fatal_in_group(self, e)
                     log.exception("decode step failed")
-                    self._fail(list(self.active),
-                               f"generation failed: {type(e).__name__}: {e}")
+                    fail_jobs(self, list(self.active),
+                              f"generation failed: {type(e).__name__}: {e}")
             if self.active or self.pending:
                 self.metrics.add(busy_s=time.perf_counter() - tic)
 
@@ -364,70 +350,18 @@ class Engine:
                 job.first_token_at = now
             generated += 1
             try:
-                if not self.advance(job, tokens[i], chosen, top):
+                if not advance(self, job, tokens[i], chosen, top):
                     keep.append(i)
             except Exception as e:
                 failed[i] = sampling.row_failed(job, "advancing", e)
         self.metrics.count(self.metrics.decode, before)
         self.metrics.count_step(len(self.active), generated)
         for i in sorted(failed):
-            self.fail_row(self.active[i], failed[i])
+            fail_row(self, self.active[i], failed[i])
         if self.share is not None:
             self.share.broadcast({"tokens": tokens, "keep": keep}, "sharing the tokens")
         if len(keep) < len(self.active):
             self.keep_rows(keep)
 
-    def fail_row(self, job: Job, message: str):
-        """One row's own failure: its request ends with an error, the batch goes on
-        (the caller drops the row). A client whose emit fails is only logged."""
-        self.metrics.add(failed=1)
-        event = {"type": "error", "message": message}
-        if getattr(message, "client", False):  # the request's own doing: a 400
-            event.update(status=400, param=message.param)
-        else:
-            self._failed_by_server(1, message)
-        try:
-            job.emit(event)
-        except Exception:
-            log.exception("request %s: its error could not be sent", job.id)
-
-    def advance(self, job: Job, token: int, logprob: float, top=None) -> bool:
-        """Give `job` its next token; True when the job has finished."""
-        text, finish = job.take(token, self.eos)
-        job.emit({"type": "token", "token": token, "logprob": logprob, "text": text,
-                  "top": top})
-        if finish is not None:
-            self._finish(job, finish)
-            return True
-        return False
-
-    def _finish(self, job: Job, reason: str):
-        self.failing = 0
-        now = time.perf_counter()
-        done = Finished(now - job.received, (job.first_token_at or now) - job.received,
-                        len(job.prompt), len(job.tokens))
-        with self.metrics.lock:
-            self.metrics.completed += 1
-            self.metrics.recent.append(done)
-        job.emit({"type": "done", "finish_reason": reason, "prompt_tokens": len(job.prompt),
-                  "completion_tokens": len(job.tokens), "cached_tokens": job.cached_tokens,
-                  "prompt_logprobs": job.prompt_scores if job.prompt_logprobs else None,
-                  "prompt_top": job.prompt_top if job.prompt_logprobs else None})
-        log_finished(job.id, reason, done, self.snapshot())
-
     def _fail_all(self, message: str):
-        self._fail(self.active + list(self.pending), message)
-
-    def _fail(self, jobs: List[Job], message: str):
-        for job in jobs:
-            if job in self.pending:
-                self.pending.remove(job)
-        if any(job in self.active for job in jobs):
-            # the batch's caches are suspect
-            self.active, self.batch_cache, self.batch_routing = [], None, None
-        self.metrics.add(failed=len(jobs))
-        if jobs and not self.stopping.is_set():
-            self._failed_by_server(len(jobs), message)
-        for job in jobs:
-            job.cache = None
-            job.emit({"type": "error", "message": message})
+        fail_jobs(self, self.active + list(self.pending), message)

@@ -456,10 +456,10 @@ class Server:
     async def health(self, request: Request):
         ok = self.engine.alive and self.engine.store_healthy()
         body = {"status": "ok" if ok else "unavailable"}
-        if ok and not self.engine.serving():  # every recent request failed: say why
+        health = self.engine.health
+        if ok and not health.serving():  # every recent request failed: say why
             ok, body = False, {"status": "unavailable", "reason": public(
-                f"the last {self.engine.failing} requests failed: "
-                f"{self.engine.last_failure}"[:500])}
+                f"the last {health.failing} requests failed: {health.last_failure}"[:500])}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request):

@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+import mlx.core as mx
+
 from .errors import BadRequest
 
 NORMALIZER_MARGIN = 2  # bytes of input a token's raw bytes may stand for, at most, over 1
@@ -51,6 +53,9 @@ class IdleTrim:
         now = time.monotonic()
         if now - self.last >= self.every_s:
             self.last = now
+            # MLX keeps freed buffers (finished rows' KV caches, their logits) for reuse;
+            # idle, they go back too (on the engine thread, which owns them)
+            mx.clear_cache()
             give_memory_back()
 
 

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from . import sampling
 from .job import Job
+from .outcomes import advance, fail_row
 
 
 def speculates(engine) -> bool:
@@ -44,7 +45,7 @@ def speculative_step(engine, job: Job):
             token, chosen, top = sampling.choose(job, logits[i:i + 1])
             if job.first_token_at is None:
                 job.first_token_at = time.perf_counter()
-            done = engine.advance(job, token, chosen, top)
+            done = advance(engine, job, token, chosen, top)
         except Exception as e:
             failed = sampling.row_failed(job, "advancing", e) \
                 if not isinstance(e, sampling.RowError) else str(e)
@@ -56,7 +57,7 @@ def speculative_step(engine, job: Job):
     metrics.count_step(1, len(job.tokens) - had, windows=1, drafted=len(guess), accepted=kept)
     if failed is not None or done:
         if failed is not None:
-            engine.fail_row(job, failed)
+            fail_row(engine, job, failed)
         engine.keep_rows([])
         return
     emitted = len(job.tokens) - had

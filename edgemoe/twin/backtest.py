@@ -29,9 +29,7 @@ the forecast takes from a profile with a cited range (host sync, the GPU idle, a
 int4 rate) is also run at both ends: the sensitivity column.
 """
 
-import json
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np

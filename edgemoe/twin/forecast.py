@@ -29,8 +29,6 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-import numpy as np
-
 from ..streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
                                 fmt_bytes, parse_budget)
 from ..machines import DEFAULTS, GENERIC, machine_defaults
