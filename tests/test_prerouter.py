@@ -318,8 +318,7 @@ def test_same_token_prerouted_decode_never_loads_on_demand(packs, trained_same_t
 def test_a_decode_step_of_next_token_routing_skips_the_routing_sync(packs, trained,
                                                                     monkeypatch):
     """A predicted layer's decode routing is on the host a token early (its next-token
-    prediction): the step skips that layer's routing sync, one host sync a layer instead
-    of two, and computes exactly what the step with the sync computes."""
+    prediction): the step skips that layer's routing sync, and computes exactly what the step with the sync computes."""
     from edgemoe.format.pack import Pack
     from edgemoe.routing.driver import PredictedRouting
 
