@@ -11,6 +11,8 @@ every field, message, block and tool kind as recorded), they run through.
 """
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
@@ -327,8 +329,9 @@ def test_thinking_is_honoured_on_a_model_that_thinks(tmp_path):
     import edgemoe
 
     fine = Path(edgemoe.__file__).parent / "models" / "fine"
+    changed = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     for f in fine.iterdir():
-        if f.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if f.name not in changed + ("manifest.json",):
             (tmp_path / f.name).symlink_to(f)
     hf = AutoTokenizer.from_pretrained(fine)
     hf.add_tokens(["<think>", "</think>"])
@@ -337,6 +340,11 @@ def test_thinking_is_honoured_on_a_model_that_thinks(tmp_path):
         '{{- "<|im_start|>assistant\\n" }}{%- if enable_thinking is defined and not '
         'enable_thinking %}{{- "<think>\\n\\n</think>\\n\\n" }}{%- endif %}')
     hf.save_pretrained(tmp_path)
+    # the copy's manifest checksums its own tokenizer files, as convert would have
+    manifest = json.loads((fine / "manifest.json").read_text())
+    manifest["files"].update({name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+                              for name in changed})
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with serving("--model", str(tmp_path)) as (url, server):
         assert server.tokenizer.has_thinking
         client = anthropic_client(url)

@@ -74,6 +74,22 @@ def test_an_exception_in_compute_leaves_the_store_usable(small):
     assert mx.array_equal(again, expected)
 
 
+def test_an_exception_in_a_held_call_releases_its_slots_at_once(small):
+    """A call asked to keep its slots in use past its return (the one-sync decode path,
+    edgemoe.model.hostsync) keeps none when its compute fails."""
+    from edgemoe.streaming.calls import run_call
+
+    model, _ = small
+    slots = experts_of(model)[2].slots
+
+    def broken(*args):
+        raise RuntimeError("injected compute failure")
+
+    with pytest.raises(RuntimeError, match="injected compute failure"):
+        run_call(slots, np.array([[0, 1]]), broken, hold=True)
+    assert not (slots.state == IN_USE).any()
+
+
 def test_a_read_error_leaves_the_store_usable(small):
     model, expected = small
     reader = model.expert_store.reader

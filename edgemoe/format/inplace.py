@@ -75,7 +75,7 @@ def _layer(module: str, found: dict, config: dict, files) -> PackLayer:
         if entry["dtype"] not in _DTYPES:
             raise PackError(f"{where}: expert dtype {entry['dtype']}, expected one of "
                             f"{', '.join(_DTYPES)}")
-        if len(entry["shape"]) < 2 or 0 in entry["shape"]:
+        if not entry["shape"] or 0 in entry["shape"]:  # (experts,): a scalar each (nvfp4)
             raise PackError(f"{where}: shape {entry['shape']}, expected (experts, ...) with "
                             f"no empty dimension")
         num_experts, *shape = entry["shape"]

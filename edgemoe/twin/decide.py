@@ -20,6 +20,7 @@ bytes of a replay do not depend on the machine; docs/cache.md).
 
 from typing import Dict, List, Optional
 
+from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan, parse_budget
 from .forecast import ttft_forecast
 from .profiles import load_profile
@@ -99,7 +100,7 @@ def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100
         weights_then = native["compute_ms_per_token"] - (2 * layers + 1) * old_sync_us / 1e3
         weights_now = 1e3 * shape.active_bytes_per_token / (p.value("int4_gbps") * 1e9)
         host, idle = p.value("host_sync_us"), p.value("sync_idle_us")
-        prerouted = r["mode"] == "prerouted"
+        prerouted = routing_mode(r["mode"]).routes  # its routing known a token ahead
         then_us = ((1 if prerouted else 2) * layers + 1) * old_sync_us
         if syncs_per_layer is None:  # today's path: a sync a streamed layer, prerouted a token
             now_us = (1 if prerouted else layers) * (host + idle) + host
