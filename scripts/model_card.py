@@ -1,7 +1,7 @@
 """Measure a reference MoE and write its model card (README.md + a PNG).
 
-    python scripts/model_card.py --run /work/fine_run --pack edgemoe/models/fine
-    python scripts/model_card.py --draft --run /work/fine_run/draft --pack edgemoe/models/fine-draft
+    python scripts/model_card.py --run RUN --pack edgemoe/models/fine
+    python scripts/model_card.py --draft --run RUN/draft --pack edgemoe/models/fine-draft
 
 --draft: the card of the speculative draft (train_reference_moe.py --draft) instead: its
 perplexity, fp32 and int4, and its top-1 agreement with its MoE, the pack beside it named

@@ -31,7 +31,7 @@ that it ends when the --minutes budget (counted from script start) runs out; or,
 on the step count, so that a rerun on the same machine reproduces the same weights (the teacher
 of the recovery LoRA, which is too large for git, is rebuilt this way).
 
-    python scripts/train_reference_moe.py --out /work/ref_run --steps 900
+    python scripts/train_reference_moe.py --out runs/reference --steps 900
 
 `--shape fine` trains the fine-grained reference instead, the bundled model (edgemoe/models/fine):
 8 layers of 128 experts of width 64, top-8 (Qwen3-30B-A3B's routing shape; the same active
@@ -42,14 +42,14 @@ the Python documentation's reStructuredText (Debian's python3-doc), the manual p
 (rendered by man), and SOURCE_PACKAGES' sources; its tokenizer is the bundled model's
 (first trained with the default shape, as above).
 
-    python scripts/train_reference_moe.py --shape fine --out /work/runs/fine --steps 1000 --threads 1
+    python scripts/train_reference_moe.py --shape fine --out runs/fine --steps 1000 --threads 1
 
 `--draft` trains the bundled model's speculative draft instead: a small dense Qwen3 (mlx-lm's
 `qwen3`; DRAFT_* shape, tied embeddings) on the same corpus, split and schedule, with the
 tokenizer read from `--tokenizer` (the bundled pack's), so that its tokens are the target's.
 
     python scripts/train_reference_moe.py --draft --shape fine --tokenizer edgemoe/models/fine \
-        --out /work/draft_run --steps 1000
+        --out runs/draft --steps 1000
 """
 
 import argparse
