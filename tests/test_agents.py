@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from anthropic.types.beta import BetaRawMessageStreamEvent
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from test_server import free_port
+from test_server import served_in_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from agent_requests import claude_code, claude_code_counts, codex, fit, split  # noqa: E402
@@ -44,27 +43,8 @@ CODEX = codex()
 def serving(*argv):
     """edgemoe.server's app on a loopback socket (uvicorn on a thread of this process,
     so its log reaches caplog and a test may narrow its context); yields (url, server)."""
-    import uvicorn
-
-    from edgemoe.server import build, setup_arg_parser
-    from edgemoe.serving.app import make_app
-
-    engine, server = build(setup_arg_parser().parse_args(["--max-tokens", "4", *argv]))
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline and thread.is_alive()
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=15)
-        engine.stop()
+    with served_in_process("--max-tokens", "4", *argv) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

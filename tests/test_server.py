@@ -616,7 +616,14 @@ def test_streams_never_read_are_cancelled_and_free_their_rows(packs):
 @contextlib.contextmanager
 def serving_in_process(*argv):
     """edgemoe.server's app on a loopback socket, served by uvicorn on a thread of this
-    process (so a test can reach into its reader)."""
+    process (so a test can reach into its reader); yields its url."""
+    with served_in_process(*argv) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def served_in_process(*argv):
+    """As serving_in_process; yields (url, the app's Server)."""
     import uvicorn
 
     from edgemoe.server import build, setup_arg_parser
@@ -633,7 +640,7 @@ def serving_in_process(*argv):
         assert time.time() < deadline and thread.is_alive()
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         uv.should_exit = True
         thread.join(timeout=15)
