@@ -3,12 +3,15 @@ machine": the figures behind each choice; tests/test_twin.py pins every row to i
 and to that table).
 
 A machine is named as the twin's profiles are (edgemoe/twin/profiles.json: `m4-pro-24gb`):
-`EDGEMOE_MACHINE` names one, else a Mac is named from its chip and memory, else (these
-Linux VMs, a GPU box, a Mac no profile describes) the `generic` row holds, the values
-the project measured on its own machines. StreamOptions and the tools' prefill step take
+`EDGEMOE_MACHINE` names one, else a Mac takes the profile of its chip and memory (an M4
+Air and an M4 mini report the same chip: `m4-24gb` takes `m4-air-24gb`). A Mac no profile
+describes gets `apple-silicon`, with a warning that says how to measure its profile; off
+macOS (these Linux VMs, a GPU box) the `generic` row holds, the values the project
+measured on its own machines. StreamOptions and the tools' prefill step take
 their defaults from here; a flag or keyword still overrides each.
 """
 
+import logging
 import os
 import platform
 import subprocess
@@ -45,7 +48,8 @@ DEFAULTS = {
 
 
 def mac_name() -> Optional[str]:
-    """`m4-pro-24gb` for an Apple M4 Pro with 24 GB; None off macOS."""
+    """This Mac's chip and memory as `sysctl` gives them: `m4-pro-24gb` for an Apple M4 Pro
+    with 24 GB, `m4-24gb` for a plain M4 (an Air and a mini say the same); None off macOS."""
     if platform.system() != "Darwin":
         return None
     try:
@@ -59,6 +63,28 @@ def mac_name() -> Optional[str]:
     return "-".join(words + [f"{round(memory / 2**30)}gb"])
 
 
+# words of a profile's name that say the case, not the chip: the brand string does not
+# carry them, and the figures a profile holds are the chip's and its memory's
+FORM_FACTORS = ("air", "mini")
+
+
+def profile_for(name: str) -> Optional[str]:
+    """The shipped machine whose chip and memory are `name`'s (`m4-24gb` -> `m4-air-24gb`),
+    or None."""
+    if name in DEFAULTS:
+        return name
+    same = [key for key in DEFAULTS
+            if "-".join(w for w in key.split("-") if w not in FORM_FACTORS) == name]
+    return same[0] if len(same) == 1 else None
+
+
+def no_profile_note(name: str) -> str:
+    return (f"this Mac ({name}) matches no shipped machine profile, so Apple's defaults "
+            f"hold; measure one with `python -m edgemoe.doctor --measure-machine my-mac.json` "
+            f"(docs/mac.md, \"Your Mac's profile\"), or name the closest with "
+            f"EDGEMOE_MACHINE (one of {', '.join(k for k in DEFAULTS if k != GENERIC)})")
+
+
 def this_machine() -> str:
     """The name of the machine this runs on, as DEFAULTS keys it."""
     named = os.environ.get("EDGEMOE_MACHINE")
@@ -69,7 +95,20 @@ def this_machine() -> str:
     named = mac_name()
     if named is None:
         return GENERIC
-    return named if named in DEFAULTS else "apple-silicon"
+    found = profile_for(named)
+    if found is None:
+        _say_once(no_profile_note(named))
+        return "apple-silicon"
+    return found
+
+
+_said = set()
+
+
+def _say_once(line: str):
+    if line not in _said:
+        _said.add(line)
+        logging.getLogger("edgemoe").warning(line)
 
 
 def machine_defaults(name: Optional[str] = None) -> MachineDefaults:

@@ -302,7 +302,7 @@ def test_stream_options_take_this_machines_defaults(monkeypatch):
         StreamOptions()
 
 
-def test_a_mac_is_named_by_its_chip_and_memory(monkeypatch):
+def test_a_mac_is_named_by_its_chip_and_memory(monkeypatch, caplog):
     import platform
     import subprocess
     from edgemoe import machines
@@ -312,7 +312,16 @@ def test_a_mac_is_named_by_its_chip_and_memory(monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
         cmd, 0, stdout=answers[cmd[-1]]))
     assert machines.this_machine() == "m4-pro-24gb"
-    answers["hw.memsize"] = f"{36 * 2**30}\n"  # an M4 Pro no profile describes
-    assert machines.this_machine() == "apple-silicon"
+    # a plain M4 says neither Air nor mini: the profile of its chip and memory holds
+    for memory, profile in ((24, "m4-air-24gb"), (16, "m4-mini-16gb"), (32, "m4-air-32gb")):
+        answers.update({"machdep.cpu.brand_string": "Apple M4\n",
+                        "hw.memsize": f"{memory * 2**30}\n"})
+        assert machines.this_machine() == profile
+    answers.update({"machdep.cpu.brand_string": "Apple M4 Pro\n",
+                    "hw.memsize": f"{36 * 2**30}\n"})  # an M4 Pro no profile describes
+    with caplog.at_level("WARNING", logger="edgemoe"):
+        assert machines.this_machine() == "apple-silicon"
+    assert "this Mac (m4-pro-36gb) matches no shipped machine profile" in caplog.text
+    assert "--measure-machine" in caplog.text
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     assert machines.this_machine() == "generic"
