@@ -450,6 +450,42 @@ def backtest(args):
     return result
 
 
+# streamlx's examples/sweep.py: its prompt, then greedy decode, 96 tokens of warm-up and 192
+# measured. The other prompts are one line each in the bundled model's own domains, so that
+# the statistics are a mean over more than one continuation.
+GREEDY_PROMPTS = ("The tradeoff between memory bandwidth and storage bandwidth in local "
+                  "inference of mixture-of-experts models is",
+                  "def read_records(path):", "The function returns", "import os\nimport sys\n")
+GREEDY_WARMUP, GREEDY_MEASURED = 96, 192
+
+
+def record_greedy(out: Path, model_path: Path):
+    """Routing traces of the bundled model decoding its own greedy continuation of a one-line
+    prompt, as streamlx's sweep measures (edgemoe/twin/traces/README.md): the warm-up's
+    tokens are marked as not decode, so a replay counts the measured window alone."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    import edgemoe
+    model, tokenizer = edgemoe.load(str(model_path), expert_budget=1.0)
+    store = model.expert_store
+    out.mkdir(parents=True, exist_ok=True)
+    for i, prompt in enumerate(GREEDY_PROMPTS):
+        trace = store.start_trace()
+        steps = generate_step(mx.array(tokenizer.encode(prompt)), model,
+                              max_tokens=GREEDY_WARMUP + GREEDY_MEASURED,
+                              sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+        for _ in steps:
+            pass
+        path = out / f"greedy_{i}.npz"
+        trace.save(path)
+        t = dict(np.load(path))
+        first = int(np.flatnonzero(t["decode"])[0])
+        t["decode"][first:first + GREEDY_WARMUP] = False
+        np.savez(path, **t)
+        print(f"wrote {path}: {int(t['decode'].sum())} measured decode tokens")
+
+
 def routing_check(args):
     """docs/mac.md, "Shapes": the generator against held-out traces, and --shape's rates."""
     from edgemoe.twin.routing_gen import check, hit_rates, shape_routing
@@ -524,6 +560,9 @@ def main(argv=None):
     p.add_argument("--no-contention", action="store_true",
                    help="--validate: the twin without the reader's CPU time slowing compute "
                         "(as it was before #51)")
+    p.add_argument("--record-greedy", default=None, metavar="DIR",
+                   help="Record the bundled model's greedy-decode routing traces (the "
+                        "back-test's streamlx rows: edgemoe/twin/traces)")
     p.add_argument("--routing-check", action="store_true",
                    help="Generated routing against the held-out traces (leave one out), and "
                         "the hit rates of --shape's generated routing beside the traces'")
@@ -555,6 +594,8 @@ def main(argv=None):
         Path(args.measure).write_text(json.dumps(prof.to_json(), indent=1))
         print(json.dumps({k: v["value"] for k, v in prof.figures.items()}, indent=1))
         return
+    if args.record_greedy:
+        return record_greedy(Path(args.record_greedy), Path(args.models.split(",")[0]))
     if args.backtest:
         return backtest(args)
     if args.at_peers:

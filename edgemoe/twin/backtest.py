@@ -12,9 +12,17 @@ A peer's design is what decides its speed on a Mac, each term cited or marked as
                       `copy_gbps` (0: zero-copy, the pages wrapped as GPU buffers); cold:
                       from the SSD, at the profile's rate with `readers` in flight
     hidden            the share of the SSD reads' time that overlaps compute (a read
-                      started from a guess, during attention)
+                      started from a guess, during attention); with overlap "hits", at
+                      most the compute of the experts that hit (streamlx computes them
+                      while it reads the misses)
     compute_ms        the peer's own figure for the model with no host reads, where it
-                      published one; else the shape's active bytes over the profile's int4
+                      published one; else the shape's active bytes (its recurrent state's
+                      traffic included) over the profile's int4
+    sync_us, sync_idle_us
+                      the host read and the GPU idle per sync in the peer's own runtime,
+                      where it published them (flash-moe's C/Metal pipeline); else the
+                      profile's, which are BigRig's Python MLX figures
+    ssd_gbps          the peer's own measured SSD, where it published one for its machine
 
 A decode token then takes (edgemoe.twin.forecast's terms, the host sync as a model of what
 happens: the queue drains, the read's round trip, the GPU idle while the host builds):
@@ -30,6 +38,7 @@ int4 rate) is also run at both ends: the sensitivity column.
 """
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -52,16 +61,32 @@ SLOTSTREAM_WARM = ("https://github.com/carloslfu/slotstream "
                    "warm-decode ladder reads 11.2 tok/s at 120 experts per layer and 11.6 at "
                    "150, flat above that' (plain; its README's 20.0 is with the draft head)")
 AS_QUOTED = "as issue #43 and shared/GUIDE.md quote it (primary text not found in the corpus searched)"
+STREAMLX_AT = ("https://github.com/srcterm/streamlx at 7c08c0b (2026-08-09), the commit whose "
+               "README first published the Qwen3.6 table")
+# streamlx/reader.py at that commit: "F_NOCACHE is set as declared intent, but per F5 (macOS
+# 26.3) reads populate the page cache anyway -- treated as a free reclaimable L2"
+STREAMLX_F5 = STREAMLX_AT + " streamlx/reader.py (F5: reads populate the page cache anyway)"
+FLASH_MOE = ("https://github.com/danveloper/flash-moe CLAUDE.md (= README.md): 'Pipeline Per "
+             "Layer (4.28ms average at 4-bit)'")
+SLOTSTREAM_M = "https://github.com/carloslfu/slotstream MEASUREMENTS.md"
+# slotstream's own Swift probe on its M5 Pro (MEASUREMENTS.md M0.4): a miss served from the
+# page cache is a pread (48 records at QD16, cache-warm: 59.94 GB/s) then a batch scatter
+# into the slot pool (49.77 GB/s)
+SLOTSTREAM_COPY_GBPS = 1 / (1 / 59.94 + 1 / 49.77)
+MACOS_BYTES = 4e9  # memory taken as macOS's own where a design's page cache is what is left
 
 # shapes the twin's SHAPES lack, for peers' models
 PEER_SHAPES = {
-    # slotstream's Qwen3.8-Flash-Next: 48 layers x 512 experts, top-10, 0.133 GB per expert
-    # per layer over 48 layers = 2.77 MB records, a 3.8 GB dense trunk (slotstream README);
-    # the trunk's computed share is assumed to be all of it (embeddings included)
+    # slotstream's Qwen3.8-Flash-Next: 48 layers x 512 experts, top-10, 2,764,800-byte
+    # records (MEASUREMENTS.md M0.2). Computed per token: its measured trunk less what a
+    # token only looks up (embed_tokens 0.358 GB; the 32 GB n-gram store, 16 rows a token):
+    # Gated DeltaNet 1.189 + QSA attention 0.376 + hyper-connections 0.367 + norms and
+    # lm_head 1.255 + shared experts 0.133 + routers 0.126 + ple 0.019 = 3.465 GB
     "slotstream-125b": Shape("slotstream-125b", 48, 2048, 802, 512, 10,
-                             resident_params_per_layer=3.8e9 / 0.5625 / 48, head_params=0,
-                             source=SLOTSTREAM + " (48 layers, 512 experts, 10 active, "
-                                    "0.133 GB per expert per layer, 3.8 GB trunk)"),
+                             resident_params_per_layer=3.465e9 / 0.5625 / 48, head_params=0,
+                             source=SLOTSTREAM_M + " M0.2 (48 layers, 512 experts, 10 "
+                                    "active, 2.76 MB records; 3.465 GB of the 3.82 GB trunk "
+                                    "computed per token)"),
     # flash-moe's Qwen3.5-397B-A17B: 60 layers, hidden 4096, moe_intermediate 1024, 512
     # experts, top-10, 1 shared expert; attention taken as ~60M params a layer (assumed)
     "qwen3.5-397b-a17b": Shape("qwen3.5-397b-a17b", 60, 4096, 1024, 512, 10,
@@ -102,28 +127,38 @@ class Design:
     # in the pool, right `lookahead_accuracy` of the time: its wrong guesses are reads too
     lookahead_reads: int = 0
     lookahead_accuracy: float = 1.0
+    overlap: str = "guess"  # guess: reads overlap compute by `hidden`; hits: by at most the
+    # compute of the experts that hit
+    sync_us: Optional[float] = None  # the runtime's own host read per sync (None: profile's)
+    sync_idle_us: Optional[float] = None  # and its GPU idle per synced layer
+    ssd_gbps: Optional[float] = None  # the peer's own measured SSD (None: the profile's)
+    # the routing the peer measured on: "forced" (held-out text, the shipped traces) or
+    # "greedy" (its own greedy continuation of a one-line prompt: edgemoe/twin/traces)
+    routing: str = "forced"
     notes: str = ""
     assumed: List[str] = field(default_factory=list)
 
 
 DESIGNS: List[Design] = [
-    Design("streamlx", "Qwen3.6-35B-A3B 4-bit, 16 GiB budget, M4 Air 32 GB", 15.9, "15.9",
-           STREAMLX + " (Performance table)", "m4-air-32gb", "qwen3.5-35b-a3b", 16 * GiB,
-           policy="lru", syncs_per_layer=1, readers=4, hidden=0.7, published_miss_rate=0.036,
-           lookahead_reads=7, lookahead_accuracy=0.7,
-           compute_ms=1000 / 33.3, compute_source=STREAMLX + ": --resident, all 40 MoE "
-           "layers fit, 33.3 tok/s",
-           notes="one sync a layer, which also yields the next layer's guess (~70% right); "
-                 "misses read during attention (hidden 0.7 = that accuracy); up to "
-                 "STREAMLX_PF_TOPM = 7 guessed experts a layer read when not in the pool "
-                 "(README), the wrong 30% wasted",
-           assumed=["readers 4 (reads span-merged; not stated)"]),
-    Design("streamlx", "same, 12 GiB budget", 7.6, "7.6", STREAMLX, "m4-air-32gb",
-           "qwen3.5-35b-a3b", 12 * GiB, policy="lru", syncs_per_layer=1, readers=4,
-           hidden=0.7, published_miss_rate=0.052, lookahead_reads=7, lookahead_accuracy=0.7, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
-    Design("streamlx", "same, 8 GiB budget", 7.2, "7.2", STREAMLX, "m4-air-32gb",
-           "qwen3.5-35b-a3b", 8 * GiB, policy="lru", syncs_per_layer=1, readers=4,
-           hidden=0.7, published_miss_rate=0.083, lookahead_reads=7, lookahead_accuracy=0.7, compute_ms=1000 / 33.3, compute_source=STREAMLX + ": 33.3 resident"),
+    # streamlx as it was when it published the Qwen3.6 table (7c08c0b): no lookahead yet
+    # (added 2b98467, 2026-08-11), one routing read a layer, the hits computed (async_eval)
+    # while the misses are read, LRU, 6 reader workers; measured by examples/sweep.py:
+    # greedy decode of a one-line prompt, 96 tokens of warm-up, 192 measured
+    *[Design("streamlx", setting, tok_s, f"{tok_s}", STREAMLX_AT + " README.md (Performance)",
+             "m4-air-32gb", "qwen3.5-35b-a3b", gib * GiB, policy="lru", syncs_per_layer=1,
+             page_cache="warm", memory_left_bytes=32e9 - resident - MACOS_BYTES,
+             copy_gbps=PC_COPY_GBPS, readers=6, hidden=1.0, overlap="hits",
+             routing="greedy", published_miss_rate=miss, compute_ms=1000 / 33.3,
+             compute_source=STREAMLX + ": --resident, all 40 MoE layers fit, 33.3 tok/s",
+             notes="one routing read a layer; the hits computed while the misses are read; "
+                   "reads fill the page cache (F5), so a miss the pool evicted earlier is a "
+                   "copy from it",
+             assumed=["macOS takes 4 GB; the page cache the rest of 32 GB less the "
+                      "published resident", "page-cache copy at BigRig's M4 rate"])
+      for setting, tok_s, gib, resident, miss in (
+          ("Qwen3.6-35B-A3B 4-bit, 16 GiB budget, M4 Air 32 GB", 15.9, 16, 19e9, 0.036),
+          ("same, 12 GiB budget", 7.6, 12, 15e9, 0.052),
+          ("same, 8 GiB budget", 7.2, 8, 11e9, 0.083))],
     Design("BigRig", "Qwen3.6-35B-A3B 4-bit, 9.7 GB ceiling, M4 24 GB, warm, zero-copy", 21.0,
            "21 (47 ms)", BIGRIG, "m4-air-24gb", "qwen3.5-35b-a3b", 9.7e9 - 4.0e9 - 1.0e9,
            policy="lfu", syncs_per_layer=1, page_cache="warm",
@@ -158,26 +193,37 @@ DESIGNS: List[Design] = [
     Design("slotstream", "125B (104 GB), 150 experts/layer, warm, plain decode, M5 Pro 48 GB",
            11.6, "11.6 ('~12')", SLOTSTREAM_WARM, "m5-pro-48gb", "slotstream-125b",
            150 * 48 * 2.77e6, policy="lru", syncs_per_layer=1, page_cache="warm",
-           memory_left_bytes=48e9 - 150 * 48 * 2.77e6 - 3.9e9 - 6e9, copy_gbps=PC_COPY_GBPS,
-           readers=8,
+           memory_left_bytes=48e9 - 150 * 48 * 2.77e6 - 3.9e9 - 6e9,
+           copy_gbps=SLOTSTREAM_COPY_GBPS, readers=8,
            notes="one pool for all layers (an even split here), Swift; the sync at the end of "
                  "ensure removed (+10%), a barrier every 4 layers: one read a layer kept; "
                  "pread into slots, so a page-cache hit is a copy",
-           assumed=["the trunk's 3.8 GB all computed per token", "the M4's page-cache copy "
-                    "rate (sensitivity: zero-copy)"]),
+           assumed=["mlx-swift's sync taken as BigRig's Python MLX figures (none "
+                    "published for Swift)", "page-cache copy: its own pread (59.94 GB/s) "
+                    "then batch scatter (49.77 GB/s), 27.2 GB/s (MEASUREMENTS.md M0.4)"]),
     Design("slotstream", "same, 120 experts/layer", 11.2, "11.2", SLOTSTREAM_WARM,
            "m5-pro-48gb", "slotstream-125b", 120 * 48 * 2.77e6, policy="lru",
            syncs_per_layer=1, page_cache="warm",
-           memory_left_bytes=48e9 - 120 * 48 * 2.77e6 - 3.9e9 - 6e9, copy_gbps=PC_COPY_GBPS,
-           readers=8),
+           memory_left_bytes=48e9 - 120 * 48 * 2.77e6 - 3.9e9 - 6e9,
+           copy_gbps=SLOTSTREAM_COPY_GBPS, readers=8),
     Design("flash-moe", "Qwen3.5-397B-A17B, 4 of 10 experts, M3 Max 48 GB", 4.36, "4.36",
-           "flash-moe " + AS_QUOTED, "m3-max-48gb", "qwen3.5-397b-a17b", 0.0, policy="lru",
-           top_k=4, syncs_per_layer=1, page_cache="warm",
-           memory_left_bytes=48e9 - 8e9 - 6e9, copy_gbps=PC_COPY_GBPS, readers=4,
-           notes="C and Metal, no expert cache of its own: the OS page cache is the cache, "
-                 "pread per expert (a copy out of the page cache)",
-           assumed=["4-bit experts", "page cache 34 GB (48 less 8 resident and 6 for macOS)",
-                    "one sync a layer"]),
+           FLASH_MOE, "m3-max-48gb", "qwen3.5-397b-a17b", 0.0, policy="lru",
+           top_k=4, syncs_per_layer=2, page_cache="warm",
+           memory_left_bytes=35e9, copy_gbps=PC_COPY_GBPS, readers=8,
+           sync_us=10.0, sync_idle_us=43.0, ssd_gbps=17.5,
+           compute_ms=60 * (1.22 + 0.55),
+           compute_source=FLASH_MOE + ": CMD1 attention projections + delta-net 1.22 ms "
+           "and CMD2 o_proj + norm + routing + shared 0.55 ms of GPU a layer (CMD3, the "
+           "experts, runs behind the next layer's CMD1), x 60 layers",
+           notes="C and Metal, no expert cache of its own: the OS page cache (~35 GB) is the "
+                 "cache, parallel pread per expert (a copy out of the page cache); a layer "
+                 "waits twice on the GPU (CMD1's results flushed, 0.01 ms; CMD2's routing, "
+                 "0.003 ms of softmax and top-k) and encodes CMD3 in 0.04 ms: its sync is "
+                 "10 us and 43 us of GPU idle, not BigRig's Python figures; serial "
+                 "GPU -> SSD -> GPU (nothing hidden); its SSD measured 17.5 GB/s; its page "
+                 "cache 'achieves ~71% hit rate'",
+           assumed=["page-cache copy at BigRig's M4 rate (sensitivity: zero-copy)",
+                    "8 reads in flight (GCD dispatch group of K=4 experts' ranges)"]),
     Design("streamlx (resident)", "Qwen3.6-35B-A3B, all resident, M4 Air 32 GB", 33.3, "33.3",
            STREAMLX + " (--resident)", "m4-air-32gb", "qwen3.5-35b-a3b", 40 * 256 * 1.77e6,
            syncs_per_layer=0,
@@ -205,8 +251,20 @@ def _mem_hits(trace, cache_bytes: float, extra_bytes: float, shape: Shape, polic
     return misses, max(misses - misses2, 0.0)
 
 
+GREEDY_TRACES = Path(__file__).resolve().parent / "traces"
+
+
+def greedy_traces() -> List[dict]:
+    """The bundled model's greedy-decode traces (streamlx's sweep protocol; recorded by
+    scripts/bench_twin.py --record-greedy)."""
+    from ..streaming.trace import load_trace
+    return [load_trace(f) for f in sorted(GREEDY_TRACES.glob("greedy_*.npz"))]
+
+
 def routing(design: Design, traces: Sequence[dict], seed: int = 0) -> List[dict]:
     shape = peer_shape(design.shape)
+    if design.routing == "greedy":
+        traces = greedy_traces()
     return shape_routing(shape, traces, seed=seed, top_k=design.top_k or shape.top_k)
 
 
@@ -214,26 +272,36 @@ def token_ms(design: Design, profile: Profile, misses: float, from_page_cache: f
     """Forecast milliseconds of one decode token, by term."""
     shape = peer_shape(design.shape)
     k = design.top_k or shape.top_k
+    rate = profile.value("int4_gbps") * 1e9
+    experts = 1e3 * shape.layers * k * shape.record_bytes / rate
     if design.compute_ms is not None:
         compute = design.compute_ms
     else:
-        active = (shape.layers * (shape.resident_layer_bytes + k * shape.record_bytes)
-                  + shape.head_bytes)
-        compute = 1e3 * active / (profile.value("int4_gbps") * 1e9)
-    sync_us, idle_us = profile.value("host_sync_us"), profile.value("sync_idle_us")
+        compute = 1e3 * (shape.layers * shape.resident_compute_bytes + shape.head_bytes) / rate \
+            + experts
+    sync_us = profile.value("host_sync_us") if design.sync_us is None else design.sync_us
+    idle_us = (profile.value("sync_idle_us") if design.sync_idle_us is None
+               else design.sync_idle_us)
     s = design.syncs_per_layer
     syncs = 1e-3 * (shape.layers * (s * sync_us + (idle_us if s else 0)) + sync_us)
     copy = (1e3 * from_page_cache * shape.record_bytes / (design.copy_gbps * 1e9)
             if design.copy_gbps else 0.0)
+    ssd = profile if design.ssd_gbps is None else profile.with_value("ssd_read_gbps",
+                                                                    design.ssd_gbps)
     ssd_records = misses - from_page_cache
-    read = 1e3 * ssd_records * profile.read_s(shape.record_bytes, design.readers)
-    hidden = min(read * design.hidden, compute)
+    read = 1e3 * ssd_records * ssd.read_s(shape.record_bytes, design.readers)
+    fetch = read + copy
+    if design.overlap == "hits":  # the hits' experts computed while the misses are fetched
+        hits_share = max(1 - misses / (k * shape.layers), 0.0)
+        hidden = min(fetch * design.hidden, experts * hits_share)
+    else:
+        hidden = min(read * design.hidden, compute)
     # wrong guesses: random experts, missing from the pool as often as the pool is short;
     # they take the disk ahead of the true misses, so none of it is hidden
     cached = min(design.cache_bytes / shape.expert_bytes_total, 1.0)
     wasted = (shape.layers * design.lookahead_reads * (1 - design.lookahead_accuracy)
               * (1 - cached))
-    guess = 1e3 * wasted * profile.read_s(shape.record_bytes, design.readers)
+    guess = 1e3 * wasted * ssd.read_s(shape.record_bytes, design.readers)
     read += guess
     total = compute + syncs + copy + read - hidden
     return {"compute_ms": compute, "sync_ms": syncs, "copy_ms": copy, "read_ms": read,
@@ -250,7 +318,7 @@ def replay_misses(design: Design, traces: Sequence[dict], seed: int = 0,
     of the peer's routing through its cache."""
     shape = peer_shape(design.shape)
     policy = Recency if design.policy == "lru" else design.policy
-    key = (design.shape, design.top_k or shape.top_k)
+    key = (design.shape, design.top_k or shape.top_k, design.routing)
     routed = {} if routed is None else routed
     mapped = routed[key] if key in routed else routed.setdefault(key, routing(design, traces, seed))
     extra = design.memory_left_bytes if design.page_cache == "warm" else 0.0

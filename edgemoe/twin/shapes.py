@@ -55,6 +55,9 @@ class Shape:
     fused_gate_up: bool = False
     kv_bytes_per_token: float = 0.0  # KV cache at bf16, every layer that keeps one
     embed_params: float = 0.0  # the embedding table (resident, not computed per token)
+    # recurrent state a decode step reads and writes, per MoE layer on average (Gated
+    # DeltaNet's fp32 state): memory traffic like the weights', counted at the same rate
+    state_bytes_per_layer: float = 0.0
 
     def record_tensors(self) -> List[Tuple[str, str, tuple]]:
         """(name, dtype, shape) of one expert's tensors, sorted by name as convert lays
@@ -102,6 +105,11 @@ class Shape:
         return self.resident_params_per_layer * INT4_BYTES_PER_PARAM
 
     @property
+    def resident_compute_bytes(self) -> float:
+        """What a decode step reads per layer besides its experts: weights and state."""
+        return self.resident_layer_bytes + self.state_bytes_per_layer
+
+    @property
     def head_bytes(self) -> float:
         return self.head_params * INT4_BYTES_PER_PARAM
 
@@ -115,7 +123,7 @@ class Shape:
     @property
     def active_bytes_per_token(self) -> float:
         """Weights one decode step computes: resident + top-k records per layer."""
-        return (self.layers * (self.resident_layer_bytes + self.top_k * self.record_bytes)
+        return (self.layers * (self.resident_compute_bytes + self.top_k * self.record_bytes)
                 + self.head_bytes)
 
     @property
@@ -146,6 +154,26 @@ def _attn(d, heads, kv, head_dim):
     return d * heads * head_dim * 2 + d * kv * head_dim * 2
 
 
+def _gated_attn(d, heads, kv, head_dim):
+    """Qwen3.5's full attention: q_proj also yields the output gate (attn_output_gate)."""
+    return d * heads * head_dim * 2 + d * kv * head_dim * 2 + heads * head_dim * d
+
+
+def _gated_deltanet(d, key_heads, value_heads, key_dim, value_dim, conv):
+    """Qwen3.5's Gated DeltaNet: in_proj_qkvz, in_proj_ba, the short conv over q, k, v,
+    out_proj (mlx-lm's qwen3_next/qwen3_5 layout)."""
+    k, v = key_heads * key_dim, value_heads * value_dim
+    return d * (2 * k + 2 * v) + d * 2 * value_heads + (2 * k + v) * conv + v * d
+
+
+def _deltanet_state_traffic(key_heads, value_heads, key_dim, value_dim, conv):
+    """Bytes a decode step reads and writes of one Gated DeltaNet layer's state: the fp32
+    recurrent state (value heads x key_dim x value_dim) and the bf16 conv state."""
+    recurrent = value_heads * key_dim * value_dim * 4
+    conv_state = (2 * key_heads * key_dim + value_heads * value_dim) * (conv - 1) * 2
+    return 2 * (recurrent + conv_state)
+
+
 SHAPES: Dict[str, Shape] = {s.name: s for s in [
     Shape("qwen3-30b-a3b", 48, 2048, 768, 128, 8,
           resident_params_per_layer=_attn(2048, 32, 4, 128) + 2048 * 128,
@@ -154,15 +182,20 @@ SHAPES: Dict[str, Shape] = {s.name: s for s in [
           source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (48 layers, "
                  "hidden 2048, moe_intermediate 768, 128 experts, top-8, 32/4 heads of 128)"),
     Shape("qwen3.5-35b-a3b", 40, 2048, 512, 256, 8,
-          # 10 full-attention layers (16 q heads of 256, gated; 2 kv heads), 30 Gated
-          # DeltaNet layers: taken as ~22M attention params a layer on average (approximate),
-          # plus the router and the shared expert (intermediate 512)
-          resident_params_per_layer=22e6 + 2048 * 256 + 3 * 2048 * 512,
+          # from its config: every 4th layer full attention (full_attention_interval 4),
+          # the other 30 Gated DeltaNet, plus each layer's router and shared expert (512)
+          resident_params_per_layer=(10 * _gated_attn(2048, 16, 2, 256)
+                                     + 30 * _gated_deltanet(2048, 16, 32, 128, 128, 4)) / 40
+          + 2048 * 256 + 3 * 2048 * 512,
           head_params=248320 * 2048, embed_params=248320 * 2048,
           kv_bytes_per_token=10 * 2 * 2 * 256 * 2,  # the 10 full-attention layers
-          source="https://huggingface.co/Qwen/Qwen3.5-35B-A3B (40 layers, hidden 2048, "
-                 "moe_intermediate 512, 256 experts, top-8 + 1 shared; attention params "
-                 "approximated; Qwen3.6-35B-A3B has the same shape)"),
+          state_bytes_per_layer=30 * _deltanet_state_traffic(16, 32, 128, 128, 4) / 40,
+          source="https://huggingface.co/Qwen/Qwen3.5-35B-A3B config.json (40 layers, "
+                 "hidden 2048, layer_types 3 linear_attention : 1 full_attention, full: 16 "
+                 "heads of 256 with an output gate, 2 kv heads; linear: 16 key heads and 32 "
+                 "value heads of 128, conv kernel 4, fp32 state (mamba_ssm_dtype); "
+                 "moe_intermediate 512, 256 experts, top-8 + 1 shared of 512; Qwen3.6-35B-"
+                 "A3B has the same shape)"),
     Shape("qwen3-235b-a22b", 94, 4096, 1536, 128, 8,
           resident_params_per_layer=_attn(4096, 64, 4, 128) + 4096 * 128,
           head_params=151936 * 4096, embed_params=151936 * 4096,
