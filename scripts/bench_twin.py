@@ -461,8 +461,9 @@ GREEDY_WARMUP, GREEDY_MEASURED = 96, 192
 
 def record_greedy(out: Path, model_path: Path):
     """Routing traces of the bundled model decoding its own greedy continuation of a one-line
-    prompt, as streamlx's sweep measures (edgemoe/twin/traces/README.md): the warm-up's
-    tokens are marked as not decode, so a replay counts the measured window alone."""
+    prompt, as streamlx's sweep measures: the warm-up's tokens are marked as not decode, so a
+    replay counts the measured window alone (docs/mac.md, "Back-test": `--routing-check`
+    on them gave the measurement that kept the back-test's routing teacher-forced)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -491,14 +492,17 @@ def routing_check(args):
     from edgemoe.twin.routing_gen import check, hit_rates, shape_routing
     files = trace_files(args.trace)
     traces = [load_trace(f) for f in files]
-    result = check(traces, [f.stem for f in files], seed=args.seed)
+    from edgemoe.streaming.cache import Recency
+    policies = ("lfu", "belady", Recency)  # Recency: LRU, the peers' policy (streamlx)
+    result = check(traces, [f.stem for f in files], seed=args.seed, policies=policies)
     for key, v in result["mean"].items():
         print(f"  {key:>10}  held out {100 * v['real']:5.1f}%  generated "
               f"{100 * v['generated']:5.1f}%  {v['diff_points']:+.1f} points")
     result["shapes"] = {}
     for name in args.shape.split(","):
         shape = get_shape(name)
-        rates = [hit_rates(t) for t in shape_routing(shape, traces, seed=args.seed)]
+        rates = [hit_rates(t, policies=policies)
+                 for t in shape_routing(shape, traces, seed=args.seed)]
         mean = {k: float(np.mean([r[k] for r in rates])) for k in rates[0]}
         result["shapes"][name] = mean
         print(f"  {name}: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in mean.items()))
@@ -561,8 +565,8 @@ def main(argv=None):
                    help="--validate: the twin without the reader's CPU time slowing compute "
                         "(as it was before #51)")
     p.add_argument("--record-greedy", default=None, metavar="DIR",
-                   help="Record the bundled model's greedy-decode routing traces (the "
-                        "back-test's streamlx rows: edgemoe/twin/traces)")
+                   help="Record the bundled model's greedy-decode routing traces, as "
+                        "streamlx's sweep decodes, into DIR (for --routing-check)")
     p.add_argument("--routing-check", action="store_true",
                    help="Generated routing against the held-out traces (leave one out), and "
                         "the hit rates of --shape's generated routing beside the traces'")

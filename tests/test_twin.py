@@ -199,6 +199,27 @@ def test_this_machines_reader_path_reads_the_same_bytes(tiny):
     assert got[0] == got[1] == simulate(trace, "25%", "lfu").bytes_read
 
 
+def test_this_machines_reader_counts_its_threads_cpu(tiny):
+    """The validation's contention term takes the reader threads' CPU seconds, preadv
+    included (CpuCountedReader), not only the copy and CRC32 time."""
+    import time
+    from edgemoe.streaming.store import ExpertStore
+    from edgemoe.twin.engine import CpuCountedReader, ScratchMemory
+    _, pack = tiny
+    reader = CpuCountedReader(pack, 2, "buffered")
+    store = ExpertStore(pack, "25%", "lfu", io="buffered", readers=2, reader=reader,
+                        memory=lambda layer, n: ScratchMemory(layer, n))
+    try:
+        assert reader.cpu_s == 0.0
+        store.prefetch(0, np.arange(2), 0)
+        deadline = time.monotonic() + 10
+        while store.snapshot().bytes_read == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.snapshot().bytes_read > 0 and reader.cpu_s > 0.0
+    finally:
+        store.close()
+
+
 def test_prerouted_waits_for_a_head_at_every_layer_but_the_last(tiny):
     shape, pack = tiny
     trace = map_trace(synthetic_trace(decode=8), shape)

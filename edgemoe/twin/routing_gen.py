@@ -133,13 +133,15 @@ def generate(stats: List[LayerStats], like: Dict[str, np.ndarray], experts: int,
 
 def hit_rates(trace: Dict[str, np.ndarray], budgets: Sequence[str] = ("10%", "25%", "50%"),
               policies: Sequence[str] = ("lfu", "belady")) -> Dict[str, float]:
-    """{"lfu@10%": decode hit rate, ...} of one trace replayed by edgemoe.streaming.replay."""
+    """{"lfu@10%": decode hit rate, ...} of one trace replayed by edgemoe.streaming.replay
+    (a policy by name, or a policy class: LRU is edgemoe.streaming.cache.Recency)."""
     from ..streaming.replay import simulate
-    return {f"{pol}@{b}": simulate(trace, b, pol).decode_hit_rate
+    return {f"{getattr(pol, '__name__', pol).lower()}@{b}": simulate(trace, b, pol).decode_hit_rate
             for pol in policies for b in budgets}
 
 
-def check(traces: Sequence[Dict[str, np.ndarray]], names: Sequence[str], seed: int = 0) -> dict:
+def check(traces: Sequence[Dict[str, np.ndarray]], names: Sequence[str], seed: int = 0,
+          policies: Sequence = ("lfu", "belady")) -> dict:
     """Leave one out: for each trace, routing generated from the others' statistics (same
     width, depth and token structure) against the held-out trace's own hit rates."""
     rows = []
@@ -147,7 +149,7 @@ def check(traces: Sequence[Dict[str, np.ndarray]], names: Sequence[str], seed: i
         stats = fit([t for j, t in enumerate(traces) if j != i])
         experts, k = int(held["num_experts"].max()), held["routed"].shape[2]
         gen = generate(stats, held, experts, k, held["routed"].shape[1], seed + i)
-        real, synth = hit_rates(held), hit_rates(gen)
+        real, synth = hit_rates(held, policies=policies), hit_rates(gen, policies=policies)
         rows.append({"held_out": name, "real": real, "generated": synth,
                      "diff_points": {key: 100 * (synth[key] - real[key]) for key in real}})
     keys = rows[0]["real"].keys()
