@@ -64,7 +64,7 @@ STREAMLX_AT = ("https://github.com/srcterm/streamlx at 7c08c0b (2026-08-09), the
                "README first published the Qwen3.6 table")
 # streamlx/reader.py at that commit: "F_NOCACHE is set as declared intent, but per F5 (macOS
 # 26.3) reads populate the page cache anyway -- treated as a free reclaimable L2"
-STREAMLX_F5 = STREAMLX_AT + " streamlx/reader.py (F5: reads populate the page cache anyway)"
+STREAMLX_F5 = "its streamlx/reader.py (F5: reads populate the page cache anyway)"
 FLASH_MOE = ("https://github.com/danveloper/flash-moe CLAUDE.md (= README.md): 'Pipeline Per "
              "Layer (4.28ms average at 4-bit)'")
 SLOTSTREAM_M = "https://github.com/carloslfu/slotstream MEASUREMENTS.md"
@@ -144,7 +144,8 @@ DESIGNS: List[Design] = [
     # greedy continuations under that protocol repeat themselves and miss 0.8/0.4/0.2% at
     # 47/71/95% of the experts, against streamlx's 8.3/5.2/3.6% and the forced traces'
     # 20.4/5.5/0.7% (docs/mac.md, "Back-test"), so they are no closer to Qwen3.6's
-    *[Design("streamlx", setting, tok_s, f"{tok_s}", STREAMLX_AT + " README.md (Performance)",
+    *[Design("streamlx", setting, tok_s, f"{tok_s}",
+             f"{STREAMLX_AT} README.md (Performance); {STREAMLX_F5}",
              "m4-air-32gb", "qwen3.5-35b-a3b", gib * GiB, policy="lru", syncs_per_layer=1,
              page_cache="warm", memory_left_bytes=32e9 - resident - MACOS_BYTES,
              copy_gbps=PC_COPY_GBPS, readers=6, hidden=1.0, overlap="hits",
