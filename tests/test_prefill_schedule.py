@@ -1,0 +1,78 @@
+"""Prefill by expert (issue #55, item 4): a prompt chunk reads each expert it needs once,
+also when it needs more experts than the layer has slots, and its logits stay mlx-lm's.
+
+Reads are counted where the slot state machine claims a slot for a read
+(`LayerSlots._start_fill`), per (layer, expert), chunk by chunk.
+"""
+
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load as mlx_lm_load
+
+import edgemoe
+
+from unpack import unpack
+
+BUNDLED = Path(edgemoe.__file__).resolve().parent / "models" / "fine"
+CHUNK, CHUNKS = 48, 2  # 48 tokens x top-8: most of a layer's 128 experts, 3x a 25% pool
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """mlx-lm's own model of the bundled pack, a prompt, and mlx-lm's logits chunk by chunk."""
+    model, tokenizer = mlx_lm_load(str(unpack(BUNDLED, tmp_path_factory.mktemp("fine"))))
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    prompt = mx.array(tokenizer.encode(text)[:CHUNK * CHUNKS])
+    return prompt, prefill(model, prompt)
+
+
+def prefill(model, prompt, between=lambda: None):
+    """The prompt's logits, a chunk per forward call as mlx-lm's prefill steps it;
+    `between()` after each chunk."""
+    cache = make_prompt_cache(model)
+    out = []
+    for start in range(0, prompt.size, CHUNK):
+        out.append(model(prompt[None, start:start + CHUNK], cache=cache)[0])
+        mx.eval(out[-1])
+        between()
+    return out
+
+
+class ReadCounter:
+    """Every read the store's slots start, by (layer, expert), since the last `take()`."""
+
+    def __init__(self, store):
+        self.reads = Counter()
+        for pool in store.layers.values():
+            start = pool._start_fill
+
+            def counted(expert, *args, _start=start, _layer=pool.layer.index, **kwargs):
+                self.reads[_layer, expert] += 1
+                return _start(expert, *args, **kwargs)
+            pool._start_fill = counted
+
+    def take(self) -> Counter:
+        reads, self.reads = self.reads, Counter()
+        return reads
+
+
+@pytest.mark.parametrize("budget", ["25%", "100%"])
+def test_a_prefill_chunk_reads_each_expert_once_and_keeps_mlx_lms_logits(reference, budget):
+    prompt, expected = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget=budget)
+    store = model.expert_store
+    counter = ReadCounter(store)
+    per_chunk = []
+    found = prefill(model, prompt, lambda: per_chunk.append(counter.take()))
+    assert per_chunk[0], "the first chunk streamed its experts"
+    for reads in per_chunk:
+        assert max(reads.values(), default=1) == 1, [k for k, n in reads.items() if n > 1]
+    if budget == "25%":  # the chunks needed more experts than slots: passes ran
+        assert len(per_chunk[0]) > store.slots_per_layer * len(store.layers)
+        assert store.snapshot().evictions > 0
+    for got, want in zip(found, expected):
+        assert mx.array_equal(got, want).item()
