@@ -1,5 +1,6 @@
 """Prefill by expert (issue #55, item 4): a prompt chunk reads each expert it needs once,
-also when it needs more experts than the layer has slots, and its logits stay mlx-lm's.
+also when it needs more experts than the layer has slots, and its logits stay mlx-lm's;
+the explicit BLAS arithmetic (edgemoe.model.prefill) stays within its stated tolerance.
 
 Reads are counted where the slot state machine claims a slot for a read
 (`LayerSlots._start_fill`), per (layer, expert), chunk by chunk.
@@ -14,6 +15,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
+import edgemoe.model.prefill as prefill_module
+from edgemoe.model.experts import StreamingExperts
+from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts
 
 from unpack import unpack
 
@@ -76,3 +80,30 @@ def test_a_prefill_chunk_reads_each_expert_once_and_keeps_mlx_lms_logits(referen
         assert store.snapshot().evictions > 0
     for got, want in zip(found, expected):
         assert mx.array_equal(got, want).item()
+
+
+
+def test_blas_prefill_is_within_its_stated_tolerance_of_mlx_lm(reference, monkeypatch):
+    """The explicit, inexact option: every chunk's logits within LOGIT_TOLERANCE of
+    mlx-lm's and the same greedy token at every position, the experts computed by BLAS
+    (25%: the passes of a chunk that needs more experts than slots)."""
+    prompt, expected = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="25%", prefill_arithmetic="blas")
+    pools = [m.pool.module for _, m in model.named_modules() if isinstance(m, StreamingExperts)]
+    assert len(pools) == 8 and all(isinstance(m, BlasExperts) for m in pools)
+    products = Counter()
+    compute = prefill_module.expert_products
+
+    def counted(*args):
+        products["calls"] += 1
+        return compute(*args)
+    monkeypatch.setattr(prefill_module, "expert_products", counted)
+    # (every call of a few rows per expert too: the threshold is about speed, the
+    # tolerance about every call BLAS computes)
+    monkeypatch.setattr(prefill_module, "MIN_ROWS_PER_EXPERT", 1)
+    found = prefill(model, prompt)
+    assert products["calls"] >= len(pools) * CHUNKS
+    worst = max(mx.abs(got - want).max().item() for got, want in zip(found, expected))
+    assert worst <= LOGIT_TOLERANCE
+    for got, want in zip(found, expected):
+        assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()

@@ -1,0 +1,138 @@
+"""Prefill's experts through numpy's BLAS: an explicit, inexact option for CPUs.
+
+MLX's CPU backend multiplies quantized weights at about 1 GFLOP/s (`gather_qmm`, and its
+float32 matmul at about 2), where numpy's BLAS reaches 20 on the same two cores
+(docs/benchmarks.md, "Prefill"). With `prefill_arithmetic="blas"`, a layer call with
+enough (token, expert) entries per expert dequantizes each expert it uses once
+(`mx.dequantize`: MLX's own dequantization, to float32) and multiplies all of that expert's
+tokens in one BLAS matmul per projection. Decode steps and small calls keep mlx-lm's own
+module, bit for bit.
+
+The contract: not bit-identical to mlx-lm. The products are the same float32 products
+summed in another order; tests/test_prefill_blas.py holds the bundled model's prompt
+logits within `LOGIT_TOLERANCE` of mlx-lm's, with the same greedy token at every position.
+Native arithmetic stays the default everywhere.
+"""
+
+import ctypes
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
+
+MIN_ROWS_PER_EXPERT = 8  # fewer: dequantizing an expert costs more than BLAS saves
+LOGIT_TOLERANCE = 1e-4  # max |logit - mlx-lm's| on the bundled model's prompt (measured: 1.05e-5)
+
+
+class BlasExperts:
+    """Stands in for a pool's mlx-lm SwitchGLU (`SlotPool.module`): the same call,
+    (x (..., D), slot ids (..., k)) -> (..., k, D), through BLAS when the call is large."""
+
+    def __init__(self, module: SwitchGLU):
+        object.__setattr__(self, "module", module)
+
+    def __getattr__(self, name):  # (children, projections: the module's own)
+        return getattr(self.module, name)
+
+    def __setattr__(self, name, value):  # (a LoRA bound later: the module's own)
+        setattr(self.module, name, value)
+
+    def __getitem__(self, name):
+        return self.module[name]
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if indices.size < MIN_ROWS_PER_EXPERT * 2 or supported(self.module) is not None:
+            return self.module(x, indices)
+        ids = np.array(indices).reshape(-1)
+        used = np.unique(ids)
+        if ids.size < MIN_ROWS_PER_EXPERT * len(used):
+            return self.module(x, indices)
+        k, dims = indices.shape[-1], x.shape[-1]
+        rows = np.array(x.reshape(-1, dims).astype(mx.float32))
+        out = expert_products(self.module, np.repeat(rows, k, axis=0), ids, used)
+        return mx.array(out).reshape(*indices.shape, -1).astype(x.dtype)
+
+
+def expert_products(module: SwitchGLU, rows: np.ndarray, ids: np.ndarray,
+                    used: np.ndarray) -> np.ndarray:
+    """Each entry's expert output: rows (N, D) float32, ids (N,) slots, used (sorted
+    distinct ids). Each expert is dequantized once and computes all its rows together."""
+    order = np.argsort(ids, kind="stable")
+    bounds = np.searchsorted(ids[order], np.append(used, used[-1] + 1))
+    gate_up = np.concatenate([dequantized(module.gate_proj, used),
+                              dequantized(module.up_proj, used)], axis=1)  # (U, 2H, D)
+    down = dequantized(module.down_proj, used)  # (U, D, H)
+    hidden = gate_up.shape[1] // 2
+    out = np.empty((len(ids), down.shape[1]), dtype=np.float32)
+    for j in range(len(used)):
+        mine = order[bounds[j]:bounds[j + 1]]
+        projected = rows[mine] @ gate_up[j].T
+        gate, up = projected[:, :hidden], projected[:, hidden:]
+        out[mine] = (gate / (1 + np.exp(-gate)) * up) @ down[j].T  # silu(gate) * up
+    return out
+
+
+def dequantized(proj, slots: np.ndarray) -> np.ndarray:
+    """The projection's weights of these slots as float32 (U, out, in), by MLX's own
+    dequantization."""
+    picked = mx.array(slots.astype(np.uint32))
+    if isinstance(proj, QuantizedSwitchLinear):
+        biases = proj["biases"][picked] if "biases" in proj else None
+        weight = mx.dequantize(proj.weight[picked], proj.scales[picked], biases,
+                               group_size=proj.group_size, bits=proj.bits, mode=proj.mode)
+    else:
+        weight = proj.weight[picked]
+    return np.array(weight.astype(mx.float32))
+
+
+def supported(module) -> Optional[str]:
+    """None if BLAS can compute this expert module as mlx-lm would; else why not."""
+    if type(module) is not SwitchGLU or type(module.activation) is not SwiGLU:
+        return f"{type(module).__name__} with {type(getattr(module, 'activation', None)).__name__}"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = module[name]
+        if type(proj) not in (QuantizedSwitchLinear, SwitchLinear) or "bias" in proj:
+            return f"{name}: {type(proj).__name__}" + (" with a bias" if "bias" in proj else "")
+        if getattr(proj, "global_scale", False):
+            return f"{name}: a global scale"
+    return None
+
+
+def use_blas(experts: dict) -> int:
+    """Give every streaming expert module whose expert module BLAS can compute the BLAS
+    stand-in (`experts`: layer index -> StreamingExperts); how many took it. A module
+    with an adapter's deltas, or another activation, keeps mlx-lm's. numpy's OpenBLAS
+    then runs on one thread (`blas_threads`)."""
+    blas_threads(1)
+    taken = 0
+    for module in experts.values():
+        pool = module.pool
+        if isinstance(pool.module, BlasExperts) or supported(pool.module) is not None:
+            continue
+        if any(type(c).__name__ == "ExpertDeltas" for c in module.children().values()):
+            continue
+        pool.module = BlasExperts(pool.module)
+        taken += 1
+    return taken
+
+
+def blas_threads(count: int) -> bool:
+    """Set numpy's OpenBLAS threads (the library this process loaded: Linux); whether it
+    was found. Why one: an expert's matmul is small (its share of a chunk's tokens), and
+    OpenBLAS's threads spin at each one's end: on these 2 cores, beside MLX's own threads
+    and any other load, 2 threads made the BLAS path 18x slower than 1."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "openblas" in line), None)
+    except OSError:
+        return False
+    if path is None:
+        return False
+    lib = ctypes.CDLL(path)
+    for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads"):
+        setter = getattr(lib, name, None)
+        if setter is not None:
+            setter(count)
+            return True
+    return False
