@@ -17,7 +17,7 @@ from mlx_lm.utils import load as mlx_lm_load
 import edgemoe
 import edgemoe.model.prefill as prefill_module
 from edgemoe.model.experts import StreamingExperts
-from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts
+from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
 
 from unpack import unpack
 
@@ -91,18 +91,27 @@ def test_blas_prefill_is_within_its_stated_tolerance_of_mlx_lm(reference, monkey
     model, _ = edgemoe.load(BUNDLED, expert_budget="25%", prefill_arithmetic="blas")
     pools = [m.pool.module for _, m in model.named_modules() if isinstance(m, StreamingExperts)]
     assert len(pools) == 8 and all(isinstance(m, BlasExperts) for m in pools)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, BlasLinear) and isinstance(model.lm_head, BlasLinear)
+    assert not isinstance(layer.mlp.gate, BlasLinear)  # (a router's choices stay mlx-lm's)
     products = Counter()
     compute = prefill_module.expert_products
 
     def counted(*args):
         products["calls"] += 1
         return compute(*args)
+    dense = BlasLinear.__call__
+
+    def dense_counted(self, x):
+        products["dense"] += x.size // x.shape[-1] >= prefill_module.MIN_DENSE_ROWS
+        return dense(self, x)
+    monkeypatch.setattr(BlasLinear, "__call__", dense_counted)
     monkeypatch.setattr(prefill_module, "expert_products", counted)
     # (every call of a few rows per expert too: the threshold is about speed, the
     # tolerance about every call BLAS computes)
     monkeypatch.setattr(prefill_module, "MIN_ROWS_PER_EXPERT", 1)
     found = prefill(model, prompt)
-    assert products["calls"] >= len(pools) * CHUNKS
+    assert products["calls"] >= len(pools) * CHUNKS and products["dense"] >= 33 * CHUNKS
     worst = max(mx.abs(got - want).max().item() for got, want in zip(found, expected))
     assert worst <= LOGIT_TOLERANCE
     for got, want in zip(found, expected):

@@ -143,7 +143,7 @@ def load(
         model = load_adapter(model, adapter, streamed_experts=deltas is not None)
         model.eval()
     if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
-        use_blas(experts)
+        use_blas(model, experts)
     tokenizer = load_tokenizer(path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
     # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:

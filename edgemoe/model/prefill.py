@@ -1,12 +1,14 @@
-"""Prefill's experts through numpy's BLAS: an explicit, inexact option for CPUs.
+"""Prefill's matmuls through numpy's BLAS: an explicit, inexact option for CPUs.
 
 MLX's CPU backend multiplies quantized weights at about 1 GFLOP/s (`gather_qmm`, and its
 float32 matmul at about 2), where numpy's BLAS reaches 20 on the same two cores
 (docs/benchmarks.md, "Prefill"). With `prefill_arithmetic="blas"`, a layer call with
 enough (token, expert) entries per expert dequantizes each expert it uses once
 (`mx.dequantize`: MLX's own dequantization, to float32) and multiplies all of that expert's
-tokens in one BLAS matmul per projection. Decode steps and small calls keep mlx-lm's own
-module, bit for bit.
+tokens in one BLAS matmul per projection; the resident quantized linears (attention's
+projections, the LM head; never a router, whose choices would move) likewise, for calls of
+at least MIN_DENSE_ROWS tokens. Decode steps and small calls keep mlx-lm's own modules,
+bit for bit.
 
 The contract: not bit-identical to mlx-lm. The products are the same float32 products
 summed in another order; tests/test_prefill_blas.py holds the bundled model's prompt
@@ -18,10 +20,13 @@ import ctypes
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
 MIN_ROWS_PER_EXPERT = 8  # fewer: dequantizing an expert costs more than BLAS saves
+MIN_DENSE_ROWS = 32  # the same for a resident linear
+ROUTERS = ("gate", "router", "shared_expert_gate")  # linears never moved to BLAS
 LOGIT_TOLERANCE = 1e-4  # max |logit - mlx-lm's| on the bundled model's prompt (measured: 1.05e-5)
 
 
@@ -99,12 +104,33 @@ def supported(module) -> Optional[str]:
     return None
 
 
-def use_blas(experts: dict) -> int:
+class BlasLinear(nn.QuantizedLinear):
+    """mlx-lm's quantized linear (its class swapped on one instance, `use_blas`): a call of
+    at least MIN_DENSE_ROWS rows dequantizes the weight once and multiplies through BLAS."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if rows < MIN_DENSE_ROWS or self.mode != "affine":
+            return super().__call__(x)
+        weight = np.array(mx.dequantize(self["weight"], self["scales"], self.get("biases"),
+                                        group_size=self.group_size, bits=self.bits,
+                                        mode=self.mode).astype(mx.float32))
+        out = np.array(x.reshape(rows, -1).astype(mx.float32)) @ weight.T
+        if "bias" in self:
+            out += np.array(self["bias"].astype(mx.float32))
+        return mx.array(out).reshape(*x.shape[:-1], -1).astype(x.dtype)
+
+
+def use_blas(model, experts: dict) -> int:
     """Give every streaming expert module whose expert module BLAS can compute the BLAS
-    stand-in (`experts`: layer index -> StreamingExperts); how many took it. A module
-    with an adapter's deltas, or another activation, keeps mlx-lm's. numpy's OpenBLAS
-    then runs on one thread (`blas_threads`)."""
+    stand-in (`experts`: layer index -> StreamingExperts), and every resident quantized
+    linear but the routers BlasLinear; how many expert modules took it. A module with an
+    adapter's deltas, or another activation, keeps mlx-lm's. numpy's OpenBLAS then runs
+    on one thread (`blas_threads`)."""
     blas_threads(1)
+    for path, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and path.rsplit(".", 1)[-1] not in ROUTERS:
+            module.__class__ = BlasLinear
     taken = 0
     for module in experts.values():
         pool = module.pool

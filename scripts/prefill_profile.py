@@ -1,0 +1,170 @@
+"""Where a prefill's time goes (scripts/bench_prefill.py --profile): per-op timings of one
+warm forward call over a prompt, for mlx-lm and for edgemoe at each budget with native and
+BLAS arithmetic, in alternating rounds, medians."""
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("attention projections", "attention (sdpa, rope, norms)", "routers", "expert matmuls",
+         "waiting on reads", "streaming host work", "lm head", "other")
+
+
+class Clock:
+    """Seconds per part of one forward call; each timed op's inputs are evaluated before
+    it starts and its output when it ends."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def wrap(self, part, call):
+        def timed(*args, **kwargs):
+            mx.eval([a for a in args if isinstance(a, mx.array)])
+            tic = time.perf_counter()
+            out = call(*args, **kwargs)
+            mx.eval(out)
+            self.seconds[part] += time.perf_counter() - tic
+            return out
+        return timed
+
+    def instrument(self, module, part):
+        """Time every call of this module (its class's __call__, on this instance only)."""
+        cls = type(module)
+        wrapped = self.wrap(part, lambda *a, **k: cls.__call__(module, *a, **k))
+        module.__class__ = type(cls.__name__, (cls,), {"__call__": lambda self, *a, **k: wrapped(*a, **k)})
+
+
+def instrumented(model) -> Clock:
+    from edgemoe.model.experts import StreamingExperts
+
+    clock = Clock()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            clock.instrument(getattr(attn, name), "attention projections")
+        clock.instrument(attn, "attention")
+        mlp = layer.mlp
+        if hasattr(mlp, "gate"):
+            clock.instrument(mlp.gate, "routers")
+        experts = mlp.switch_mlp
+        if isinstance(experts, StreamingExperts):
+            experts.pool.module = _TimedPool(experts.pool.module, clock)
+            clock.instrument(experts, "streaming")
+        else:
+            clock.instrument(experts, "expert matmuls")
+    return clock
+
+
+class _TimedPool:
+    """A pool's expert module, its calls timed as the experts' matmuls."""
+
+    def __init__(self, module, clock):
+        self.module, self.call = module, clock.wrap("expert matmuls", module)
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def __getitem__(self, name):
+        return self.module[name]
+
+
+def one_prefill(model, clock, tokens) -> dict:
+    store = getattr(model, "expert_store", None)
+    before = store.snapshot() if store is not None else None
+    clock.seconds.clear()
+    tic = time.perf_counter()
+    hidden = model.model(tokens, cache=make_prompt_cache(model))
+    mx.eval(hidden)
+    forward = time.perf_counter() - tic
+    head = clock.wrap("lm head", model.lm_head if hasattr(model, "lm_head")
+                      else model.model.embed_tokens.as_linear)
+    head(hidden)
+    t = dict(clock.seconds)
+    parts = {"attention projections": t.get("attention projections", 0.0),
+             "attention (sdpa, rope, norms)": t.get("attention", 0.0)
+             - t.get("attention projections", 0.0),
+             "routers": t.get("routers", 0.0), "expert matmuls": t.get("expert matmuls", 0.0),
+             "lm head": t["lm head"]}
+    if store is not None:
+        reads = (store.snapshot() - before).blocked_s
+        parts["waiting on reads"] = reads
+        parts["streaming host work"] = t.get("streaming", 0.0) - t["expert matmuls"] - reads
+    timed_forward = sum(v for k, v in parts.items() if k != "lm head")
+    parts["other"] = max(0.0, forward - timed_forward)
+    total = forward + t["lm head"]
+    return {"total_s": total, "tok_per_s": tokens.size / total, "parts": parts}
+
+
+def profile(args, budgets):
+    import edgemoe
+    from mlx_lm.utils import load as mlx_lm_load
+
+    models = {}
+    tokenizer = None
+    if args.mlx_lm:
+        models["mlx-lm"], tokenizer = mlx_lm_load(args.mlx_lm)
+    for budget in budgets:
+        for arithmetic in ("native", "blas"):
+            models[f"edgemoe {budget:.0%} {arithmetic}"], tokenizer = edgemoe.load(
+                args.model, expert_budget=budget, prefill_arithmetic=arithmetic)
+    clocks = {name: instrumented(m) for name, m in models.items()}
+    text = (ROOT / "edgemoe" / "streaming" / "slots.py").read_text() * 8
+    tokens = mx.array(tokenizer.encode(text)[:args.prompt_len])[None]
+    for name, m in models.items():  # warm: the first call reads a budget's experts
+        one_prefill(m, clocks[name], tokens)
+    runs = []
+    names = list(models)
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            row = one_prefill(models[name], clocks[name], tokens)
+            runs.append({"config": name, "round": r, **row,
+                         "loadavg": open("/proc/loadavg").read().split()[:3]})
+            print(json.dumps(runs[-1]), flush=True)
+    medians = {}
+    for name in names:
+        mine = [x for x in runs if x["config"] == name]
+        medians[name] = {"total_s": statistics.median(x["total_s"] for x in mine),
+                         "tok_per_s": statistics.median(x["tok_per_s"] for x in mine),
+                         "parts": {p: statistics.median(x["parts"].get(p, 0.0) for x in mine)
+                                   for p in PARTS}}
+    print(f"\nprefill of {tokens.size} tokens (one forward call, warm), median of "
+          f"{args.rounds}; seconds per part")
+    print(f"{'part':32s}" + "".join(f"{n:>22s}" for n in names))
+    for p in PARTS:
+        print(f"{p:32s}" + "".join(f"{medians[n]['parts'][p]:22.2f}" for n in names))
+    print(f"{'total':32s}" + "".join(f"{medians[n]['total_s']:22.2f}" for n in names))
+    print(f"{'tok/s':32s}" + "".join(f"{medians[n]['tok_per_s']:22.1f}" for n in names))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(
+        {"prompt_len": int(tokens.size), "model": args.model, "runs": runs,
+         "median": medians}, indent=1))
+    _plot(medians, names, out / "profile.png", tokens.size)
+
+
+def _plot(medians, names, path, prompt_len):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = [0.0] * len(names)
+    for p in PARTS:
+        values = [medians[n]["parts"][p] for n in names]
+        ax.bar(names, values, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel(f"seconds to prefill {prompt_len} tokens")
+    ax.tick_params(axis="x", labelrotation=20)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
