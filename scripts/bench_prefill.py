@@ -21,6 +21,15 @@ routing sync, passes) and the LM head. JSON and a PNG.
 
     python scripts/bench_prefill.py --profile [--mlx-lm DIR] [--prompt-len 1024]
                                     [--budgets 1.0,0.25] [--rounds 3] [--out DIR]
+
+`--peers`: time to first token of one prompt of random token ids, each configuration in its
+own process, page cache warm, alternating rounds: llama.cpp on the same model as GGUF
+(scripts/mlx_to_gguf.py; llama-cpp-python from the peers extra, run by `--llama-python`,
+which may be another venv's), mlx-lm (`--mlx-lm`), and edgemoe at each budget with native
+and BLAS arithmetic, all prefilling in chunks of 2048 tokens.
+
+    python scripts/bench_prefill.py --peers --gguf FILE --llama-python PY --mlx-lm DIR
+                                    [--prompt-len 1024] [--budgets 1.0,0.25] [--out DIR]
 """
 
 import argparse
@@ -79,6 +88,10 @@ def main():
     p.add_argument("--profile", action="store_true", help="where the time goes (see above)")
     p.add_argument("--mlx-lm", help="--profile: the model as an mlx-lm checkpoint, for "
                                     "mlx-lm's own row (tests/unpack.py writes one from a pack)")
+    p.add_argument("--peers", action="store_true", help="TTFT beside llama.cpp (see above)")
+    p.add_argument("--gguf", help="--peers: the model as GGUF, for llama.cpp's row")
+    p.add_argument("--llama-python", default=sys.executable,
+                   help="--peers: the Python that has llama-cpp-python")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--read-ahead", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -89,6 +102,10 @@ def main():
     if args.profile:
         from prefill_profile import profile
         profile(args, budgets)
+        return
+    if args.peers:
+        from prefill_profile import peers
+        peers(args, budgets)
         return
     runs = []
     for r in range(args.rounds):  # alternate the configurations round by round

@@ -3,6 +3,7 @@ warm forward call over a prompt, for mlx-lm and for edgemoe at each budget with 
 BLAS arithmetic, in alternating rounds, medians."""
 
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -168,3 +169,84 @@ def _plot(medians, names, path, prompt_len):
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+LLAMA_CPP = """
+import json, os, sys, time
+import numpy as np
+from llama_cpp import Llama
+gguf, n = sys.argv[1], int(sys.argv[2])
+llm = Llama(gguf, n_ctx=n + 16, n_batch=min(n, 2048), n_threads=os.cpu_count(), verbose=False)
+prompt = np.random.default_rng(0).integers(10, llm.n_vocab() - 10, n).tolist()
+tic = time.perf_counter()
+llm.eval(prompt)
+print(json.dumps({"ttft_s": time.perf_counter() - tic}))
+"""
+
+MLX = """
+import json, sys, time
+import numpy as np
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+which, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if which == "mlx-lm":
+    from mlx_lm import load
+    model, tokenizer = load(path)
+else:
+    import edgemoe
+    budget, arithmetic = which.split(":")
+    model, tokenizer = edgemoe.load(path, expert_budget=float(budget), prefill_arithmetic=arithmetic)
+prompt = mx.array(np.random.default_rng(0).integers(10, tokenizer.vocab_size - 10, n).tolist())
+tic = time.perf_counter()
+next(generate_step(prompt, model, max_tokens=1, prefill_step_size=2048))
+print(json.dumps({"ttft_s": time.perf_counter() - tic}))
+"""
+
+
+def peers(args, budgets):
+    import subprocess
+    import sys
+
+    configs = {}
+    if args.gguf:
+        configs["llama.cpp"] = [args.llama_python, "-c", LLAMA_CPP, args.gguf,
+                                str(args.prompt_len)]
+    if args.mlx_lm:
+        configs["mlx-lm"] = [sys.executable, "-c", MLX, "mlx-lm", args.mlx_lm,
+                             str(args.prompt_len)]
+    for budget in budgets:
+        for arithmetic in ("native", "blas"):
+            configs[f"edgemoe {budget:.0%} {arithmetic}"] = [
+                sys.executable, "-c", MLX, f"{budget}:{arithmetic}", args.model,
+                str(args.prompt_len)]
+    runs, names = [], list(configs)
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out = subprocess.run(configs[name], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            runs.append({"config": name, "round": r, **row,
+                         "tok_per_s": args.prompt_len / row["ttft_s"],
+                         "loadavg": open("/proc/loadavg").read().split()[:3]})
+            print(json.dumps(runs[-1]), flush=True)
+    medians = {n: statistics.median(x["ttft_s"] for x in runs if x["config"] == n)
+               for n in names}
+    print(f"\nTTFT of a {args.prompt_len}-token prompt, median of {args.rounds}")
+    for n in names:
+        print(f"{n:24s} {medians[n]:8.2f} s {args.prompt_len / medians[n]:8.1f} tok/s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(
+        {"prompt_len": args.prompt_len, "model": args.model, "gguf": args.gguf,
+         "runs": runs, "median_ttft_s": medians}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [args.prompt_len / medians[n] for n in names])
+    ax.set_ylabel(f"prefill tok/s ({args.prompt_len}-token prompt)")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(out / "peers.png", dpi=120)

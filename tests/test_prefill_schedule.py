@@ -31,7 +31,7 @@ def reference(tmp_path_factory):
     model, tokenizer = mlx_lm_load(str(unpack(BUNDLED, tmp_path_factory.mktemp("fine"))))
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     prompt = mx.array(tokenizer.encode(text)[:CHUNK * CHUNKS])
-    return prompt, prefill(model, prompt)
+    return prompt, prefill(model, prompt), model
 
 
 def prefill(model, prompt, between=lambda: None):
@@ -66,7 +66,7 @@ class ReadCounter:
 
 @pytest.mark.parametrize("budget", ["25%", "100%"])
 def test_a_prefill_chunk_reads_each_expert_once_and_keeps_mlx_lms_logits(reference, budget):
-    prompt, expected = reference
+    prompt, expected, _ = reference
     model, _ = edgemoe.load(BUNDLED, expert_budget=budget)
     store = model.expert_store
     counter = ReadCounter(store)
@@ -85,9 +85,10 @@ def test_a_prefill_chunk_reads_each_expert_once_and_keeps_mlx_lms_logits(referen
 
 def test_blas_prefill_is_within_its_stated_tolerance_of_mlx_lm(reference, monkeypatch):
     """The explicit, inexact option: every chunk's logits within LOGIT_TOLERANCE of
-    mlx-lm's and the same greedy token at every position, the experts computed by BLAS
-    (25%: the passes of a chunk that needs more experts than slots)."""
-    prompt, expected = reference
+    mlx-lm's and the same greedy token at every position, the experts, linears and
+    attention computed by BLAS (25%: the passes of a chunk that needs more experts than
+    slots); mlx-lm's own model of the same family, in the same process, is untouched."""
+    prompt, expected, mlx_lm_model = reference
     model, _ = edgemoe.load(BUNDLED, expert_budget="25%", prefill_arithmetic="blas")
     pools = [m.pool.module for _, m in model.named_modules() if isinstance(m, StreamingExperts)]
     assert len(pools) == 8 and all(isinstance(m, BlasExperts) for m in pools)
@@ -106,13 +107,23 @@ def test_blas_prefill_is_within_its_stated_tolerance_of_mlx_lm(reference, monkey
         products["dense"] += x.size // x.shape[-1] >= prefill_module.MIN_DENSE_ROWS
         return dense(self, x)
     monkeypatch.setattr(BlasLinear, "__call__", dense_counted)
+    attention = prefill_module.blas_attention
+
+    def attention_counted(*args):
+        products["attention"] += 1
+        return attention(*args)
+    monkeypatch.setattr(prefill_module, "blas_attention", attention_counted)
     monkeypatch.setattr(prefill_module, "expert_products", counted)
     # (every call of a few rows per expert too: the threshold is about speed, the
     # tolerance about every call BLAS computes)
     monkeypatch.setattr(prefill_module, "MIN_ROWS_PER_EXPERT", 1)
     found = prefill(model, prompt)
     assert products["calls"] >= len(pools) * CHUNKS and products["dense"] >= 33 * CHUNKS
+    assert products["attention"] == 8 * CHUNKS
     worst = max(mx.abs(got - want).max().item() for got, want in zip(found, expected))
     assert worst <= LOGIT_TOLERANCE
     for got, want in zip(found, expected):
         assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
+    again = prefill(mlx_lm_model, prompt)
+    assert products["attention"] == 8 * CHUNKS
+    assert all(mx.array_equal(a, b).item() for a, b in zip(again, expected))

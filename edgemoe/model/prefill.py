@@ -7,8 +7,9 @@ enough (token, expert) entries per expert dequantizes each expert it uses once
 (`mx.dequantize`: MLX's own dequantization, to float32) and multiplies all of that expert's
 tokens in one BLAS matmul per projection; the resident quantized linears (attention's
 projections, the LM head; never a router, whose choices would move) likewise, for calls of
-at least MIN_DENSE_ROWS tokens. Decode steps and small calls keep mlx-lm's own modules,
-bit for bit.
+at least MIN_DENSE_ROWS tokens; and attention's scaled dot product too (`blas_attention`),
+in float32, a block of queries at a time. Decode steps and small calls keep mlx-lm's own
+modules and functions, bit for bit.
 
 The contract: not bit-identical to mlx-lm. The products are the same float32 products
 summed in another order; tests/test_prefill_blas.py holds the bundled model's prompt
@@ -16,7 +17,9 @@ logits within `LOGIT_TOLERANCE` of mlx-lm's, with the same greedy token at every
 Native arithmetic stays the default everywhere.
 """
 
+import contextvars
 import ctypes
+import sys
 from typing import Optional
 
 import mlx.core as mx
@@ -27,6 +30,10 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 MIN_ROWS_PER_EXPERT = 8  # fewer: dequantizing an expert costs more than BLAS saves
 MIN_DENSE_ROWS = 32  # the same for a resident linear
 ROUTERS = ("gate", "router", "shared_expert_gate")  # linears never moved to BLAS
+QUERY_BLOCK = 256  # attention's queries per block: bounds the scores' memory
+# set during a forward call of a model loaded with BLAS arithmetic: the family module's
+# attention function, patched for every model of the family, takes BLAS only then
+_FORWARD = contextvars.ContextVar("edgemoe_blas_forward", default=False)
 LOGIT_TOLERANCE = 1e-4  # max |logit - mlx-lm's| on the bundled model's prompt (measured: 1.05e-5)
 
 
@@ -128,6 +135,7 @@ def use_blas(model, experts: dict) -> int:
     adapter's deltas, or another activation, keeps mlx-lm's. numpy's OpenBLAS then runs
     on one thread (`blas_threads`)."""
     blas_threads(1)
+    _blas_forward(model)
     for path, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and path.rsplit(".", 1)[-1] not in ROUTERS:
             module.__class__ = BlasLinear
@@ -162,3 +170,69 @@ def blas_threads(count: int) -> bool:
             setter(count)
             return True
     return False
+
+
+def _blas_forward(model):
+    """Make the model's forward calls BLAS calls (its class swapped on this instance), and
+    its family module's attention function the one that honours them."""
+    family = sys.modules[type(model).__module__]
+    original = getattr(family, "scaled_dot_product_attention", None)
+    if original is not None and not getattr(original, "blas", False):
+        def attention(queries, keys, values, cache, scale, mask, sinks=None):
+            if (not _FORWARD.get() or sinks is not None or hasattr(cache, "bits")
+                    or queries.shape[2] < MIN_DENSE_ROWS):
+                return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                sinks=sinks)
+            return blas_attention(queries, keys, values, scale, mask)
+        attention.blas = True
+        family.scaled_dot_product_attention = attention
+    cls = type(model)
+
+    def forward(self, *args, **kwargs):
+        token = _FORWARD.set(True)
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            _FORWARD.reset(token)
+    model.__class__ = type(cls.__name__, (cls,), {"__call__": forward,
+                                                  "__module__": cls.__module__})
+
+
+def blas_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                   mask) -> mx.array:
+    """mx.fast.scaled_dot_product_attention's result through numpy, in float32: queries
+    (B, Hq, L, D), keys and values (B, Hkv, S, D) with Hq a multiple of Hkv; `mask` None,
+    "causal" (the last L of S positions), a boolean (True: attend) or an additive array."""
+    b, hq, length, _ = queries.shape
+    hkv, span = keys.shape[1], keys.shape[2]
+    q = np.array(queries.astype(mx.float32)).reshape(b, hkv, hq // hkv, length, -1)
+    k = np.array(keys.astype(mx.float32))[:, :, None]
+    v = np.array(values.astype(mx.float32))[:, :, None]
+    given = None if mask is None or isinstance(mask, str) else np.array(mask)
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.float32)
+    for start in range(0, length, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, length)
+        scores = (q[..., start:stop, :] * scale) @ np.swapaxes(k, -1, -2)
+        if isinstance(mask, str):  # causal: query i sees keys up to its own position
+            seen = np.arange(span)[None, :] <= (np.arange(start, stop) + span - length)[:, None]
+            scores = np.where(seen, scores, -np.inf)
+        elif given is not None:
+            block = given[..., start:stop, :]
+            block = block.reshape(block.shape[:1] + (-1,) + block.shape[-2:]) \
+                if block.ndim == 4 and block.shape[1] == hq else block
+            if block.dtype == np.bool_:
+                scores = np.where(_per_group(block, hkv), scores, -np.inf)
+            else:
+                scores = scores + _per_group(block, hkv)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[..., start:stop, :] = scores @ v
+    return mx.array(out.reshape(b, hq, length, -1)).astype(queries.dtype)
+
+
+def _per_group(mask: np.ndarray, kv_heads: int) -> np.ndarray:
+    """A mask over (B?, Hq?, L, S) shaped to broadcast over (B, Hkv, Hq/Hkv, L, S)."""
+    if mask.ndim == 4 and mask.shape[1] > 1:
+        return mask.reshape(mask.shape[0], kv_heads, -1, *mask.shape[-2:])
+    return mask
