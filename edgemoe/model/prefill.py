@@ -12,7 +12,7 @@ in float32, a block of queries at a time. Decode steps and small calls keep mlx-
 modules and functions, bit for bit.
 
 The contract: not bit-identical to mlx-lm. The products are the same float32 products
-summed in another order; tests/test_prefill_blas.py holds the bundled model's prompt
+summed in another order; tests/test_prefill_schedule.py holds the bundled model's prompt
 logits within `LOGIT_TOLERANCE` of mlx-lm's, with the same greedy token at every position.
 Native arithmetic stays the default everywhere.
 """
@@ -63,14 +63,15 @@ class BlasExperts:
             return self.module(x, indices)
         k, dims = indices.shape[-1], x.shape[-1]
         rows = np.array(x.reshape(-1, dims).astype(mx.float32))
-        out = expert_products(self.module, np.repeat(rows, k, axis=0), ids, used)
+        out = expert_products(self.module, rows, k, ids, used)
         return mx.array(out).reshape(*indices.shape, -1).astype(x.dtype)
 
 
-def expert_products(module: SwitchGLU, rows: np.ndarray, ids: np.ndarray,
+def expert_products(module: SwitchGLU, rows: np.ndarray, k: int, ids: np.ndarray,
                     used: np.ndarray) -> np.ndarray:
-    """Each entry's expert output: rows (N, D) float32, ids (N,) slots, used (sorted
-    distinct ids). Each expert is dequantized once and computes all its rows together."""
+    """Each entry's expert output: rows (T, D) float32 tokens, each routed to k experts;
+    ids (T * k,) their slots, entry i token i // k's; used (sorted distinct ids). Each
+    expert is dequantized once and computes all its tokens together."""
     order = np.argsort(ids, kind="stable")
     bounds = np.searchsorted(ids[order], np.append(used, used[-1] + 1))
     gate_up = np.concatenate([dequantized(module.gate_proj, used),
@@ -80,7 +81,7 @@ def expert_products(module: SwitchGLU, rows: np.ndarray, ids: np.ndarray,
     out = np.empty((len(ids), down.shape[1]), dtype=np.float32)
     for j in range(len(used)):
         mine = order[bounds[j]:bounds[j + 1]]
-        projected = rows[mine] @ gate_up[j].T
+        projected = rows[mine // k] @ gate_up[j].T
         gate, up = projected[:, :hidden], projected[:, hidden:]
         out[mine] = (gate / (1 + np.exp(-gate)) * up) @ down[j].T  # silu(gate) * up
     return out
