@@ -38,7 +38,8 @@ class Clock:
         """Time every call of this module (its class's __call__, on this instance only)."""
         cls = type(module)
         wrapped = self.wrap(part, lambda *a, **k: cls.__call__(module, *a, **k))
-        module.__class__ = type(cls.__name__, (cls,), {"__call__": lambda self, *a, **k: wrapped(*a, **k)})
+        module.__class__ = type(cls.__name__, (cls,),
+                                {"__call__": lambda self, *a, **k: wrapped(*a, **k)})
 
 
 def instrumented(model) -> Clock:
@@ -191,7 +192,8 @@ if which == "mlx-lm":
 else:
     import edgemoe
     budget, arithmetic = which.split(":")
-    model, tokenizer = edgemoe.load(path, expert_budget=float(budget), prefill_arithmetic=arithmetic)
+    model, tokenizer = edgemoe.load(path, expert_budget=float(budget),
+                                    prefill_arithmetic=arithmetic)
 prompt = mx.array(np.random.default_rng(0).integers(10, tokenizer.vocab_size - 10, n).tolist())
 tic = time.perf_counter()
 next(generate_step(prompt, model, max_tokens=1, prefill_step_size=2048))
