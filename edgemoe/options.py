@@ -21,6 +21,7 @@ from .streaming.budget import Budget
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
+PREFILL_ARITHMETIC = ("native", "blas")  # edgemoe.model.prefill
 # what --help offers first; the other values are accepted, and named in the help's
 # "experimental" group (docs/benchmarks.md, "Variants")
 MAIN_POLICIES = (DEFAULT_POLICY,)
@@ -72,9 +73,13 @@ class StreamOptions:
     distributed: bool = False  # one host of the group mlx.launch started
     partition: Optional[str] = None  # a routing trace the experts are shared out by
     group_timeout: float = DEFAULT_TIMEOUT_S  # seconds a host may keep the others waiting
+    prefill_arithmetic: str = "native"  # "blas": prefill's experts through numpy (inexact)
 
     def __post_init__(self):
         self.routing = routing_mode(self.routing)  # "prerouted" -> PREROUTED
+        if self.prefill_arithmetic not in PREFILL_ARITHMETIC:
+            raise ValueError(f"prefill_arithmetic: expected one of "
+                             f"{', '.join(PREFILL_ARITHMETIC)}, found {self.prefill_arithmetic!r}")
 
     @classmethod
     def of(cls, options: Optional["StreamOptions"] = None, **overrides) -> "StreamOptions":
@@ -177,6 +182,13 @@ class StreamOptions:
                 help="With --distributed: a host that keeps the others waiting this long is "
                      "taken as gone, and every host stops with an error naming it (default: "
                      "%(default)s)")),
+            "prefill_arithmetic": (("--prefill-arithmetic",), dict(
+                default="native", choices=PREFILL_ARITHMETIC,
+                help="native: mlx-lm's arithmetic, bit-identical (default); blas: on a CPU, "
+                     "a long prompt's routed experts are dequantized once and multiplied "
+                     "through numpy's BLAS, several times faster, within a stated tolerance "
+                     "of mlx-lm's logits, not bit-identical (the MLX backend; "
+                     "docs/benchmarks.md, Prefill)")),
         }
         for name, (names, kwargs) in flags.items():
             if name in wanted:

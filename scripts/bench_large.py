@@ -2,7 +2,7 @@
 
     sudo python scripts/bench_large.py --checkpoint DIR --pack DIR [--gguf FILE] [--make 28GB]
            [--experts 512] [--memory 8G] [--budgets 0.05,0.1] [--io direct,buffered]
-           [--sources pack,inplace] [--prompt-tokens 64] [--max-tokens 9]
+           [--sources pack,inplace] [--arithmetic native,blas] [--prompt-tokens 64] [--max-tokens 9]
            [--json out.json] [--png out.png]
 
 With --make SIZE and no checkpoint at DIR, scripts/make_large_checkpoint.py writes a
@@ -150,7 +150,8 @@ def mlx_run(args, rng) -> dict:
     else:
         import edgemoe
 
-        model, tokenizer = edgemoe.load(args.model, expert_budget=args.budget, io=args.io)
+        model, tokenizer = edgemoe.load(args.model, expert_budget=args.budget, io=args.io,
+                                        prefill_arithmetic=args.arithmetic)
         store = model.expert_store
     prompt = mx.array(rng.integers(10, tokenizer.vocab_size - 10, args.prompt_tokens).tolist())
     steps = generate_step(prompt, model, max_tokens=args.max_tokens)
@@ -280,6 +281,8 @@ def main():
     p.add_argument("--budgets", default="0.05,0.1")
     p.add_argument("--io", default="direct,buffered")
     p.add_argument("--sources", default="pack,inplace")
+    p.add_argument("--arithmetic", default="native",
+                   help="edgemoe rows' --prefill-arithmetic, comma-separated (native,blas)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=9)
     p.add_argument("--no-mlx-lm", action="store_true")
@@ -314,11 +317,14 @@ def main():
                         else (shards, report["slice_bytes"]))
         for budget in args.budgets.split(","):
             for io in args.io.split(","):
-                runs.append(run_config(
-                    args, f"edgemoe {source} {float(budget):.0%} {io}",
-                    [*me, "--worker", "edgemoe", "--model", model, "--budget", budget,
-                     "--io", io], fio=lambda: fio_gbps(files, sizes)))
-                save(report, args)
+                for arithmetic in args.arithmetic.split(","):
+                    name = f"edgemoe {source} {float(budget):.0%} {io}" + (
+                        f" {arithmetic}" if arithmetic != "native" else "")
+                    runs.append(run_config(
+                        args, name, [*me, "--worker", "edgemoe", "--model", model, "--budget",
+                                     budget, "--io", io, "--arithmetic", arithmetic],
+                        fio=lambda: fio_gbps(files, sizes)))
+                    save(report, args)
     if args.gguf:
         gguf = make_gguf(args, report, ckpt, pack)
         runs.append(run_config(args, "llama.cpp (mmap)",

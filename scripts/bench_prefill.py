@@ -10,6 +10,26 @@ and a PNG: prefill seconds, expert bytes read, read rate achieved, seconds block
 
     python scripts/bench_prefill.py [--model PACK] [--prompt-len 512] [--budgets 0.1,0.25]
                                     [--read-bps 20M] [--rounds 3] [--out bench_prefill]
+
+`--profile`: where a prefill's time goes, in one process, warm: mlx-lm, then edgemoe at
+each budget with native and BLAS arithmetic (edgemoe.model.prefill), in alternating
+rounds. Each op is timed with its inputs evaluated before and its output after (so the
+ops run one after another, as MLX's CPU backend runs them anyway): attention's
+projections, the rest of attention (scaled dot-product, RoPE, norms), the routers, the
+experts' matmuls, the store's wait on reads, the streaming layer's own host work (slots,
+routing sync, passes) and the LM head. JSON and a PNG.
+
+    python scripts/bench_prefill.py --profile [--mlx-lm DIR] [--prompt-len 1024]
+                                    [--budgets 1.0,0.25] [--rounds 3] [--out DIR]
+
+`--peers`: time to first token of one prompt of random token ids, each configuration in its
+own process, page cache warm, alternating rounds: llama.cpp on the same model as GGUF
+(scripts/mlx_to_gguf.py; llama-cpp-python from the peers extra, run by `--llama-python`,
+which may be another venv's), mlx-lm (`--mlx-lm`), and edgemoe at each budget with native
+and BLAS arithmetic, all prefilling in chunks of 2048 tokens.
+
+    python scripts/bench_prefill.py --peers --gguf FILE --llama-python PY --mlx-lm DIR
+                                    [--prompt-len 1024] [--budgets 1.0,0.25] [--out DIR]
 """
 
 import argparse
@@ -65,12 +85,27 @@ def main():
     p.add_argument("--read-bps", help="cap the disk's read rate, e.g. 20M (needs root)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench_prefill")
+    p.add_argument("--profile", action="store_true", help="where the time goes (see above)")
+    p.add_argument("--mlx-lm", help="--profile: the model as an mlx-lm checkpoint, for "
+                                    "mlx-lm's own row (tests/unpack.py writes one from a pack)")
+    p.add_argument("--peers", action="store_true", help="TTFT beside llama.cpp (see above)")
+    p.add_argument("--gguf", help="--peers: the model as GGUF, for llama.cpp's row")
+    p.add_argument("--llama-python", default=sys.executable,
+                   help="--peers: the Python that has llama-cpp-python")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--read-ahead", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.worker:
         print(json.dumps(worker(args.model, budgets[0], args.prompt_len, bool(args.read_ahead))))
+        return
+    if args.profile:
+        from prefill_profile import profile
+        profile(args, budgets)
+        return
+    if args.peers:
+        from prefill_profile import peers
+        peers(args, budgets)
         return
     runs = []
     for r in range(args.rounds):  # alternate the configurations round by round

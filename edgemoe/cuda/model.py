@@ -85,6 +85,9 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     options = StreamOptions.of(options, **overrides)
     if options.distributed:
         raise ValueError("--distributed: the CUDA backend runs on one host")
+    if options.prefill_arithmetic != "native":
+        raise ValueError(f"--prefill-arithmetic {options.prefill_arithmetic}: the MLX "
+                         f"backend's CPU path; the CUDA backend computes as it does")
     routing = options.routing
     path = model_folder(path_or_hf_repo)
     config = json.loads((path / "config.json").read_text())

@@ -22,6 +22,7 @@ from ..streaming.budget import is_auto
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
+from .prefill import use_blas
 from .slots import MLXSlotMemory
 
 
@@ -141,6 +142,8 @@ def load(
     if adapter is not None:
         model = load_adapter(model, adapter, streamed_experts=deltas is not None)
         model.eval()
+    if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
+        use_blas(model, experts)
     tokenizer = load_tokenizer(path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
     # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:
