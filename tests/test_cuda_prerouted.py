@@ -36,6 +36,15 @@ PATH = str(DEFAULT_MODEL)
 HEADS = DEFAULT_MODEL / "prerouter"
 
 
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """The pack's heads routing every layer but the first (the shipped default's
+    cache-conditional routing is the MLX backend's, which this backend refuses)."""
+    from edgemoe.routing.between import plain_heads
+
+    return plain_heads(HEADS, tmp_path_factory.mktemp("heads") / "plain")
+
+
 def prompt(seed=7):
     return np.random.default_rng(seed).integers(3, 500, PROMPT_LEN).tolist()
 
@@ -45,12 +54,13 @@ def amount(budget):
 
 
 @pytest.fixture(scope="module")
-def mlx_runs():
+def mlx_runs(heads):
     cache = {}
 
     def get(routing, budget):
         if (routing, budget) not in cache:
-            model, _ = edgemoe.load(PATH, expert_budget=amount(budget), routing=routing)
+            model, _ = edgemoe.load(PATH, expert_budget=amount(budget), routing=routing,
+                                    prerouter_path=heads)
             cache[routing, budget] = gpu_check.mlx_greedy(model, prompt(), DECODE)
             model.expert_store.close()
         return cache[routing, budget]
@@ -73,10 +83,11 @@ def native_runs():
 
 
 @pytest.mark.parametrize("routing, budget", [("prerouted", "minimum"), ("prerouted", "25%")])
-def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
+def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs, heads):
     ref_tokens, ref_logits = mlx_runs(routing, budget)
     native, native_stats = native_runs(budget)
-    model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False, routing=routing)
+    model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False,
+                    routing=routing, prerouter_path=heads)
     run = greedy(model, prompt(), DECODE)
     stats = model.expert_store.snapshot()
     again = greedy(model, prompt(), DECODE)  # a new sequence: nothing carried over
@@ -89,10 +100,11 @@ def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
     assert stats.on_demand < native_stats.on_demand
 
 
-def test_each_sequence_carries_its_own_routing():
+def test_each_sequence_carries_its_own_routing(heads):
     """Two sequences decoded in turns, one whose cache the first call made (no cache given),
     one with a cache of its own: each gets its solo decode's logits."""
-    model, _ = load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing="prerouted")
+    model, _ = load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing="prerouted",
+                    prerouter_path=heads)
     prompts, steps = (prompt(7), prompt(8)), 4
     solo = [greedy(model, p, steps) for p in prompts]
     arg = _cache_argument(model)
@@ -110,18 +122,18 @@ def test_each_sequence_carries_its_own_routing():
         assert torch.equal(torch.cat(outs[s]).float(), solo[s].logits), f"sequence {s}"
 
 
-def same_token_heads(folder):
+def same_token_heads(folder, heads):
     """The pack's next-token heads read as same-token heads (parity needs no good heads)."""
-    shutil.copytree(HEADS, folder)
+    shutil.copytree(heads, folder)
     config = json.loads((folder / CONFIG).read_text())
     (folder / CONFIG).write_text(json.dumps({**config, "same_token": True}))
     return folder
 
 
-def test_same_token_heads_route_as_the_mlx_path(tmp_path):
+def test_same_token_heads_route_as_the_mlx_path(tmp_path, heads):
     """Same-token heads route each call by their prediction for its own positions and read
     those experts a layer ahead: the MLX path's tokens and logits."""
-    heads, routing = same_token_heads(tmp_path / "same-token"), "prerouted"
+    heads, routing = same_token_heads(tmp_path / "same-token", heads), "prerouted"
     budget = amount("minimum")
     mlx_model, _ = edgemoe.load(PATH, expert_budget=budget, routing=routing,
                                 prerouter_path=heads)
