@@ -10,8 +10,8 @@ import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
 from edgemoe.model.experts import streaming_of
 from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditional,
-                                     layer_recall, route_by_recall, set_top_k,
-                                     with_native_layers)
+                                     layer_recall, plain_heads, route_by_recall,
+                                     set_top_k, with_native_layers)
 from edgemoe.routing.gates import moe_blocks
 from edgemoe.routing.heads_config import read_config
 from edgemoe.streaming.cache import make_policy
@@ -93,7 +93,9 @@ def test_fewer_slots_route_otherwise_and_reduced_top_k_routes_k():
 
 
 def test_native_layers_copy_keeps_those_layers_on_their_router(tmp_path):
-    out = with_native_layers(BUNDLED_MODEL / "prerouter", [1, 2], tmp_path / "heads")
+    plain = plain_heads(BUNDLED_MODEL / "prerouter", tmp_path / "plain")
+    assert read_config(plain).native_layers == [0] and read_config(plain).plain
+    out = with_native_layers(plain, [1, 2], tmp_path / "heads")
     config = read_config(out)
     assert config.native_layers == [0, 1, 2]
     assert config.predicted_layers == [3, 4, 5, 6, 7]

@@ -39,8 +39,9 @@ DRAFT = DEFAULT_MODEL.parent / "fine-draft"
 
 def test_shipped_prerouter_heads_serve_the_bundled_model():
     """With no --prerouter, the prerouted modes use the heads the bundled pack carries, as
-    their config routes: the layers it predicts read a token ahead, the others keep their
-    router."""
+    their config routes: the layers it predicts read a token ahead (cache-conditional: the
+    router chooses among the simulated slots and the prediction, so an expert the store's
+    slots do not hold is read on demand now and then), the others keep their router."""
     from edgemoe.routing.heads_config import read_config
 
     predicted = read_config(DEFAULT_MODEL / "prerouter").predicted_layers
@@ -50,7 +51,10 @@ def test_shipped_prerouter_heads_serve_the_bundled_model():
     for _ in edgemoe.stream_generate(model, tokenizer, "def read_lines(path):", max_tokens=16):
         counts.append(store.on_demand_by_layer())
     first, last = counts[0], counts[-1]  # after the prompt, after 16 tokens
-    assert predicted and all(last[i] == first[i] for i in predicted), (first, last)
+    waits = {layer: last[layer] - first[layer] for layer in first}
+    kept = [layer for layer in waits if layer not in predicted]
+    mean = lambda layers: sum(waits[l] for l in layers) / len(layers)
+    assert predicted and mean(predicted) < mean(kept) / 3, waits  # (31 tokens: 6-10 a layer, against 37-56)
     assert store.snapshot().prefetches > 0
 
 

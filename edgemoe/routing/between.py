@@ -184,12 +184,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Set a heads folder's routing from its layers' "
                                             "recall (route_by_recall)")
     p.add_argument("--heads", required=True, help="a prerouter heads folder")
-    p.add_argument("--min-recall", type=float, required=True,
-                   help="layers whose head recalls less keep their router (0.49)")
+    p.add_argument("--min-recall", type=float,
+                   help="layers whose head recalls less keep their router (0.45)")
     p.add_argument("--conditional", type=int, default=0,
                    help="the others: the router among the slots and the heads' m most "
                         "likely (8); 0: routed by the heads")
+    p.add_argument("--plain-copy", metavar="OUT",
+                   help="instead, copy the heads to OUT routed plainly (every layer but "
+                        "the first by the heads: the routing the CUDA backend runs)")
     args = p.parse_args(argv)
+    if args.plain_copy:
+        print(plain_heads(Path(args.heads), Path(args.plain_copy)))
+        return
+    if args.min_recall is None:
+        p.error("--min-recall: expected a recall (0.45), found none")
     config = route_by_recall(Path(args.heads), args.min_recall, args.conditional)
     print(f"{args.heads}: native layers {config['native_layers']}, conditional "
           f"{config['conditional']}")
