@@ -566,7 +566,7 @@ def print_table(result):
     print(f"| routing | {head}: perplexity (vs native) | KL | top-1 | next line | "
           + "".join(f"{t}: ppl (vs native), next line | " for t in texts[1:])
           + "which line next | experts/token 10% / 25% | forecast tok/s 10% / 25% |")
-    print("|---" * (6 + len(texts)) + "|")
+    print("|---" * (7 + len(texts)) + "|")
     for row in result["configs"]:
         for budget in (BUDGETS if row["spec"].get("conditional") else (BUDGETS[1],)):
             e = _quality(row, head, budget)
