@@ -161,16 +161,17 @@ def test_routing_errors_are_one_line(tmp_path):
         assert message in str(e.value) and "\n" not in str(e.value), kwargs
 
 
-def refused(routing="prerouted") -> str:
+def refused(heads, routing="prerouted") -> str:
     with pytest.raises(UnsupportedModelError) as e:
-        load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing=routing)
+        load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing=routing,
+             prerouter_path=heads)
     message = str(e.value)
     assert "\n" not in message and f"{DEFAULT_MODEL / 'config.json'}: model_type 'qwen3_moe': " \
         "prerouted routing " in message, message
     return message
 
 
-def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
+def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch, heads):
     """Prerouted routing runs each router on the chosen logits: a router whose routing
     depends on more than its logits, or whose logits' map it cannot find, is refused."""
     router = modeling_qwen3_moe.Qwen3MoeTopKRouter
@@ -182,7 +183,7 @@ def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
 
     monkeypatch.setattr(router, "forward", weighed_by_its_input)
     assert "Qwen3MoeTopKRouter's routing of its own logits differs from its routing of " \
-           "its input" in refused()
+           "its input" in refused(heads)
     monkeypatch.undo()
     monkeypatch.setattr(families, "router", lambda block: nn.Sequential())  # no linear map
-    assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused()
+    assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused(heads)
