@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.model.experts import streaming_of  # noqa: E402
 from edgemoe.model.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.routing.between import SlotSim, install_conditional, set_top_k, with_native_layers  # noqa: E402
+from edgemoe.routing.between import (SlotSim, adapter_for_layers, install_conditional,  # noqa: E402
+                                     plain_heads, set_top_k, with_native_layers)
 from edgemoe.routing.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.cache import make_policy  # noqa: E402
@@ -56,12 +57,19 @@ FORECAST_TOKENS = 1024  # of native's trace, replayed on the shape (48 layers: s
 CONFIGS = {
     "native": dict(routing="native"),
     "native-top4": dict(routing="native", top_k=4),
+    "shipped": None,  # the --heads folder's own configuration (shipped_spec)
     "prerouted": dict(routing="prerouted"),
     "prerouted+adapter": dict(routing="prerouted", adapter=True),
     "fallback-0-1": dict(routing="prerouted", native_layers=[1]),
     "fallback-0-2": dict(routing="prerouted", native_layers=[1, 2]),
     "fallback-0-3": dict(routing="prerouted", native_layers=[1, 2, 3]),
+    "fallback-0-4": dict(routing="prerouted", native_layers=[1, 2, 3, 4]),
     "fallback-0-5": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5]),
+    "fallback-0-2+adapter": dict(routing="prerouted", native_layers=[1, 2], adapter=True),
+    "fallback-0-3+adapter": dict(routing="prerouted", native_layers=[1, 2, 3], adapter=True),
+    "fallback-0-4+adapter": dict(routing="prerouted", native_layers=[1, 2, 3, 4], adapter=True),
+    "fallback-0-5+adapter": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5],
+                                 adapter=True),
     "prerouted-top4": dict(routing="prerouted", top_k=4),
     "fallback-0-3-top4": dict(routing="prerouted", native_layers=[1, 2, 3], top_k=4),
     "fallback-0-5-top4": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5], top_k=4),
@@ -72,9 +80,40 @@ CONFIGS = {
     "conditional-4-top4": dict(routing="prerouted", conditional=4, top_k=4),
     "conditional-8-top4+adapter": dict(routing="prerouted", conditional=8, top_k=4,
                                        adapter=True),
+    "fallback-0-3-conditional-8": dict(routing="prerouted", native_layers=[1, 2, 3],
+                                       conditional=8),
+    "fallback-0-4-conditional-8": dict(routing="prerouted", native_layers=[1, 2, 3, 4],
+                                       conditional=8),
+    "fallback-0-5-conditional-8": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5],
+                                       conditional=8),
+    "fallback-0-3-conditional-8-top4": dict(routing="prerouted", native_layers=[1, 2, 3],
+                                            conditional=8, top_k=4),
+    "fallback-0-5+adapter-6-7": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5],
+                                     adapter=[6, 7]),
+    "fallback-0-6": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5, 6]),
+    "fallback-0-6+adapter-7": dict(routing="prerouted", native_layers=[1, 2, 3, 4, 5, 6],
+                                   adapter=[7]),
+    "fallback-0-3+adapter-4-7": dict(routing="prerouted", native_layers=[1, 2, 3],
+                                     adapter=[4, 5, 6, 7]),
+    "fallback-0-4+adapter-5-7": dict(routing="prerouted", native_layers=[1, 2, 3, 4],
+                                     adapter=[5, 6, 7]),
     "conditional-8+adapter": dict(routing="prerouted", conditional=8,
                                                adapter=True),
 }
+
+
+def shipped_spec(heads: Path) -> dict:
+    """The spec of the heads folder's own configuration (the pack's: the default of
+    --routing prerouted)."""
+    config = json.loads((heads / "prerouter_config.json").read_text())
+    spec = dict(routing="prerouted")
+    if set(config.get("native_layers", [0])) - {0}:
+        spec["native_layers"] = sorted(set(config["native_layers"]) - {0})
+    if config.get("conditional"):
+        spec["conditional"] = config["conditional"]
+    if config.get("route_top_k"):
+        spec["top_k"] = config["route_top_k"]
+    return spec
 
 
 def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
@@ -82,9 +121,14 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
     if spec.get("native_layers"):
         heads = with_native_layers(heads, spec["native_layers"],
                                    work / ("heads_native_" + "_".join(map(str, spec["native_layers"]))))
+    adapter = spec.get("adapter") and str(PACK / "adapter")
+    if isinstance(spec.get("adapter"), list):  # only these layers adapted
+        adapter = str(adapter_for_layers(
+            PACK / "adapter", spec["adapter"],
+            work / ("adapter_" + "_".join(map(str, spec["adapter"])))))
     options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
                                prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
-                               adapter_path="pack" if spec.get("adapter") else None)
+                               adapter_path=adapter or None)
     model, tokenizer = load(str(PACK), options)
     blocks = moe_blocks(model)
     if spec.get("top_k"):
@@ -95,6 +139,25 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
         taps = install_conditional(predictor, blocks, slots, spec["conditional"],
                                    lambda: make_policy("lfu"))
     return model, tokenizer, taps
+
+
+def package_text(name: str) -> str:
+    """The unseen text of an installed package: every 4th of its `.py` files, sorted by
+    path, joined by a blank line."""
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"--text ...=pkg:{name}: expected an installed package, found none")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(root.rglob("*.py"))[::4]
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def read_text(source: str) -> str:
+    """A --text's FILE: a path, or pkg:NAME (package_text)."""
+    if source.startswith("pkg:"):
+        return package_text(source[4:])
+    return Path(source).read_text()
 
 
 def windows(tokens, context):
@@ -121,16 +184,75 @@ def run_text(model, tokens, context, native_lps=None):
     return lps, trace
 
 
-def scores(lps, native_lps, tokens, context):
+def line_spans(tokens, tokenizer):
+    """The text's lines as spans [a, b] of token positions: a follows a token holding a
+    newline, b is the next token holding one (the line's own newline); lines of
+    whitespace only are left out."""
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    breaks = [j for j, piece in enumerate(pieces) if "\n" in piece]
+    return [(a + 1, b) for a, b in zip(breaks, breaks[1:])
+            if ("".join(pieces[a + 1:b]) + pieces[b].split("\n")[0]).strip()]
+
+
+def next_line_match(greedy: np.ndarray, tokens, spans) -> float:
+    """Exact match of the next line: the share of lines whose every token is the greedy
+    choice given the text before it. Greedy decoding from a line's start writes exactly
+    that line (its newline included) iff it does (each step sees the true prefix)."""
+    tokens = np.asarray(tokens)
+    return float(np.mean([(greedy[a:b + 1] == tokens[a:b + 1]).all() for a, b in spans]))
+
+
+def choice_questions(tokens, spans, count: int, context: int = 64, seed: int = 0):
+    """A multiple-choice set built from held-out text: "which line comes next?" after the
+    `context` tokens before a line, the line itself against 3 other lines of the text (of
+    1 to 24 tokens), drawn by a seeded generator. [(context tokens, [right, wrong...])]."""
+    tokens = list(tokens)
+    lines = [tokens[a:b + 1] for a, b in spans if 1 <= b + 1 - a <= 24]
+    starts = [a for a, b in spans if 1 <= b + 1 - a <= 24]
+    rng = np.random.default_rng(seed)
+    asked = [i for i in range(len(lines)) if starts[i] >= context]
+    questions = []
+    for i in rng.permutation(asked)[:count]:
+        others = [j for j in range(len(lines)) if lines[j] != lines[i]]
+        wrong = [lines[j] for j in rng.choice(others, 3, replace=False)]
+        questions.append((tokens[starts[i] - context:starts[i]], [lines[i]] + wrong))
+    return questions
+
+
+def choice_accuracy(model, questions) -> float:
+    """The share of questions whose right line the model ranks first, by the mean
+    log-prob of each line's tokens after the context (the four in one batch, padded)."""
+    right = 0
+    for context, choices in questions:
+        width = len(context) + max(map(len, choices))
+        rows = np.zeros((len(choices), width), dtype=np.int64)
+        for r, choice in enumerate(choices):
+            rows[r, :len(context) + len(choice)] = context + choice
+        logits = model(mx.array(rows[:, :-1])).astype(mx.float32)
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        means = [np.mean([lp[r, len(context) - 1 + t, tok] for t, tok in enumerate(choice)])
+                 for r, choice in enumerate(choices)]
+        right += int(np.argmax(means) == 0)
+    return right / len(questions)
+
+
+def scores(lps, native_lps, tokens, context, spans=None):
     nll = agree = kl = count = 0.0
+    greedy = np.full(len(tokens), -1)  # greedy[j]: the choice for token j given those before
+    start = 0
     for w, lp, nlp in zip(windows(tokens, context), lps, native_lps):
         targets = w[1:]
         nll -= lp[np.arange(len(targets)), targets].sum()
         agree += (lp.argmax(-1) == nlp.argmax(-1)).sum()
         kl += (np.exp(nlp) * (nlp - lp)).sum()
+        greedy[start + 1:start + 1 + len(targets)] = lp.argmax(-1)
+        start += len(targets)
         count += len(targets)
-    return {"tokens": int(count), "perplexity": math.exp(float(nll) / count),
-            "kl": float(kl) / count, "top1": float(agree) / count}
+    out = {"tokens": int(count), "perplexity": math.exp(float(nll) / count),
+           "kl": float(kl) / count, "top1": float(agree) / count}
+    if spans:
+        out["next_line"] = next_line_match(greedy, tokens, spans)
+    return out
 
 
 def bytes_per_token(trace, budget) -> float:
@@ -169,14 +291,19 @@ class Forecast:
         read = self.native_bytes[budget] * bytes_ratio / self.rate
         if kind == "exact":  # reads wait
             return 1 / (compute + (2 * shape.layers + 1) * sync + read)
-        if kind == "conditional":  # reads a token ahead, routing syncs as native's
-            return 1 / max(compute + (2 * shape.layers + 1) * sync, read)
+        # the layers that keep their router (`native_share` of them, the first included)
+        # wait for their reads; the others' are read a token ahead
         ahead, waits = read * (1 - native_share), read * native_share
-        return 1 / (max(compute + (shape.layers + 1) * sync, ahead) + waits)
+        if kind == "conditional":  # routing syncs as native's
+            syncs = 2 * shape.layers + 1
+        else:  # a predicted layer skips its routing sync, a native one keeps it
+            syncs = shape.layers * (1 + native_share) + 1
+        return 1 / (max(compute + syncs * sync, ahead) + waits)
 
 
-def measure(name, spec, texts, heads, work, context, native):
-    """Quality per text and bytes/forecasts at each budget for one configuration."""
+def measure(name, spec, texts, heads, work, context, native, spans, questions=()):
+    """Quality per text (and the multiple-choice set's accuracy) and bytes/forecasts at
+    each budget for one configuration."""
     out = {"name": name, "spec": spec, "texts": {}, "budgets": {}}
     top_k = spec.get("top_k") or 8
     budgets = BUDGETS if spec.get("conditional") else (None,)
@@ -191,26 +318,33 @@ def measure(name, spec, texts, heads, work, context, native):
             t0 = time.time()
             if taps:  # the slots of each text start empty, as its own decode
                 for tap in taps.values():
-                    tap.sim.__init__(slots)
+                    tap.sim.__init__(slots, make_policy("lfu"))
                     tap.exact = tap.tokens = 0
             lps, trace = run_text(model, tokens, context)
             traces[tname] = trace
             if native is None:  # this is native: keep its log-probs
                 out["texts"][tname] = {"perplexity": None, "_lps": lps}
-                entry = scores(lps, lps, tokens, context)
+                entry = scores(lps, lps, tokens, context, spans[tname])
             else:
-                entry = scores(lps, native["texts"][tname]["_lps"], tokens, context)
+                entry = scores(lps, native["texts"][tname]["_lps"], tokens, context,
+                               spans[tname])
             if taps:
                 entry["exact_share"] = float(sum(t.exact for t in taps.values()) / max(
                     1, sum(t.tokens for t in taps.values())))
                 # every layer's loads: the predicted layers' simulated slots, the first
                 # layer's (native) replayed as the store would
-                entry["loads"] = sum(t.sim.loads for t in taps.values()) + first_layer_loads(
-                    trace, slots)
+                entry["loads"] = sum(t.sim.loads for t in taps.values()) + native_loads(
+                    trace, slots, native_layers_of(spec, heads))
             key = tname if budget is None else f"{tname}@{budget}"
             out["texts"].setdefault(key, {}).update(entry)
             print(f"  {name} {key}: ppl {entry['perplexity']:.2f} kl {entry['kl']:.4f} "
                   f"top1 {entry['top1']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+        if questions:  # (cache-conditional slots carry on from the last text)
+            t0, key = time.time(), "choices" if budget is None else f"choices@{budget}"
+            out["choices"] = out.get("choices", {})
+            out["choices"][key] = choice_accuracy(model, questions)
+            print(f"  {name} {key}: {out['choices'][key]:.1%} of {len(questions)} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
         out["traces"] = out.get("traces", {})
         out["traces"][budget] = traces
     return out
@@ -226,29 +360,42 @@ def speed(result, native, heads_native_layers, forecast: "Forecast"):
             texts = [k for k in result["texts"] if k.endswith("@" + budget)]
             loads = sum(result["texts"][k]["loads"] for k in texts)
             experts = loads / sum(result["texts"][k]["tokens"] for k in texts)
-            kind, share = "conditional", 0.0
+            kind = "conditional"
         else:
             experts = replayed_experts(result["traces"][None], budget)
-            native_layers = set(heads_native_layers) | set(spec.get("native_layers", []))
             kind = "exact" if spec["routing"] == "native" else "prerouted"
-            share = len(native_layers - {0}) / 8
+        native_layers = set(heads_native_layers) | set(spec.get("native_layers", []))
+        share = len(native_layers) / 8 if kind != "exact" else 1.0  # waiting for reads
         ratio = 1.0 if result is native else \
             experts / native["budgets"][budget]["experts_per_token"]
         record = int(next(iter(native["traces"][None].values()))["expert_bytes"][0])
         if spec.get("adapter"):  # each expert's delta rides with it: more bytes a read
-            ratio *= delta_share()
-            experts *= delta_share()  # (in experts' worth of bytes)
+            adapted = len(spec["adapter"]) / 8 if isinstance(spec["adapter"], list) else 1
+            more = 1 + adapted * (delta_share() - 1)  # (the layers' reads taken as equal)
+            ratio *= more
+            experts *= more  # (in experts' worth of bytes)
             result["deltas_counted"] = True
         result["budgets"][budget] = {
             "experts_per_token": float(experts), "kb_per_token": float(experts) * record / 1024,
             "forecast_tok_s": float(forecast.tok_s(budget, kind, top_k, ratio, share))}
 
 
-def first_layer_loads(trace, slots) -> int:
-    sim = SlotSim(slots, make_policy("lfu"))
-    for ids in trace["routed"][:, 0]:
-        sim.step(ids.tolist())
-    return sim.loads
+def native_layers_of(spec, heads) -> set:
+    """The MoE layers that keep their router: the heads' config's and the spec's."""
+    config = json.loads((Path(heads) / "prerouter_config.json").read_text())
+    return set(config.get("native_layers", [0])) | set(spec.get("native_layers", []))
+
+
+def native_loads(trace, slots, layers) -> int:
+    """What the layers that keep their router load, their routing replayed through slots
+    as the store would."""
+    loads = 0
+    for layer in sorted(layers):
+        sim = SlotSim(slots, make_policy("lfu"))
+        for ids in trace["routed"][:, layer]:
+            sim.step(ids.tolist())
+        loads += sim.loads
+    return loads
 
 
 def delta_share() -> float:
@@ -284,10 +431,15 @@ def main(argv=None):
                    help="only merge frontier.json files of earlier runs (the same texts) "
                         "into --out's, with its table and picture")
     p.add_argument("--text", action="append", metavar="NAME=FILE",
-                   help="held-out text; the first is the headline (the unseen corpus)")
+                   help="held-out text (FILE: a path, or pkg:NAME for every 4th .py file of "
+                        "an installed package); the first is the headline (the unseen corpus)")
     p.add_argument("--heads", default=str(PACK / "prerouter"))
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--max-tokens", type=int, default=2048, help="per text")
+    p.add_argument("--choices", metavar="NAME",
+                   help="build the multiple-choice set (which line comes next) from this "
+                        "--text")
+    p.add_argument("--questions", type=int, default=24)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -305,15 +457,19 @@ def main(argv=None):
     texts = {}
     for spec in args.text:
         tname, _, path = spec.partition("=")
-        texts[tname] = tok.encode(Path(path).read_text())[:args.max_tokens + 1]
-    heads = Path(args.heads)
-    shipped_native = json.loads((heads / "prerouter_config.json").read_text()).get(
-        "native_layers", [0])
+        texts[tname] = tok.encode(read_text(path))[:args.max_tokens + 1]
+    spans = {tname: line_spans(tokens, tok) for tname, tokens in texts.items()}
+    questions = choice_questions(texts[args.choices], spans[args.choices],
+                                 args.questions) if args.choices else ()
+    CONFIGS["shipped"] = shipped_spec(Path(args.heads))
+    heads = plain_heads(Path(args.heads), out / "heads_plain")  # each spec routes from them
+    shipped_native = [0]
     cached = out / "native.pkl"  # native's log-probs and traces, for a rerun with other modes
-    key = {k: len(v) for k, v in texts.items()}, args.context
+    key = {k: len(v) for k, v in texts.items()}, args.context, args.choices, len(questions)
     native = pickle.loads(cached.read_bytes()) if cached.exists() else None
     if native is None or native.get("key") != key:
-        native = measure("native", CONFIGS["native"], texts, heads, out, args.context, None)
+        native = measure("native", CONFIGS["native"], texts, heads, out, args.context, None,
+                         spans, questions)
         native["key"] = key
         cached.write_bytes(pickle.dumps(native))
     forecast = Forecast(_joined(native["traces"][None]))
@@ -321,12 +477,13 @@ def main(argv=None):
     for tname in texts:
         native["texts"][tname].update(scores(native["texts"][tname]["_lps"],
                                              native["texts"][tname]["_lps"], texts[tname],
-                                             args.context))
+                                             args.context, spans[tname]))
     results = [native]
     for name in names:
         if name == "native":
             continue
-        r = measure(name, CONFIGS[name], texts, heads, out, args.context, native)
+        r = measure(name, CONFIGS[name], texts, heads, out, args.context, native, spans,
+                    questions)
         speed(r, native, shipped_native, forecast)
         results.append(r)
         write(results, texts, out, args)
@@ -337,6 +494,7 @@ def write(results, texts, out, args):
     rows = []
     for r in results:
         row = {"name": r["name"], "spec": r["spec"], "budgets": r["budgets"],
+               "choices": r.get("choices", {}),
                "deltas_counted": r.get("deltas_counted", False),
                "texts": {k: {m: v for m, v in e.items() if not m.startswith("_")}
                          for k, e in r["texts"].items()}}
@@ -381,8 +539,18 @@ def count_deltas(row, native, out: Path):
         b.update(experts_per_token=b["experts_per_token"] * share,
                  kb_per_token=b["kb_per_token"] * share,
                  forecast_tok_s=forecast.tok_s(budget, kind, spec.get("top_k") or 8, ratio,
-                                               len(set(spec.get("native_layers", []))) / 8))
+                                               len({0, *spec.get("native_layers", [])}) / 8))
     row["deltas_counted"] = True
+
+
+def _choices(row, budget) -> str:
+    found = row.get("choices", {})
+    accuracy = found.get("choices", found.get(f"choices@{budget}"))
+    return "-" if accuracy is None else f"{accuracy:.0%}"
+
+
+def _line(entry) -> str:
+    return f"{entry['next_line']:.1%}" if "next_line" in entry else "-"
 
 
 def _quality(row, text, budget):
@@ -394,19 +562,22 @@ def print_table(result):
     texts = list(result["tokens"])
     head = texts[0]
     native_ppl = result["configs"][0]["texts"][head]["perplexity"]
-    print(f"| routing | {head}: perplexity (vs native) | KL | top-1 | "
-          + " | ".join(f"{t}: ppl, top-1" for t in texts[1:])
-          + " | experts/token 10% / 25% | forecast tok/s 10% / 25% |")
-    print("|---" * (5 + len(texts)) + "|")
+    natives = {t: result["configs"][0]["texts"][t]["perplexity"] for t in texts}
+    print(f"| routing | {head}: perplexity (vs native) | KL | top-1 | next line | "
+          + "".join(f"{t}: ppl (vs native), next line | " for t in texts[1:])
+          + "which line next | experts/token 10% / 25% | forecast tok/s 10% / 25% |")
+    print("|---" * (7 + len(texts)) + "|")
     for row in result["configs"]:
         for budget in (BUDGETS if row["spec"].get("conditional") else (BUDGETS[1],)):
             e = _quality(row, head, budget)
             name = row["name"] + (f" @{budget}" if row["spec"].get("conditional") else "")
-            others = " | ".join(f"{_quality(row, t, budget)['perplexity']:.2f}, "
-                                f"{_quality(row, t, budget)['top1']:.1%}" for t in texts[1:])
+            others = "".join(
+                f"{q['perplexity']:.2f} ({q['perplexity'] / natives[t] - 1:+.1%}), "
+                f"{_line(q)} | " for t in texts[1:] for q in [_quality(row, t, budget)])
             b = row["budgets"]
             print(f"| {name} | {e['perplexity']:.2f} ({e['perplexity'] / native_ppl - 1:+.1%}) | "
-                  f"{e['kl']:.3f} | {e['top1']:.1%} | {others} | "
+                  f"{e['kl']:.3f} | {e['top1']:.1%} | {_line(e)} | {others}"
+                  f"{_choices(row, budget)} | "
                   f"{b['10%']['experts_per_token']:.1f} / {b['25%']['experts_per_token']:.1f} | "
                   f"{b['10%']['forecast_tok_s']:.1f} / {b['25%']['forecast_tok_s']:.1f} |")
 

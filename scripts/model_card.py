@@ -200,6 +200,8 @@ def assets_section(pack: Path) -> str:
                   f"{l['head']['exact']:.1%} | {l['baseline_same_token']['recall']:.1%} | "
                   f"{l['repeat_previous_token']['recall']:.1%} |" for l in r["layers"]]
         lines.append("")
+        if folder == "prerouter":
+            lines += [shipped_routing(pack / folder), ""]
     lora = pack / "adapter" / "report.json"
     if lora.exists():
         r = json.loads(lora.read_text())
@@ -224,6 +226,28 @@ def assets_section(pack: Path) -> str:
         lines += ["`cache_policy.npz`: the learned cache policy's weights, fitted on 8 decode "
                   "traces of held-out passages at a 25% expert budget.", ""]
     return "\n".join(lines) + "\n"
+
+
+def shipped_routing(heads: Path) -> str:
+    """How `--routing prerouted` routes by the pack's heads: their config's modes."""
+    config = json.loads((heads / "prerouter_config.json").read_text())
+    native = sorted(config.get("native_layers", []))
+    predicted = [int(t) for t in sorted(config["sources"], key=int) if int(t) not in native]
+    how = (f"the router chooses among the experts in slots and the heads' "
+           f"{config['conditional']} most likely, which are read a token ahead "
+           f"(cache-conditional routing)" if config.get("conditional") else
+           "the heads' prediction is the routing, read a token ahead")
+    return (f"`--routing prerouted` routes by them as their `prerouter_config.json` says "
+            f"(docs/routing.md, the frontier): MoE layers {_span(native)} keep their router "
+            f"(the first has no head; the others' heads recall least), and in layers "
+            f"{_span(predicted)} {how}.")
+
+
+def _span(layers) -> str:
+    layers = list(layers)
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 def update_assets(pack: Path):

@@ -49,6 +49,9 @@ for step in $STEPS; do
         rm -rf "${PACK:?}/$variant" && mkdir -p "$PACK/$variant"
         cp "$RUN/$variant"/prerouter/* "$RUN/$variant/report.json" "$PACK/$variant/"
       done
+      # the default of --routing prerouted: the layers whose heads recall least keep their
+      # router, the others route cache-conditionally (docs/routing.md, the frontier)
+      $PY -m edgemoe.routing.between --heads "$PACK/prerouter" --min-recall 0.45 --conditional 8
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
     lora)  # distilled from the pack's int4 native routing into its prerouted routing, the
       # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)

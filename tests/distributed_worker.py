@@ -30,7 +30,8 @@ def run(spec: dict, group):
     rank = group.rank() if group is not None else 0
     model, tokenizer = edgemoe.load(spec["model"].format(rank=rank),
                                     expert_budget=spec["budget"], routing=spec["routing"],
-                                    group=group, partition=spec.get("partition"))
+                                    group=group, partition=spec.get("partition"),
+                                    prerouter_path=spec.get("prerouter"))
     store = model.expert_store
     reads, submit = [], store.reader.submit
 

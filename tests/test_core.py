@@ -130,10 +130,21 @@ def greedy_tokens(model, prompt, n=12):
                                               sampler=make_sampler(0.0))]
 
 
-def test_interleaved_sequences_keep_their_own_routing():
+def plain_prerouted(tmp_path):
+    """The bundled model routed by the pack's heads at every layer but the first (the
+    shipped default's cache-conditional layers route among slots that all sequences
+    share, as the store's are: docs/routing.md)."""
+    from edgemoe.format.source import BUNDLED_MODEL
+    from edgemoe.routing.between import plain_heads
+
+    heads = plain_heads(BUNDLED_MODEL / "prerouter", tmp_path / "heads")
+    return edgemoe.load(expert_budget=0.25, routing="prerouted", prerouter_path=str(heads))[0]
+
+
+def test_interleaved_sequences_keep_their_own_routing(tmp_path):
     """Two sequences decoded step by step in turn give each one's tokens alone: the
     prerouter state of one never reaches the other."""
-    model, _ = edgemoe.load(expert_budget=0.25, routing="prerouted")  # the pack's heads
+    model = plain_prerouted(tmp_path)
     a = mx.array(np.random.default_rng(1).integers(3, 4000, 11))
     b = mx.array(np.random.default_rng(2).integers(3, 4000, 5))
     alone = [greedy_tokens(model, a), greedy_tokens(model, b)]
@@ -146,8 +157,8 @@ def test_interleaved_sequences_keep_their_own_routing():
     assert alone[0] != greedy_tokens(edgemoe.load(expert_budget=0.25)[0], a)  # routing changed
 
 
-def test_a_new_request_does_not_see_the_last_ones_prediction():
-    model, _ = edgemoe.load(expert_budget=0.25, routing="prerouted")
+def test_a_new_request_does_not_see_the_last_ones_prediction(tmp_path):
+    model = plain_prerouted(tmp_path)
     prompt = mx.array(np.random.default_rng(3).integers(3, 4000, 7))
     first = model(prompt[None], cache=make_prompt_cache(model))
     model(mx.array([[5, 6, 7]]), cache=make_prompt_cache(model))  # another sequence

@@ -36,6 +36,15 @@ PATH = str(DEFAULT_MODEL)
 HEADS = DEFAULT_MODEL / "prerouter"
 
 
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """The pack's heads routing every layer but the first (the shipped default's
+    cache-conditional routing is the MLX backend's, which this backend refuses)."""
+    from edgemoe.routing.between import plain_heads
+
+    return plain_heads(HEADS, tmp_path_factory.mktemp("heads") / "plain")
+
+
 def prompt(seed=7):
     return np.random.default_rng(seed).integers(3, 500, PROMPT_LEN).tolist()
 
@@ -45,12 +54,13 @@ def amount(budget):
 
 
 @pytest.fixture(scope="module")
-def mlx_runs():
+def mlx_runs(heads):
     cache = {}
 
     def get(routing, budget):
         if (routing, budget) not in cache:
-            model, _ = edgemoe.load(PATH, expert_budget=amount(budget), routing=routing)
+            model, _ = edgemoe.load(PATH, expert_budget=amount(budget), routing=routing,
+                                    prerouter_path=heads)
             cache[routing, budget] = gpu_check.mlx_greedy(model, prompt(), DECODE)
             model.expert_store.close()
         return cache[routing, budget]
@@ -73,10 +83,11 @@ def native_runs():
 
 
 @pytest.mark.parametrize("routing, budget", [("prerouted", "minimum"), ("prerouted", "25%")])
-def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
+def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs, heads):
     ref_tokens, ref_logits = mlx_runs(routing, budget)
     native, native_stats = native_runs(budget)
-    model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False, routing=routing)
+    model, _ = load(PATH, expert_budget=amount(budget), device="cpu", tokenizer=False,
+                    routing=routing, prerouter_path=heads)
     run = greedy(model, prompt(), DECODE)
     stats = model.expert_store.snapshot()
     again = greedy(model, prompt(), DECODE)  # a new sequence: nothing carried over
@@ -89,10 +100,11 @@ def test_prerouted_matches_the_mlx_path(routing, budget, mlx_runs, native_runs):
     assert stats.on_demand < native_stats.on_demand
 
 
-def test_each_sequence_carries_its_own_routing():
+def test_each_sequence_carries_its_own_routing(heads):
     """Two sequences decoded in turns, one whose cache the first call made (no cache given),
     one with a cache of its own: each gets its solo decode's logits."""
-    model, _ = load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing="prerouted")
+    model, _ = load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing="prerouted",
+                    prerouter_path=heads)
     prompts, steps = (prompt(7), prompt(8)), 4
     solo = [greedy(model, p, steps) for p in prompts]
     arg = _cache_argument(model)
@@ -110,18 +122,18 @@ def test_each_sequence_carries_its_own_routing():
         assert torch.equal(torch.cat(outs[s]).float(), solo[s].logits), f"sequence {s}"
 
 
-def same_token_heads(folder):
+def same_token_heads(folder, heads):
     """The pack's next-token heads read as same-token heads (parity needs no good heads)."""
-    shutil.copytree(HEADS, folder)
+    shutil.copytree(heads, folder)
     config = json.loads((folder / CONFIG).read_text())
     (folder / CONFIG).write_text(json.dumps({**config, "same_token": True}))
     return folder
 
 
-def test_same_token_heads_route_as_the_mlx_path(tmp_path):
+def test_same_token_heads_route_as_the_mlx_path(tmp_path, heads):
     """Same-token heads route each call by their prediction for its own positions and read
     those experts a layer ahead: the MLX path's tokens and logits."""
-    heads, routing = same_token_heads(tmp_path / "same-token"), "prerouted"
+    heads, routing = same_token_heads(tmp_path / "same-token", heads), "prerouted"
     budget = amount("minimum")
     mlx_model, _ = edgemoe.load(PATH, expert_budget=budget, routing=routing,
                                 prerouter_path=heads)
@@ -149,16 +161,17 @@ def test_routing_errors_are_one_line(tmp_path):
         assert message in str(e.value) and "\n" not in str(e.value), kwargs
 
 
-def refused(routing="prerouted") -> str:
+def refused(heads, routing="prerouted") -> str:
     with pytest.raises(UnsupportedModelError) as e:
-        load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing=routing)
+        load(PATH, expert_budget=0.25, device="cpu", tokenizer=False, routing=routing,
+             prerouter_path=heads)
     message = str(e.value)
     assert "\n" not in message and f"{DEFAULT_MODEL / 'config.json'}: model_type 'qwen3_moe': " \
         "prerouted routing " in message, message
     return message
 
 
-def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
+def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch, heads):
     """Prerouted routing runs each router on the chosen logits: a router whose routing
     depends on more than its logits, or whose logits' map it cannot find, is refused."""
     router = modeling_qwen3_moe.Qwen3MoeTopKRouter
@@ -170,7 +183,7 @@ def test_a_router_it_cannot_route_by_given_logits_is_refused(monkeypatch):
 
     monkeypatch.setattr(router, "forward", weighed_by_its_input)
     assert "Qwen3MoeTopKRouter's routing of its own logits differs from its routing of " \
-           "its input" in refused()
+           "its input" in refused(heads)
     monkeypatch.undo()
     monkeypatch.setattr(families, "router", lambda block: nn.Sequential())  # no linear map
-    assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused()
+    assert "Sequential has neither a 2-D `weight` nor one Linear inside it" in refused(heads)

@@ -127,10 +127,17 @@ def test_two_hosts_equal_one(checkpoints, packs, shards, tmp_path):
     cases.append(("qwen3_moe_bf16-inplace", half, "native", half, "native"))
     trace = _skewed_trace(Pack.open(packs["qwen3_moe"]["mlx"]), tmp_path / "trace.npz")
     budget = lambda name: 0.25 if name.startswith("bundled") else 0.5
+    # the pack's heads routing every layer but the first: the shipped default's
+    # cache-conditional layers route among each host's slots, which a group has more of
+    from edgemoe.routing.between import plain_heads
+    plain = str(plain_heads(BUNDLED_MODEL / "prerouter", tmp_path / "heads"))
+    heads = lambda name: plain if name.startswith("bundled") else None
     launch([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"g-{n}"),
-             "partition": str(trace) if n.endswith("partition") else None}
+             "partition": str(trace) if n.endswith("partition") else None,
+             "prerouter": heads(n)}
             for n, m, r, _, _ in cases], tmp_path)
-    alone([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"s-{n}")}
+    alone([{"model": str(m), "budget": budget(n), "routing": r, "out": str(tmp_path / f"s-{n}"),
+            "prerouter": heads(n)}
            for n, _, _, m, r in cases])
     for name, *_ in cases:
         check_same(tmp_path / f"s-{name}", tmp_path / f"g-{name}")

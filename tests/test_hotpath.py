@@ -82,11 +82,16 @@ def test_a_streamed_layer_waits_once_for_its_routing_and_never_for_its_experts(r
     model.expert_store.close()
 
 
-def test_prerouted_decode_evaluates_twice_a_token(reference):
+def test_prerouted_decode_evaluates_twice_a_token(reference, tmp_path):
     """Prerouted: the routing of every predicted layer is on the host a token ahead, and
-    the predictions are evaluated with the next token's first routing sync."""
+    the predictions are evaluated with the next token's first routing sync (the pack's
+    heads routing every layer but the first: the shipped default keeps more native)."""
+    from edgemoe.routing.between import plain_heads
+
     _, prompt = reference
-    model, _ = edgemoe.load(BUNDLED, expert_budget="50%", routing="prerouted")
+    heads = plain_heads(BUNDLED / "prerouter", tmp_path / "heads")
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%", routing="prerouted",
+                            prerouter_path=str(heads))
     evaluations_per_token(model, prompt)
     assert evaluations_per_token(model, prompt) <= 2
     model.expert_store.close()

@@ -10,6 +10,7 @@ import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
 from edgemoe.model.experts import streaming_of
 from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditional,
+                                     layer_recall, plain_heads, route_by_recall,
                                      set_top_k, with_native_layers)
 from edgemoe.routing.gates import moe_blocks
 from edgemoe.routing.heads_config import read_config
@@ -17,6 +18,8 @@ from edgemoe.streaming.cache import make_policy
 from edgemoe.streaming.replay import simulate
 from edgemoe.streaming.trace import load_trace
 
+# the shipped default (docs/routing.md, the frontier): heads recalling less keep the router
+SHIPPED_MIN_RECALL, SHIPPED_CONDITIONAL = 0.45, 8
 TEXT = "def read_lines(path):\n    with open(path) as f:\n        return f.read().split()\n"
 
 
@@ -90,12 +93,24 @@ def test_fewer_slots_route_otherwise_and_reduced_top_k_routes_k():
 
 
 def test_native_layers_copy_keeps_those_layers_on_their_router(tmp_path):
-    out = with_native_layers(BUNDLED_MODEL / "prerouter", [1, 2], tmp_path / "heads")
+    plain = plain_heads(BUNDLED_MODEL / "prerouter", tmp_path / "plain")
+    assert read_config(plain).native_layers == [0] and read_config(plain).plain
+    out = with_native_layers(plain, [1, 2], tmp_path / "heads")
     config = read_config(out)
     assert config.native_layers == [0, 1, 2]
     assert config.predicted_layers == [3, 4, 5, 6, 7]
+
+
+def test_the_shipped_routing_keeps_the_layers_whose_heads_recall_least(tmp_path):
+    """The pack's default of --routing prerouted (its heads' config) is what
+    route_by_recall writes from the heads' training report: the layers below
+    SHIPPED_MIN_RECALL keep their router, the others route cache-conditionally."""
     shipped = json.loads((BUNDLED_MODEL / "prerouter" / "prerouter_config.json").read_text())
-    assert shipped["native_layers"] == [0]
+    copy = with_native_layers(BUNDLED_MODEL / "prerouter", [], tmp_path / "heads")
+    assert route_by_recall(copy, SHIPPED_MIN_RECALL, SHIPPED_CONDITIONAL) == shipped
+    recall = layer_recall(BUNDLED_MODEL / "prerouter" / "report.json")
+    assert all(recall[t] < SHIPPED_MIN_RECALL for t in shipped["native_layers"][1:])
+    assert 0 < len(shipped["native_layers"]) < 8 and shipped["conditional"] == 8
 
 
 @pytest.fixture(scope="module")
@@ -110,31 +125,36 @@ def conditional_heads(tmp_path_factory):
     return out
 
 
-def test_conditional_heads_run_through_generate_eval_and_the_server(conditional_heads):
+def test_the_shipped_routing_runs_through_generate_eval_and_the_server():
+    """The pack's default of --routing prerouted (per-layer fallback and cache-conditional
+    routing) with no --prerouter: in generate, eval and the server."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
     from test_server import completion, running_server
 
     from edgemoe.eval import ModelConfig, evaluate
 
-    model, tokenizer = edgemoe.load(expert_budget="25%", routing="prerouted",
-                                    prerouter_path=str(conditional_heads))
-    blocks = moe_blocks(model)
-    assert all(b.top_k == 4 for b in blocks.values())
+    shipped = read_config(BUNDLED_MODEL / "prerouter")
+    model, tokenizer = edgemoe.load(expert_budget="25%", routing="prerouted")
     taps = streaming_of(model).routing.predictor.taps
+    assert sorted(taps) == shipped.predicted_layers  # the others keep their router
     assert all(isinstance(t, ConditionalTap) and t.sim.slots == 32 for t in taps.values())
     prompt = tokenizer.encode(TEXT)
     tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
                                                sampler=make_sampler(0.0))]
     assert len(tokens) == 6 and all(t.tokens > 0 for t in taps.values())
-    config = ModelConfig.parse(f"{BUNDLED_MODEL},budget=0.25,routing=prerouted,"
-                               f"prerouter={conditional_heads}")
+    config = ModelConfig.parse(f"{BUNDLED_MODEL},budget=0.25,routing=prerouted")
     result = evaluate([config], TEXT * 4, context=32, max_tokens=64)
     assert 1 < result["configs"][0]["perplexity"] < 1e4
-    with running_server("--expert-budget", "25%", "--routing", "prerouted",
-                        "--prerouter", str(conditional_heads)) as url:
+    with running_server("--expert-budget", "25%", "--routing", "prerouted") as url:
         ids, _, text, _ = completion(url, TEXT, max_tokens=6)
     assert len(ids) == 6
+
+
+def test_reduced_top_k_heads_route_k_experts(conditional_heads):
+    model, _ = edgemoe.load(expert_budget="25%", routing="prerouted",
+                            prerouter_path=str(conditional_heads))
+    assert all(b.top_k == 4 for b in moe_blocks(model).values())
 
 
 def test_other_backends_refuse_heads_of_a_mode_they_do_not_run(conditional_heads):

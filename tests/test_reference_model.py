@@ -38,15 +38,24 @@ DRAFT = DEFAULT_MODEL.parent / "fine-draft"
 
 
 def test_shipped_prerouter_heads_serve_the_bundled_model():
-    """With no --prerouter, the prerouted modes use the heads the bundled pack carries."""
+    """With no --prerouter, the prerouted modes use the heads the bundled pack carries, as
+    their config routes: the layers it predicts read a token ahead (cache-conditional: the
+    router chooses among the simulated slots and the prediction, so an expert the store's
+    slots do not hold is read on demand now and then), the others keep their router."""
+    from edgemoe.routing.heads_config import read_config
+
+    predicted = read_config(DEFAULT_MODEL / "prerouter").predicted_layers
     model, tokenizer = edgemoe.load(expert_budget=0.25, routing="prerouted")
     store = model.expert_store
     counts = []
     for _ in edgemoe.stream_generate(model, tokenizer, "def read_lines(path):", max_tokens=16):
         counts.append(store.on_demand_by_layer())
     first, last = counts[0], counts[-1]  # after the prompt, after 16 tokens
-    layers = len(model.layers)
-    assert all(last[i] == first[i] for i in range(1, layers)), (first, last)  # predicted
+    waits = {layer: last[layer] - first[layer] for layer in first}
+    kept = [layer for layer in waits if layer not in predicted]
+    mean = lambda layers: sum(waits[l] for l in layers) / len(layers)
+    # (on 31 tokens of rich's sources: 6-10 a conditional layer, against 37-56)
+    assert predicted and mean(predicted) < mean(kept) / 3, waits
     assert store.snapshot().prefetches > 0
 
 

@@ -408,10 +408,16 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
 
 
 @pytest.mark.parametrize("mode", ["prerouted"])
-def test_server_serves_prerouted_routing_per_request(mode):
+def test_server_serves_prerouted_routing_per_request(mode, tmp_path):
     """Each batch row keeps its own prerouter state: concurrent greedy requests get the
-    tokens edgemoe.generate gives each alone (the bundled model carries its heads)."""
-    model, tokenizer = edgemoe.load(expert_budget=0.25, routing=mode)
+    tokens edgemoe.generate gives each alone (the bundled model's heads, routing every
+    layer but the first: the shipped default's cache-conditional layers route among
+    slots all requests share)."""
+    from edgemoe.format.source import BUNDLED_MODEL
+    from edgemoe.routing.between import plain_heads
+
+    heads = str(plain_heads(BUNDLED_MODEL / "prerouter", tmp_path / "heads"))
+    model, tokenizer = edgemoe.load(expert_budget=0.25, routing=mode, prerouter_path=heads)
     eos = set(tokenizer.eos_token_ids)
     ps = [np.random.default_rng(i).integers(3, 4000, n).tolist()
           for i, n in enumerate((12, 3, 30, 7))]
@@ -422,7 +428,7 @@ def test_server_serves_prerouted_routing_per_request(mode):
         ends = [i for i, t in enumerate(tokens) if t in eos]
         alone.append(tokens[:ends[0] + 1] if ends else tokens)  # the server stops at EOS
     assert any(len(a) == 10 for a in alone)
-    with running_server("--expert-budget", "0.25", "--routing", mode,
+    with running_server("--expert-budget", "0.25", "--routing", mode, "--prerouter", heads,
                         "--max-batch", "4") as url:
         with ThreadPoolExecutor(len(ps)) as pool:
             got = list(pool.map(lambda p: completion(url, p, max_tokens=10)[0], ps))

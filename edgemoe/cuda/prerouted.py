@@ -99,7 +99,9 @@ def load_heads(path, device) -> Heads:
     if not config.plain:
         raise ValueError(f"{path / CONFIG}: route_top_k {config.route_top_k}, conditional "
                          f"{config.conditional}: the MLX backend's modes; this backend "
-                         f"routes by plain heads (both 0)")
+                         f"routes by plain heads (both 0): `python -m "
+                         f"edgemoe.routing.between --heads {path} --plain-copy DIR` makes "
+                         f"them, for --prerouter DIR")
     heads = Heads(config)
     found = load_file(str(path / WEIGHTS))
     missing, unexpected = heads.load_state_dict(found, strict=False)

@@ -9,6 +9,9 @@
   quality and bytes can be measured with every expert resident.
 - per-layer fallback (`with_native_layers`): a copy of a heads folder whose config keeps
   the given layers on their router (PrerouterConfig.native_layers, which every tool reads).
+  `route_by_recall` (`python -m edgemoe.routing.between`) chooses them from each layer's
+  held-out recall and writes them, with cache-conditional routing for the others, into
+  the heads' own config: the bundled pack's is its default of `--routing prerouted`.
 - reduced top-k (`set_top_k`): the k most likely of the router's or the heads' logits,
   as Edge0 and flash-moe run (4 of 8).
 """
@@ -144,6 +147,62 @@ def with_native_layers(heads: Path, layers: Iterable[int], out: Path) -> Path:
     return out
 
 
+def plain_heads(heads: Path, out: Path) -> Path:
+    """A copy of the heads folder `heads` in `out` routed plainly: every layer but the
+    first by the heads, at the model's top-k (no per-layer fallback, reduced top-k or
+    cache-conditional routing)."""
+    out = with_native_layers(heads, [], out)
+    config = json.loads((out / CONFIG).read_text())
+    config.update(native_layers=sorted(config["native_layers"])[:1], route_top_k=0,
+                  conditional=0)
+    (out / CONFIG).write_text(json.dumps(config, indent=1))
+    return out
+
+
+def route_by_recall(heads: Path, min_recall: float, conditional: int) -> dict:
+    """Set the heads folder's own routing (its prerouter_config.json, what `--routing
+    prerouted` runs): the layers whose head recalls less than `min_recall` of the top-k on
+    held-out text (its training report) keep their router; the others route
+    cache-conditionally among the slots and the heads' `conditional` most likely (0:
+    by the heads). Returns the config written."""
+    heads = Path(heads)
+    recall = layer_recall(heads / "report.json")
+    if recall is None:
+        raise FileNotFoundError(f"{heads / 'report.json'}: no such file; the heads' "
+                                f"training report gives each layer's recall")
+    config = json.loads((heads / CONFIG).read_text())
+    first = sorted(set(config["native_layers"]))[:1]
+    config["native_layers"] = sorted({*first, *(t for t, r in recall.items() if r < min_recall)})
+    config["conditional"] = int(conditional)
+    (heads / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return config
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Set a heads folder's routing from its layers' "
+                                            "recall (route_by_recall)")
+    p.add_argument("--heads", required=True, help="a prerouter heads folder")
+    p.add_argument("--min-recall", type=float,
+                   help="layers whose head recalls less keep their router (0.45)")
+    p.add_argument("--conditional", type=int, default=0,
+                   help="the others: the router among the slots and the heads' m most "
+                        "likely (8); 0: routed by the heads")
+    p.add_argument("--plain-copy", metavar="OUT",
+                   help="instead, copy the heads to OUT routed plainly (every layer but "
+                        "the first by the heads: the routing the CUDA backend runs)")
+    args = p.parse_args(argv)
+    if args.plain_copy:
+        print(plain_heads(Path(args.heads), Path(args.plain_copy)))
+        return
+    if args.min_recall is None:
+        p.error("--min-recall: expected a recall (0.45), found none")
+    config = route_by_recall(Path(args.heads), args.min_recall, args.conditional)
+    print(f"{args.heads}: native layers {config['native_layers']}, conditional "
+          f"{config['conditional']}")
+
+
 def layer_recall(report_path: Path) -> Optional[Dict[int, float]]:
     """Each target layer's held-out recall from a train_prerouter report.json."""
     path = Path(report_path)
@@ -151,3 +210,22 @@ def layer_recall(report_path: Path) -> Optional[Dict[int, float]]:
         return None
     report = json.loads(path.read_text())
     return {r["target"]: r["head"]["recall"] for r in report["layers"]}
+
+
+def adapter_for_layers(adapter: Path, layers: Iterable[int], out: Path) -> Path:
+    """A copy of the adapter folder `adapter` in `out` that adapts only the decoder layers
+    `layers` (the others' tensors left out: their deltas stay zero, and their experts
+    stream no delta records)."""
+    adapter, out, keep = Path(adapter), Path(out), {int(l) for l in layers}
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    mx.save_safetensors(str(out / "adapters.safetensors"),
+                        {k: v for k, v in weights.items() if int(k.split(".")[2]) in keep})
+    shutil.copy(adapter / "adapter_config.json", out / "adapter_config.json")
+    return out
+
+
+if __name__ == "__main__":
+    main()
