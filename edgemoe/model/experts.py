@@ -6,10 +6,11 @@ router's expert ids remapped to slot ids. `gather_qmm` over a compact pool with
 remapped indices gives bit-identical results (tests/test_exact.py checks it per family).
 """
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +39,8 @@ class Streaming:
     share: Optional[Any] = None
     routing: Optional[Any] = None
     queued: QueuedReads = field(default_factory=QueuedReads)
+    # entered around each forward call: edgemoe.model.prefill's BLAS flag, when loaded with it
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 def streaming_of(model) -> Optional[Streaming]:
@@ -316,10 +319,11 @@ def streaming_class(model_class: type, expert_paths) -> type:
             streaming = self.streaming
             streaming.queued.calls += 1
             try:
-                if streaming.routing is None:
-                    return super().__call__(inputs, cache=cache, **kwargs)
-                with streaming.routing.sequence(given, cache):
-                    return super().__call__(inputs, cache=cache, **kwargs)
+                with streaming.forward_context():
+                    if streaming.routing is None:
+                        return super().__call__(inputs, cache=cache, **kwargs)
+                    with streaming.routing.sequence(given, cache):
+                        return super().__call__(inputs, cache=cache, **kwargs)
             except BaseException:  # a failed call leaves no slot held: its earlier
                 streaming.queued.flush()  # layers' queued compute is settled
                 raise

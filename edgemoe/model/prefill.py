@@ -17,6 +17,7 @@ logits within `LOGIT_TOLERANCE` of mlx-lm's, with the same greedy token at every
 Native arithmetic stays the default everywhere.
 """
 
+import contextlib
 import contextvars
 import ctypes
 import sys
@@ -25,6 +26,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
 MIN_ROWS_PER_EXPERT = 12  # fewer: dequantizing an expert costs more than BLAS saves (8: 1.25x
@@ -38,32 +40,25 @@ _FORWARD = contextvars.ContextVar("edgemoe_blas_forward", default=False)
 LOGIT_TOLERANCE = 1e-4  # max |logit - mlx-lm's| on the bundled model's prompt (measured: 1.05e-5)
 
 
-class BlasExperts:
-    """Stands in for a pool's mlx-lm SwitchGLU (`SlotPool.module`): the same call,
-    (x (..., D), slot ids (..., k)) -> (..., k, D), through BLAS when the call is large."""
+class BlasExperts(SwitchGLU):
+    """A pool's mlx-lm SwitchGLU (`SlotPool.module`) made anew over the same projections:
+    the same call, (x (..., D), slot ids (..., k)) -> (..., k, D), through BLAS when the
+    call is large. A projection set on it later (a LoRA's deltas, `_bind_deltas`) is its
+    own, as on mlx-lm's module, and then mlx-lm's call computes it (`supported`)."""
 
     def __init__(self, module: SwitchGLU):
-        object.__setattr__(self, "module", module)
-
-    def __getattr__(self, name):  # (children, projections: the module's own)
-        return getattr(self.module, name)
-
-    def __setattr__(self, name, value):  # (a LoRA bound later: the module's own)
-        setattr(self.module, name, value)
-
-    def __getitem__(self, name):
-        return self.module[name]
+        _same_state(self, module)  # (not SwitchGLU's own: it would make new projections)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if indices.size < MIN_ROWS_PER_EXPERT * 2 or supported(self.module) is not None:
-            return self.module(x, indices)
+        if indices.size < MIN_ROWS_PER_EXPERT * 2 or supported(self) is not None:
+            return super().__call__(x, indices)
         ids = np.array(indices).reshape(-1)
         used = np.unique(ids)
         if ids.size < MIN_ROWS_PER_EXPERT * len(used):
-            return self.module(x, indices)
+            return super().__call__(x, indices)
         k, dims = indices.shape[-1], x.shape[-1]
         rows = np.array(x.reshape(-1, dims).astype(mx.float32))
-        out = expert_products(self.module, rows, k, ids, used)
+        out = expert_products(self, rows, k, ids, used)
         return mx.array(out).reshape(*indices.shape, -1).astype(x.dtype)
 
 
@@ -102,7 +97,7 @@ def dequantized(proj, slots: np.ndarray) -> np.ndarray:
 
 def supported(module) -> Optional[str]:
     """None if BLAS can compute this expert module as mlx-lm would; else why not."""
-    if type(module) is not SwitchGLU or type(module.activation) is not SwiGLU:
+    if type(module) not in (SwitchGLU, BlasExperts) or type(module.activation) is not SwiGLU:
         return f"{type(module).__name__} with {type(getattr(module, 'activation', None)).__name__}"
     for name in ("gate_proj", "up_proj", "down_proj"):
         proj = module[name]
@@ -114,8 +109,12 @@ def supported(module) -> Optional[str]:
 
 
 class BlasLinear(nn.QuantizedLinear):
-    """mlx-lm's quantized linear (its class swapped on one instance, `use_blas`): a call of
-    at least MIN_DENSE_ROWS rows dequantizes the weight once and multiplies through BLAS."""
+    """An mlx quantized linear made anew over the same weights (`use_blas` puts it in the
+    other's place): a call of at least MIN_DENSE_ROWS rows dequantizes the weight once and
+    multiplies through BLAS; a smaller one is the quantized linear's own."""
+
+    def __init__(self, linear: nn.QuantizedLinear):
+        _same_state(self, linear)  # (not QuantizedLinear's own: it would quantize a new weight)
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
@@ -130,17 +129,36 @@ class BlasLinear(nn.QuantizedLinear):
         return mx.array(out).reshape(*x.shape[:-1], -1).astype(x.dtype)
 
 
+def _same_state(new: nn.Module, old: nn.Module):
+    """Make `new`, a module not yet initialized, hold what `old` holds: its parameters and
+    children (the same arrays and modules, shared), its settings (group_size, bits, ...),
+    its frozen keys and its training mode."""
+    nn.Module.__init__(new)
+    for name, value in vars(old).items():
+        if not name.startswith("_"):
+            setattr(new, name, value)
+    for name, value in old.items():
+        setattr(new, name, value)
+    new._no_grad, new._training = set(old._no_grad), old._training
+
+
 def use_blas(model, experts: dict) -> int:
     """Give every streaming expert module whose expert module BLAS can compute the BLAS
-    stand-in (`experts`: layer index -> StreamingExperts), and every resident quantized
-    linear but the routers BlasLinear; how many expert modules took it. A module with an
-    adapter's deltas, or another activation, keeps mlx-lm's. numpy's OpenBLAS then runs
-    on one thread (`blas_threads`)."""
+    one (`experts`: layer index -> StreamingExperts), and put a BlasLinear in the place of
+    every resident quantized linear but the routers; how many expert modules took it. A
+    module with an adapter's deltas, or another activation, keeps mlx-lm's. The model's
+    forward calls then enter the BLAS flag (`blas_forward`), and numpy's OpenBLAS runs on
+    one thread (`blas_threads`)."""
     blas_threads(1)
-    _blas_forward(model)
-    for path, module in model.named_modules():
+    _blas_attention_in_family(model)
+    model.streaming.forward_context = blas_forward
+
+    def blas(path, module):
         if type(module) is nn.QuantizedLinear and path.rsplit(".", 1)[-1] not in ROUTERS:
-            module.__class__ = BlasLinear
+            return BlasLinear(module)
+        return module
+    model.update_modules(tree_map_with_path(blas, model.leaf_modules(),
+                                            is_leaf=nn.Module.is_module))
     taken = 0
     for module in experts.values():
         pool = module.pool
@@ -174,9 +192,25 @@ def blas_threads(count: int) -> bool:
     return False
 
 
-def _blas_forward(model):
-    """Make the model's forward calls BLAS calls (its class swapped on this instance), and
-    its family module's attention function the one that honours them."""
+@contextlib.contextmanager
+def blas_forward():
+    """The BLAS flag, set for one forward call of a model loaded with BLAS arithmetic
+    (entered by its `Streaming.forward_context`)."""
+    token = _FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
+
+
+def _blas_attention_in_family(model):
+    """Make the model's family module's attention function one that takes BLAS during a
+    BLAS forward call (`blas_forward`), once per family. mlx-lm's modules of the family
+    look the function up in that module at each call, so every model of the family in the
+    process calls it: that is safe, since any other call, from a model loaded without the
+    flag (mlx-lm's own, or edgemoe's native), finds the flag unset and goes straight to
+    the original function, bit for bit (tests/test_prefill_schedule.py checks mlx-lm's
+    model of the same family, in the same process, after a BLAS prefill)."""
     family = sys.modules[type(model).__module__]
     original = getattr(family, "scaled_dot_product_attention", None)
     if original is not None and not getattr(original, "blas", False):
@@ -188,16 +222,6 @@ def _blas_forward(model):
             return blas_attention(queries, keys, values, scale, mask)
         attention.blas = True
         family.scaled_dot_product_attention = attention
-    cls = type(model)
-
-    def forward(self, *args, **kwargs):
-        token = _FORWARD.set(True)
-        try:
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            _FORWARD.reset(token)
-    model.__class__ = type(cls.__name__, (cls,), {"__call__": forward,
-                                                  "__module__": cls.__module__})
 
 
 def blas_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
