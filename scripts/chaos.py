@@ -162,11 +162,18 @@ def _deep(depth: int) -> dict:
     return schema
 
 
-def _named(r, param: str) -> int:
-    """A response's status, or 0 (not refused) when a 4xx does not name `param`."""
+def _named(r, param: str):
+    """A response's status, or 0 (not refused) when a 4xx does not name `param`, or
+    FAULT for a 500 naming a corrupt record (an injected fault met it: the server
+    refused to compute on bad bytes before the request's own error could show)."""
     if 400 <= r.status_code < 500 and r.json().get("error", {}).get("param") != param:
         return 0
+    if r.status_code == 500 and "checksum mismatch" in r.text:
+        return FAULT
     return r.status_code
+
+
+FAULT = "failed by a fault"
 
 
 def _no_folder(r) -> int:
@@ -262,6 +269,7 @@ class Chaos:
         with httpx.Client(timeout=self.args.request_timeout) as client:
             while not self.stop.is_set():
                 name, send = self.rng.choice(cases)
+                changes = self.fault_changes
                 try:
                     status = send(client)
                 except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) \
@@ -275,6 +283,8 @@ class Chaos:
                     self.refused[name, status] += 1
                 if isinstance(status, int) and 400 <= status < 500:
                     self.count("bad_refused_4xx")
+                elif status == FAULT and (changes % 2 or self.fault_changes != changes):
+                    self.count("bad_failed_by_fault", "5xx")
                 else:
                     self.count("bad_not_refused", *(["5xx"] if status in range(500, 600)
                                                     else []))
@@ -461,6 +471,26 @@ def working_rss(pid: int, url: str) -> int:
     return rss_bytes(pid) - kept
 
 
+def memory(pid: int, url: str) -> dict:
+    """Where the server's memory is, in MB: RSS, of it anonymous (heaps, MLX's buffers)
+    and file-backed (code, mapped files); the prompt cache's bytes, MLX's live arrays and
+    its buffer cache (/metrics); and the working RSS the check reads (RSS less the
+    prompt cache)."""
+    rollup = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        rollup[key] = int(value.split()[0]) * 1024
+    m = httpx.get(f"{url}/metrics", timeout=30).json()
+    mb = lambda n: round(n / 2**20, 1)  # noqa: E731
+    return {"rss_mb": mb(rollup["Rss"]), "anonymous_mb": mb(rollup["Anonymous"]),
+            "file_mb": mb(rollup["Rss"] - rollup["Anonymous"]),
+            "prompt_cache_mb": mb(m["prompt_cache"]["bytes"]),
+            "mlx_active_mb": mb(m["memory"]["mlx_active_bytes"]),
+            "mlx_cache_mb": mb(m["memory"]["mlx_cache_bytes"]),
+            "working_rss_mb": mb(rollup["Rss"] - m["prompt_cache"]["bytes"]),
+            "threads": len(list(Path(f"/proc/{pid}/task").iterdir()))}
+
+
 def settled_rss(pid: int, url: str, start: int) -> float:
     """Seconds until the server's working RSS is back within 10% of `start` (a grammar
     bomb's abandoned mask gives its memory back when it ends), at most RSS_SETTLE_S."""
@@ -502,10 +532,12 @@ def main():
             warm_up(url, args.request_timeout)
             rss_before = rss_bytes(proc.pid)
             working_before = working_rss(proc.pid, url)
+            memory_before = memory(proc.pid, url)
             print(f"chaos: {args.duration:.0f} s against {url} ({args.good_clients} good "
                   f"clients; a fault every {args.fault_every:.0f} s)", file=sys.stderr)
             alive = chaos.run()
             time.sleep(3)  # let cancelled rows drain
+            memory_at_end = memory(proc.pid, url)
             settle_s = settled_rss(proc.pid, url, working_before)
             metrics = httpx.get(f"{url}/metrics", timeout=30).json()
             proc.log.seek(0)
@@ -516,7 +548,8 @@ def main():
                 **{k: chaos.counts[k] for k in ("good_correct", "good_failed_by_fault",
                                                "good_wrong", "good_hung",
                                                "good_failed_by_another", "bad_refused_4xx",
-                                               "bad_not_refused", "bad_closed_by_deadline",
+                                               "bad_not_refused", "bad_failed_by_fault",
+                                               "bad_closed_by_deadline",
                                                "5xx", "faults",
                                                "health_hung", "health_failed",
                                                "health_not_200", "bombs_refused_4xx",
@@ -533,6 +566,8 @@ def main():
                 "working_rss_before_bytes": working_before,
                 "working_rss_after_bytes": working_rss(proc.pid, url),
                 "prompt_cache_bytes_after": metrics["prompt_cache"]["bytes"],
+                "memory": {"before": memory_before, "at_end": memory_at_end,
+                           "after_settling": memory(proc.pid, url)},
                 "rows_active_after": metrics["requests"]["active"],
                 "stalled_cancelled_by_send_timeout": send_timeouts,
                 "server_requests": metrics["requests"],
