@@ -193,6 +193,14 @@ class Chaos:
         self.refused = Counter()
         self.rng = random.Random(args.seed)
 
+    def client(self) -> httpx.Client:
+        """A client that opens a connection for each request: one kept alive between
+        requests may be closed by the server's keep-alive timeout as the next request
+        goes out, a race of the client's (a ReadError on a loaded machine), not a
+        failure of the server's."""
+        return httpx.Client(timeout=self.args.request_timeout,
+                            limits=httpx.Limits(max_keepalive_connections=0))
+
     def count(self, *keys):
         with self.lock:
             for k in keys:
@@ -226,7 +234,7 @@ class Chaos:
         return ids, r
 
     def good(self):
-        with httpx.Client(timeout=self.args.request_timeout) as client:
+        with self.client() as client:
             while not self.stop.is_set():
                 prompt = self.rng.choice(PROMPTS)
                 stream = self.rng.random() < 0.5
@@ -266,7 +274,7 @@ class Chaos:
     # -- bad requests, stalled and vanishing clients -------------------------------------
     def bad(self):
         cases = bad_requests(self.url)
-        with httpx.Client(timeout=self.args.request_timeout) as client:
+        with self.client() as client:
             while not self.stop.is_set():
                 name, send = self.rng.choice(cases)
                 changes = self.fault_changes

@@ -204,6 +204,8 @@ class Grammar:
         if self.matcher.is_error():  # e.g. past llguidance's limits at this step
             raise GrammarError(self.matcher.get_error()[:300])
         allowed = np.unpackbits(words, bitorder="little")[:logits.shape[-1]].astype(bool)
+        if not allowed.any():  # else every logit at -inf: a server error, not a 400
+            raise GrammarError("its grammar allows no token at this step")
         if allowed.size < logits.shape[-1]:  # ids past the tokenizer's: never allowed
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.size))
         return mx.where(mx.array(allowed)[None], logits, -mx.inf)
