@@ -2,6 +2,7 @@
 and file faults at once, for a bounded time, on loopback only.
 
     python scripts/chaos.py [--model PACK] [--duration 180] [--json chaos.json]
+    python scripts/chaos.py --probe-memory 16   # where memory goes, kind by kind
 
 The server serves a copy of the pack (the faults are made in the copy): every
 --fault-every seconds one byte of a random expert record is flipped for --fault-for
@@ -42,6 +43,7 @@ its flags bound: it holds the run's prompts on purpose), no worker stuck (the ex
 """
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -51,6 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -516,6 +519,38 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+MEMORY_PROBES = ["grammar bomb", "template bomb", "responses 3.9 MB input", "5 MB body",
+                 "deep JSON"]
+
+
+def probe_memory(url: str, pid: int, n: int, wait_s: float = 12) -> dict:
+    """`n` of each memory-hungry bad request, 4 at a time, kind after kind, on a warm
+    server: where its memory is once each kind is answered and the server has been idle
+    `wait_s` seconds (its idle trim runs every 5 s)."""
+    cases = dict(bad_requests(url))
+    templates = itertools.cycle(BOMBS)
+    cases["template bomb"] = lambda c: c.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {"chat_template": next(templates)}}).status_code
+    report = {"start": memory(pid, url)}
+
+    def send(kind):
+        with httpx.Client(timeout=120) as c:
+            try:
+                return cases[kind](c)
+            except httpx.HTTPError as e:
+                return type(e).__name__
+
+    for kind in MEMORY_PROBES:
+        with ThreadPoolExecutor(4) as pool:
+            statuses = Counter(pool.map(lambda _: send(kind), range(n)))
+        time.sleep(wait_s)
+        report[kind] = {"statuses": {str(k): v for k, v in statuses.items()},
+                        **memory(pid, url)}
+        print(f"chaos: {kind}: {report[kind]}", file=sys.stderr)
+    return report
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(BUNDLED_MODEL), help="An edgemoe pack (copied)")
@@ -526,12 +561,23 @@ def main():
     p.add_argument("--request-timeout", type=float, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--probe-memory", type=int, default=0, metavar="N",
+                   help="Instead of the chaos: send N of each memory-hungry bad request "
+                        "(MEMORY_PROBES) and report where the memory is after each kind")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="edgemoe-chaos-") as tmp:
         pack = Path(shutil.copytree(args.model, Path(tmp) / "pack"))
         proc, url = start_server(str(pack), *SERVER_FLAGS, tool="chaos")
         try:
+            if args.probe_memory:
+                warm_up(url, args.request_timeout)
+                time.sleep(7)  # one idle trim
+                report = probe_memory(url, proc.pid, args.probe_memory)
+                report["checks"] = {"working RSS back within 10% of its start": all(
+                    v["working_rss_mb"] <= 1.1 * report["start"]["working_rss_mb"]
+                    for v in report.values())}
+                return finish(report, args)
             chaos = Chaos(url, pack, args)
             with httpx.Client(timeout=args.request_timeout) as client:
                 for prompt in PROMPTS:  # each prompt alone, before any chaos
@@ -587,6 +633,10 @@ def main():
         finally:
             proc.terminate()
             proc.wait(30)
+    return finish(report, args)
+
+
+def finish(report: dict, args) -> int:
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from edgemoe.format.source import BUNDLED_MODEL
+from edgemoe.serving.constrain import Grammar, GrammarError
 from edgemoe.serving.errors import BadRequest
 from edgemoe.serving.templates import POLICY, bounded_render
 from test_hardening import start_server, stop_server
@@ -245,6 +246,22 @@ def test_an_oversized_render_is_refused_without_keeping_its_text():
                  if isinstance(v, str) and len(v) > POLICY.max_chars]
         tb = tb.tb_next
     assert not held, held
+
+
+def test_a_grammar_that_allows_no_token_fails_as_the_requests_own_error():
+    """Every logit at -inf once ended its row as the server's 500 (logits not finite)."""
+    class NoToken:
+        def compute_bitmask(self):
+            return bytes(8)
+
+        def is_error(self):
+            return False
+
+    grammar = Grammar.__new__(Grammar)
+    grammar.matcher, grammar.next_mask, grammar.waited = NoToken(), None, 0.0
+    grammar.abandoned = False
+    with pytest.raises(GrammarError, match="allows no token"):
+        grammar.mask(mx.zeros((1, 64)))
 
 
 def test_health_is_unavailable_while_a_truncated_pack_fails_every_request(tmp_path):
