@@ -147,6 +147,7 @@ def bad_requests(url: str):
     ]
 
 
+FLOOD_ADDRESS = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
 GRAMMAR_BOMB = {"type": "string", "pattern": "^(a{700}){700}$"}
 # bodies that may take longer than --request-timeout to send on a loaded machine: the
 # server closing them is its deadline at work, not a failure
@@ -379,7 +380,10 @@ class Chaos:
                     self.wrong.append(f"template bomb: {status}")
 
     def slow(self):
-        """Connections that trickle a body; the server's deadline must close them."""
+        """Connections that trickle a body, from an address of their own (an attacker's
+        is not its victims'); the server's deadline must close them. From the good and
+        bad clients' own address, they made the server's per-client limit (64) close
+        those clients' connections still reading a request (ReadErrors), as it must."""
         port = int(self.url.rsplit(":", 1)[1])
         head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                 b"application/json\r\nContent-Length: 1000\r\n\r\n{")
@@ -387,7 +391,8 @@ class Chaos:
             held = []
             for _ in range(256):
                 try:
-                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5,
+                                                 source_address=(FLOOD_ADDRESS, 0))
                     s.sendall(head)
                     held.append(s)
                 except OSError:
