@@ -28,6 +28,7 @@ from .serving.engine import Engine
 from .serving.guard import guarded_protocol, stop_within
 from .serving.templates import POLICY, RENDER_TIMEOUT_S
 from .serving.app import make_app
+from .serving.limits import freeze_loaded_objects, pin_mmap_threshold
 from .serving.http import DEFAULT_MAX_TOKENS, LOCAL_HOSTS, SEND_TIMEOUT_S, Server
 
 log = logging.getLogger("edgemoe.server")
@@ -256,7 +257,9 @@ def main(argv=None):
         parser.error(error)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pin_mmap_threshold()  # before any thread: big blocks given back whole (limits.py)
     engine, server = build(args)
+    freeze_loaded_objects()
     if not engine.leader:  # a group's other hosts compute; host 0 serves (edgemoe.distributed)
         log.info("%s: following host 0 of the group; it serves HTTP",
                  engine.share.watch.me)

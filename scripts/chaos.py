@@ -2,6 +2,7 @@
 and file faults at once, for a bounded time, on loopback only.
 
     python scripts/chaos.py [--model PACK] [--duration 180] [--json chaos.json]
+    python scripts/chaos.py --probe-memory 16   # where memory goes, kind by kind
 
 The server serves a copy of the pack (the faults are made in the copy): every
 --fault-every seconds one byte of a random expert record is flipped for --fault-for
@@ -42,6 +43,7 @@ its flags bound: it holds the run's prompts on purpose), no worker stuck (the ex
 """
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -51,6 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -144,6 +147,7 @@ def bad_requests(url: str):
     ]
 
 
+FLOOD_ADDRESS = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
 GRAMMAR_BOMB = {"type": "string", "pattern": "^(a{700}){700}$"}
 # bodies that may take longer than --request-timeout to send on a loaded machine: the
 # server closing them is its deadline at work, not a failure
@@ -162,11 +166,18 @@ def _deep(depth: int) -> dict:
     return schema
 
 
-def _named(r, param: str) -> int:
-    """A response's status, or 0 (not refused) when a 4xx does not name `param`."""
+def _named(r, param: str):
+    """A response's status, or 0 (not refused) when a 4xx does not name `param`, or
+    FAULT for a 500 naming a corrupt record (an injected fault met it: the server
+    refused to compute on bad bytes before the request's own error could show)."""
     if 400 <= r.status_code < 500 and r.json().get("error", {}).get("param") != param:
         return 0
+    if r.status_code == 500 and "checksum mismatch" in r.text:
+        return FAULT
     return r.status_code
+
+
+FAULT = "failed by a fault"
 
 
 def _no_folder(r) -> int:
@@ -185,6 +196,14 @@ class Chaos:
         self.fault_changes = 0  # flips and restores so far: odd while a fault is in place
         self.refused = Counter()
         self.rng = random.Random(args.seed)
+
+    def client(self) -> httpx.Client:
+        """A client that opens a connection for each request: one kept alive between
+        requests may be closed by the server's keep-alive timeout as the next request
+        goes out, a race of the client's (a ReadError on a loaded machine), not a
+        failure of the server's."""
+        return httpx.Client(timeout=self.args.request_timeout,
+                            limits=httpx.Limits(max_keepalive_connections=0))
 
     def count(self, *keys):
         with self.lock:
@@ -219,7 +238,7 @@ class Chaos:
         return ids, r
 
     def good(self):
-        with httpx.Client(timeout=self.args.request_timeout) as client:
+        with self.client() as client:
             while not self.stop.is_set():
                 prompt = self.rng.choice(PROMPTS)
                 stream = self.rng.random() < 0.5
@@ -259,9 +278,10 @@ class Chaos:
     # -- bad requests, stalled and vanishing clients -------------------------------------
     def bad(self):
         cases = bad_requests(self.url)
-        with httpx.Client(timeout=self.args.request_timeout) as client:
+        with self.client() as client:
             while not self.stop.is_set():
                 name, send = self.rng.choice(cases)
+                changes = self.fault_changes
                 try:
                     status = send(client)
                 except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) \
@@ -275,6 +295,8 @@ class Chaos:
                     self.refused[name, status] += 1
                 if isinstance(status, int) and 400 <= status < 500:
                     self.count("bad_refused_4xx")
+                elif status == FAULT and (changes % 2 or self.fault_changes != changes):
+                    self.count("bad_failed_by_fault", "5xx")
                 else:
                     self.count("bad_not_refused", *(["5xx"] if status in range(500, 600)
                                                     else []))
@@ -358,7 +380,10 @@ class Chaos:
                     self.wrong.append(f"template bomb: {status}")
 
     def slow(self):
-        """Connections that trickle a body; the server's deadline must close them."""
+        """Connections that trickle a body, from an address of their own (an attacker's
+        is not its victims'); the server's deadline must close them. From the good and
+        bad clients' own address, they made the server's per-client limit (64) close
+        those clients' connections still reading a request (ReadErrors), as it must."""
         port = int(self.url.rsplit(":", 1)[1])
         head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                 b"application/json\r\nContent-Length: 1000\r\n\r\n{")
@@ -366,7 +391,8 @@ class Chaos:
             held = []
             for _ in range(256):
                 try:
-                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5,
+                                                 source_address=(FLOOD_ADDRESS, 0))
                     s.sendall(head)
                     held.append(s)
                 except OSError:
@@ -461,6 +487,26 @@ def working_rss(pid: int, url: str) -> int:
     return rss_bytes(pid) - kept
 
 
+def memory(pid: int, url: str) -> dict:
+    """Where the server's memory is, in MB: RSS, of it anonymous (heaps, MLX's buffers)
+    and file-backed (code, mapped files); the prompt cache's bytes, MLX's live arrays and
+    its buffer cache (/metrics); and the working RSS the check reads (RSS less the
+    prompt cache)."""
+    rollup = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        rollup[key] = int(value.split()[0]) * 1024
+    m = httpx.get(f"{url}/metrics", timeout=30).json()
+    mb = lambda n: round(n / 2**20, 1)  # noqa: E731
+    return {"rss_mb": mb(rollup["Rss"]), "anonymous_mb": mb(rollup["Anonymous"]),
+            "file_mb": mb(rollup["Rss"] - rollup["Anonymous"]),
+            "prompt_cache_mb": mb(m["prompt_cache"]["bytes"]),
+            "mlx_active_mb": mb(m["memory"]["mlx_active_bytes"]),
+            "mlx_cache_mb": mb(m["memory"]["mlx_cache_bytes"]),
+            "working_rss_mb": mb(rollup["Rss"] - m["prompt_cache"]["bytes"]),
+            "threads": len(list(Path(f"/proc/{pid}/task").iterdir()))}
+
+
 def settled_rss(pid: int, url: str, start: int) -> float:
     """Seconds until the server's working RSS is back within 10% of `start` (a grammar
     bomb's abandoned mask gives its memory back when it ends), at most RSS_SETTLE_S."""
@@ -478,6 +524,38 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+MEMORY_PROBES = ["grammar bomb", "template bomb", "responses 3.9 MB input", "5 MB body",
+                 "deep JSON"]
+
+
+def probe_memory(url: str, pid: int, n: int, wait_s: float = 12) -> dict:
+    """`n` of each memory-hungry bad request, 4 at a time, kind after kind, on a warm
+    server: where its memory is once each kind is answered and the server has been idle
+    `wait_s` seconds (its idle trim runs every 5 s)."""
+    cases = dict(bad_requests(url))
+    templates = itertools.cycle(BOMBS)
+    cases["template bomb"] = lambda c: c.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {"chat_template": next(templates)}}).status_code
+    report = {"start": memory(pid, url)}
+
+    def send(kind):
+        with httpx.Client(timeout=120) as c:
+            try:
+                return cases[kind](c)
+            except httpx.HTTPError as e:
+                return type(e).__name__
+
+    for kind in MEMORY_PROBES:
+        with ThreadPoolExecutor(4) as pool:
+            statuses = Counter(pool.map(lambda _: send(kind), range(n)))
+        time.sleep(wait_s)
+        report[kind] = {"statuses": {str(k): v for k, v in statuses.items()},
+                        **memory(pid, url)}
+        print(f"chaos: {kind}: {report[kind]}", file=sys.stderr)
+    return report
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(BUNDLED_MODEL), help="An edgemoe pack (copied)")
@@ -488,12 +566,23 @@ def main():
     p.add_argument("--request-timeout", type=float, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--probe-memory", type=int, default=0, metavar="N",
+                   help="Instead of the chaos: send N of each memory-hungry bad request "
+                        "(MEMORY_PROBES) and report where the memory is after each kind")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="edgemoe-chaos-") as tmp:
         pack = Path(shutil.copytree(args.model, Path(tmp) / "pack"))
         proc, url = start_server(str(pack), *SERVER_FLAGS, tool="chaos")
         try:
+            if args.probe_memory:
+                warm_up(url, args.request_timeout)
+                time.sleep(7)  # one idle trim
+                report = probe_memory(url, proc.pid, args.probe_memory)
+                report["checks"] = {"working RSS back within 10% of its start": all(
+                    v["working_rss_mb"] <= 1.1 * report["start"]["working_rss_mb"]
+                    for v in report.values())}
+                return finish(report, args)
             chaos = Chaos(url, pack, args)
             with httpx.Client(timeout=args.request_timeout) as client:
                 for prompt in PROMPTS:  # each prompt alone, before any chaos
@@ -502,10 +591,12 @@ def main():
             warm_up(url, args.request_timeout)
             rss_before = rss_bytes(proc.pid)
             working_before = working_rss(proc.pid, url)
+            memory_before = memory(proc.pid, url)
             print(f"chaos: {args.duration:.0f} s against {url} ({args.good_clients} good "
                   f"clients; a fault every {args.fault_every:.0f} s)", file=sys.stderr)
             alive = chaos.run()
             time.sleep(3)  # let cancelled rows drain
+            memory_at_end = memory(proc.pid, url)
             settle_s = settled_rss(proc.pid, url, working_before)
             metrics = httpx.get(f"{url}/metrics", timeout=30).json()
             proc.log.seek(0)
@@ -516,7 +607,8 @@ def main():
                 **{k: chaos.counts[k] for k in ("good_correct", "good_failed_by_fault",
                                                "good_wrong", "good_hung",
                                                "good_failed_by_another", "bad_refused_4xx",
-                                               "bad_not_refused", "bad_closed_by_deadline",
+                                               "bad_not_refused", "bad_failed_by_fault",
+                                               "bad_closed_by_deadline",
                                                "5xx", "faults",
                                                "health_hung", "health_failed",
                                                "health_not_200", "bombs_refused_4xx",
@@ -533,6 +625,8 @@ def main():
                 "working_rss_before_bytes": working_before,
                 "working_rss_after_bytes": working_rss(proc.pid, url),
                 "prompt_cache_bytes_after": metrics["prompt_cache"]["bytes"],
+                "memory": {"before": memory_before, "at_end": memory_at_end,
+                           "after_settling": memory(proc.pid, url)},
                 "rows_active_after": metrics["requests"]["active"],
                 "stalled_cancelled_by_send_timeout": send_timeouts,
                 "server_requests": metrics["requests"],
@@ -544,6 +638,10 @@ def main():
         finally:
             proc.terminate()
             proc.wait(30)
+    return finish(report, args)
+
+
+def finish(report: dict, args) -> int:
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

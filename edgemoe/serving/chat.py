@@ -18,7 +18,7 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .errors import BadRequest
-from .templates import bounded_render, check_client_args
+from .templates import bounded_render, check_client_args, forget_compiled_templates
 
 log = logging.getLogger("edgemoe.server")
 
@@ -112,6 +112,9 @@ def render(tokenizer, messages: List[dict], tools: Optional[list] = None,
     except Exception as e:  # jinja's own message names what the template wanted
         raise BadRequest(f"the chat template cannot render these messages: "
                          f"{type(e).__name__}: {e}", "messages") from None
+    finally:
+        if (template_args or {}).get("chat_template") is not None:
+            forget_compiled_templates()  # what its compiled constants hold
     return tokenizer.encode(text, add_special_tokens=False)
 
 

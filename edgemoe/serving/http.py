@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from .cache_scope import cache_scope
-from .constrain import Tokens
+from .constrain import Grammar, Tokens, vetted
 from .errors import BadRequest
 from .engine import Engine
 from .job import Job
@@ -296,6 +296,8 @@ class Server:
         arrive on the returned queue."""
         if request is not None:
             job.cache_scope = cache_scope(request, self.prompt_cache_scope)
+        if isinstance(job.grammar, Grammar):
+            await vetted(job.grammar)  # its costly first mask, off the batch
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

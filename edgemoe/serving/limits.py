@@ -13,6 +13,7 @@ tokenizer's buffers for a few MB of text are hundreds of MB, and glibc keeps wha
 freed unless asked to give it back (malloc_trim)."""
 
 import ctypes
+import gc
 import sys
 import threading
 import time
@@ -32,13 +33,46 @@ def max_token_bytes(tokenizer) -> int:
                for token in tokenizer.get_vocab())
 
 
+def _glibc():
+    """glibc, where the process has it; None elsewhere (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
 def give_memory_back():
     """Return freed heap pages to the system (glibc keeps them otherwise)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # another C library (musl): nothing to ask
-            pass
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 17  # glibc's own starting value
+
+
+def pin_mmap_threshold():
+    """Keep glibc's mmap threshold where it starts (128 KB), for the server's life.
+    glibc raises it to the size of each big block freed (up to 32 MB), after which
+    blocks that size come from its heaps, where freed ones stay between live ones: a
+    grammar bomb's lexer or a 30 MB render then held its pages (16 bombs and 16 template
+    bombs kept +178 MB after malloc_trim; pinned: +3 MB). Pinned, every big block is
+    its own mapping, given back whole when freed."""
+    if (libc := _glibc()) is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def freeze_loaded_objects():
+    """Leave what exists once the model is loaded (its ~226k objects, which live as
+    long as the server) out of Python's cyclic collector: its collections then scan
+    only what requests made, so IdleTrim's takes milliseconds, not the 0.1-1 s under
+    the GIL a full one took, and run often enough to free what refused requests' cycles
+    hold (an error's traceback keeps its frames' locals, such as a 5 MB body)."""
+    gc.collect()
+    gc.freeze()
 
 
 class IdleTrim:
@@ -54,7 +88,10 @@ class IdleTrim:
         if now - self.last >= self.every_s:
             self.last = now
             # MLX keeps freed buffers (finished rows' KV caches, their logits) for reuse;
-            # idle, they go back too (on the engine thread, which owns them)
+            # idle, they go back too (on the engine thread, which owns them); so does
+            # what only a cycle holds (a refused request's traceback and the frames it
+            # keeps), which an idle process, allocating nothing, never collects
+            gc.collect()
             mx.clear_cache()
             give_memory_back()
 

@@ -6,6 +6,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, fields
 
+import mlx.core as mx
+
 from ..streaming.stats import ExpertStats
 
 log = logging.getLogger("edgemoe.server")
@@ -103,6 +105,10 @@ class Metrics:
                                  "prefill_bytes_read": prefill.bytes_read,
                                  "bytes_read_saved_estimate":
                                      round(per_token * self.cached_tokens)},
+                # what MLX holds: arrays alive, and freed buffers kept for reuse (given
+                # back when the server is idle)
+                "memory": {"mlx_active_bytes": mx.get_active_memory(),
+                           "mlx_cache_bytes": mx.get_cache_memory()},
                 "latency_s": {"count": len(lat), "p50": _pct(lat, 50), "p95": _pct(lat, 95),
                               "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95)},
                 # requests count distinct experts per layer per forward call (the union

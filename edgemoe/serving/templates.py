@@ -43,6 +43,20 @@ def check_client_args(template_args: dict):
                          "chat_template_kwargs")
 
 
+def forget_compiled_templates():
+    """Drop the templates transformers compiled (it keeps 128, each with the constants
+    Jinja folded into it when compiling: a client's `{{ 'x' * 30000000 }}` held 114 MB
+    after its request was refused, and 128 distinct ones would hold 128 times that).
+    Called after rendering a request's own template; the server's recompiles in ms."""
+    from transformers.utils import chat_template_utils
+
+    for name in ("_compile_jinja_template", "_get_template_variables",
+                 "_get_template_literal_text"):
+        if (clear := getattr(getattr(chat_template_utils, name, None), "cache_clear",
+                             None)) is not None:
+            clear()
+
+
 class _Expired(BaseException):
     """Raised inside a render past its deadline (a BaseException: no `except Exception`
     in Jinja or a template's caller swallows it)."""
@@ -87,6 +101,7 @@ def bounded_render(render: Callable[[], str], what: str = "the chat template",
         raise BadRequest(f"{what} took over {timeout_s:g} s to render; the render was "
                          f"stopped", param)
     if isinstance(text, str) and len(text) > max_chars:
-        raise BadRequest(f"{what} rendered {len(text)} characters; at most {max_chars} "
+        size, text = len(text), None  # not kept alive by the error's traceback
+        raise BadRequest(f"{what} rendered {size} characters; at most {max_chars} "
                          f"are taken", param)
     return text
