@@ -22,6 +22,9 @@ slots between rounds, as a server does between requests).
   (`graph_build_us`): the host's cost alone where the step has no host sync (a resident
   model), which the machine's other work hardly moves, unlike the two figures above.
 
+`--io direct` reads every miss from the disk (O_DIRECT): "cold"; the default reads through
+the page cache, which holds the experts after the first run: "warm".
+
 Writes DIR/bench_hotpath.json and DIR/bench_hotpath.png. A model given as an mlx-lm
 checkpoint folder (e.g. scripts/make_large_checkpoint.py's) is read in place; a pack (the
 bundled model) is unpacked to an mlx-lm checkpoint for mlx-lm first.
@@ -132,7 +135,8 @@ def run(args) -> dict:
     for routing in args.routing:
         for budget in args.budgets:
             name = budget if routing == "native" else f"{budget} {routing}"
-            models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing)
+            models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing,
+                                           io=args.io)
     layers = moe_layers(models[next(n for n in models if n != "mlx-lm")])
     counter = EvalCounter()
     runs = {name: [] for name in models}
@@ -174,7 +178,7 @@ def run(args) -> dict:
             model.expert_store.close()
     return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
             "decode_tokens": args.tokens - 1, "rounds": args.rounds,
-            "mlx_lm": base, "rows": rows,
+            "io": args.io, "mlx_lm": base, "rows": rows,
             # the machine's load average (1 min) at the start and the end: timings taken
             # beside other work are noisy; the evaluation counts are not
             "load_average": [load_before, os.getloadavg()[0]],
@@ -204,8 +208,10 @@ def plot(result: dict, png: Path, before: dict = None):
         ax.set_title(title, fontsize=9)
         if before:
             ax.legend(fontsize=8)
+    temperature = "cold" if result.get("io") == "direct" else "warm"
     fig.suptitle(f"decode hot path: {Path(result['model']).name}, {result['moe_layers']} MoE "
-                 f"layers, {result['decode_tokens']} tokens x {result['rounds']} rounds (warm)",
+                 f"layers, {result['decode_tokens']} tokens x {result['rounds']} rounds "
+                 f"({temperature})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -221,6 +227,9 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--builds", type=int, default=40, help="graphs built per round (graph_build_us)")
     p.add_argument("--out", type=Path, default=Path("runs/bench_hotpath"))
+    p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
+                   help="direct: every miss read from the disk (O_DIRECT: cold), not the "
+                        "page cache (warm)")
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")

@@ -77,11 +77,15 @@ class StreamingExperts(nn.Module):
         self.pool, self.streaming = pool, streaming  # plain objects: not children
         self.slots = pool.slots
         self.block_input = BlockInput()  # handed by its block (routing.gates.hand_input)
+        projections = []
         for name, proj in pool.module.children().items():
             proj = getattr(proj, "linear", proj)  # (a LoRASwitchLinear of streamed deltas)
             if isinstance(proj, (SwitchLinear, QuantizedSwitchLinear)):
                 setattr(self, name, ExpertProjection(pool.slots.layer.num_experts,
                                                      proj.input_dims, proj.output_dims))
+                projections.append(name)
+        # (a tuple attribute would be a child of the module: a string is not)
+        self._projections = " ".join(projections)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
@@ -150,7 +154,8 @@ class StreamingExperts(nn.Module):
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
-        deltas = [(n, c) for n, c in self.children().items() if isinstance(c, ExpertDeltas)]
+        deltas = [(n, self[n]) for n in self._projections.split()
+                  if isinstance(self.get(n), ExpertDeltas)]
         if not deltas:
             return
         experts = mx.array(np.maximum(self.slots.expert_in, 0))  # a free slot is never read
