@@ -22,6 +22,10 @@ slots between rounds, as a server does between requests).
   (`graph_build_us`): the host's cost alone where the step has no host sync (a resident
   model), which the machine's other work hardly moves, unlike the two figures above.
 
+`--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
+the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
+own work cannot blur.
+
 `--io direct` reads every miss from the disk (O_DIRECT): "cold"; the default reads through
 the page cache, which holds the experts after the first run: "warm".
 
@@ -41,6 +45,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
@@ -185,6 +190,49 @@ def run(args) -> dict:
             "command": " ".join(sys.argv)}
 
 
+def host_path(args) -> dict:
+    """The host's side of decode calls alone, no MLX graph: a real store (MLX slot memory,
+    reader threads, page cache warm after a first pass) driven by a shipped trace's decoded
+    tokens, one call per MoE layer as the streaming module makes it (the previous layer's
+    held slots released, then `run_call` holding its own). Main-thread CPU per call, us,
+    for each budget; the same hits and loads whatever the code's speed."""
+    from edgemoe.format.pack import Pack
+    from edgemoe.model.slots import MLXSlotMemory
+    from edgemoe.streaming.calls import run_call
+    from edgemoe.streaming.store import ExpertStore
+
+    pack = Pack.open(args.model)
+    trace = np.load(args.model / "traces" / "docs.npz")
+    routed = trace["routed"][trace["decode"]][:args.host_tokens]
+    rows = []
+    for budget in args.budgets:
+        store = ExpertStore(pack, budget, memory=MLXSlotMemory)
+        pools = [store.pool(i) for i in store.layer_indices]
+
+        def decode_trace():
+            held = None
+            for token in routed:
+                for pool, ids in zip(pools, token):
+                    if held is not None:
+                        held.release()
+                    run_call(pool, np.array(ids.reshape(1, 1, -1)),
+                             lambda rows, slot_ids: slot_ids.astype(np.uint32), hold=True)
+                    held = pool
+            held.release()
+
+        decode_trace()  # warm
+        before, start = store.snapshot(), time.thread_time()
+        decode_trace()
+        cpu, stats = time.thread_time() - start, store.snapshot() - before
+        calls = len(routed) * len(pools)
+        rows.append({"budget": budget, "us_per_call": 1e6 * cpu / calls,
+                     "misses_per_call": stats.loads / calls, "hits": stats.hits,
+                     "loads": stats.loads})
+        store.close()
+    return {"model": str(args.model), "tokens": len(routed), "rows": rows,
+            "load_average": os.getloadavg()[0], "command": " ".join(sys.argv)}
+
+
 def plot(result: dict, png: Path, before: dict = None):
     import matplotlib
 
@@ -230,11 +278,22 @@ def main():
     p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
                    help="direct: every miss read from the disk (O_DIRECT: cold), not the "
                         "page cache (warm)")
+    p.add_argument("--host-only", action="store_true",
+                   help="the host's side of the calls alone (a pack with traces/docs.npz): "
+                        "main-thread CPU per call, no model")
+    p.add_argument("--host-tokens", type=int, default=400)
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")
     args.routing = args.routing.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.host_only:
+        result = host_path(args)
+        (args.out / "host_path.json").write_text(json.dumps(result, indent=1))
+        for r in result["rows"]:
+            print(f"{r['budget']:>6}: {r['us_per_call']:6.1f} us a call, "
+                  f"{r['misses_per_call']:.2f} misses a call, hits {r['hits']} loads {r['loads']}")
+        return
     result = run(args)
     (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
     before = json.loads(args.before.read_text()) if args.before else None
