@@ -289,16 +289,31 @@ class LayerSlots:
         self.memory.acquire(used)
         return self.slot_of
 
-    def _use(self, slots: np.ndarray):
-        """Mark `slots` in use by the current call (the caller holds the lock)."""
+    def _use(self, slots: np.ndarray, disjoint: bool = False):
+        """Mark `slots` in use by the current call (the caller holds the lock); `disjoint`:
+        none of them is in use yet."""
         self.state[slots] = IN_USE
-        self.in_use = slots if not self.in_use.size else np.union1d(self.in_use, slots)
+        if not self.in_use.size:
+            self.in_use = slots
+        else:
+            self.in_use = np.concatenate([self.in_use, slots]) if disjoint else \
+                np.union1d(self.in_use, slots)
 
     def _ensure_plain(self, wanted: list) -> Optional[np.ndarray]:
         """`ensure` of a call in a layer with nothing in flight and no prediction or
         read-ahead to account for (the common decode step, hits and misses), in a few
         operations: the general path's bookkeeping, slots and victims. None (nothing
         done) for any other call, or when its misses find no room at once."""
+        fills = self.claim(wanted)
+        if fills is None:
+            return None
+        self.finish(fills)
+        return self.slot_of
+
+    def claim(self, wanted: list) -> Optional[list]:
+        """The first half of `ensure`'s plain path (see `_ensure_plain`): the call's hits
+        marked in use, its misses' fills started, not waited for; those fills, or None
+        (nothing done) where the plain path does not apply. `finish` waits for them."""
         fills = []
         try:
             with self.lock:
@@ -319,23 +334,29 @@ class LayerSlots:
                 touch = self.policy.touch
                 for e in wanted:
                     touch(e)
-                hits = len(wanted) - len(missing)
-                self.stats.hits += hits
-                self.stats.bytes_hit += hits * self.expert_bytes
+                n_hits = len(wanted) - len(missing)
+                self.stats.hits += n_hits
+                self.stats.bytes_hit += n_hits * self.expert_bytes
                 self.stats.bytes_used += len(wanted) * self.expert_bytes
                 self.stats.on_demand += len(missing)
                 self.on_demand += len(missing)
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
+                hits = used[hit]
+                self._use(hits)
         finally:  # (outside the lock: a fill served from a host tier ends at once)
             self._submit(fills)  # a claimed slot is always read, or it stays filling
+        self.memory.acquire(hits)
+        return fills
+
+    def finish(self, fills: list):
+        """`claim`'s fills have landed: their slots in use too."""
         if fills:
             self._wait(fills)
-            used = self.slot_of[wanted]
-        with self.lock:
-            self._use(used)
-        self.memory.acquire(used)
-        return self.slot_of
+            with self.lock:
+                used = self.slot_of[[f.expert for f in fills]]
+                self._use(used, disjoint=True)  # (slots the call's misses were given)
+            self.memory.acquire(used)
 
     def release(self):
         with self.lock:
