@@ -22,6 +22,13 @@ slots between rounds, as a server does between requests).
   (`graph_build_us`): the host's cost alone where the step has no host sync (a resident
   model), which the machine's other work hardly moves, unlike the two figures above.
 
+`--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
+the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
+own work cannot blur.
+
+`--io direct` reads every miss from the disk (O_DIRECT): "cold"; the default reads through
+the page cache, which holds the experts after the first run: "warm".
+
 Writes DIR/bench_hotpath.json and DIR/bench_hotpath.png. A model given as an mlx-lm
 checkpoint folder (e.g. scripts/make_large_checkpoint.py's) is read in place; a pack (the
 bundled model) is unpacked to an mlx-lm checkpoint for mlx-lm first.
@@ -38,6 +45,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
@@ -132,7 +140,8 @@ def run(args) -> dict:
     for routing in args.routing:
         for budget in args.budgets:
             name = budget if routing == "native" else f"{budget} {routing}"
-            models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing)
+            models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing,
+                                           io=args.io)
     layers = moe_layers(models[next(n for n in models if n != "mlx-lm")])
     counter = EvalCounter()
     runs = {name: [] for name in models}
@@ -174,11 +183,54 @@ def run(args) -> dict:
             model.expert_store.close()
     return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
             "decode_tokens": args.tokens - 1, "rounds": args.rounds,
-            "mlx_lm": base, "rows": rows,
+            "io": args.io, "mlx_lm": base, "rows": rows,
             # the machine's load average (1 min) at the start and the end: timings taken
             # beside other work are noisy; the evaluation counts are not
             "load_average": [load_before, os.getloadavg()[0]],
             "command": " ".join(sys.argv)}
+
+
+def host_path(args) -> dict:
+    """The host's side of decode calls alone, no MLX graph: a real store (MLX slot memory,
+    reader threads, page cache warm after a first pass) driven by a shipped trace's decoded
+    tokens, one call per MoE layer as the streaming module makes it (the previous layer's
+    held slots released, then `run_call` holding its own). Main-thread CPU per call, us,
+    for each budget; the same hits and loads whatever the code's speed."""
+    from edgemoe.format.pack import Pack
+    from edgemoe.model.slots import MLXSlotMemory
+    from edgemoe.streaming.calls import run_call
+    from edgemoe.streaming.store import ExpertStore
+
+    pack = Pack.open(args.model)
+    trace = np.load(args.model / "traces" / "docs.npz")
+    routed = trace["routed"][trace["decode"]][:args.host_tokens]
+    rows = []
+    for budget in args.budgets:
+        store = ExpertStore(pack, budget, memory=MLXSlotMemory)
+        pools = [store.pool(i) for i in store.layer_indices]
+
+        def decode_trace():
+            held = None
+            for token in routed:
+                for pool, ids in zip(pools, token):
+                    if held is not None:
+                        held.release()
+                    run_call(pool, np.array(ids.reshape(1, 1, -1)),
+                             lambda rows, slot_ids: slot_ids.astype(np.uint32), hold=True)
+                    held = pool
+            held.release()
+
+        decode_trace()  # warm
+        before, start = store.snapshot(), time.thread_time()
+        decode_trace()
+        cpu, stats = time.thread_time() - start, store.snapshot() - before
+        calls = len(routed) * len(pools)
+        rows.append({"budget": budget, "us_per_call": 1e6 * cpu / calls,
+                     "misses_per_call": stats.loads / calls, "hits": stats.hits,
+                     "loads": stats.loads})
+        store.close()
+    return {"model": str(args.model), "tokens": len(routed), "rows": rows,
+            "load_average": os.getloadavg()[0], "command": " ".join(sys.argv)}
 
 
 def plot(result: dict, png: Path, before: dict = None):
@@ -204,8 +256,10 @@ def plot(result: dict, png: Path, before: dict = None):
         ax.set_title(title, fontsize=9)
         if before:
             ax.legend(fontsize=8)
+    temperature = "cold" if result.get("io") == "direct" else "warm"
     fig.suptitle(f"decode hot path: {Path(result['model']).name}, {result['moe_layers']} MoE "
-                 f"layers, {result['decode_tokens']} tokens x {result['rounds']} rounds (warm)",
+                 f"layers, {result['decode_tokens']} tokens x {result['rounds']} rounds "
+                 f"({temperature})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -221,11 +275,25 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--builds", type=int, default=40, help="graphs built per round (graph_build_us)")
     p.add_argument("--out", type=Path, default=Path("runs/bench_hotpath"))
+    p.add_argument("--io", default="buffered", choices=("buffered", "direct"),
+                   help="direct: every miss read from the disk (O_DIRECT: cold), not the "
+                        "page cache (warm)")
+    p.add_argument("--host-only", action="store_true",
+                   help="the host's side of the calls alone (a pack with traces/docs.npz): "
+                        "main-thread CPU per call, no model")
+    p.add_argument("--host-tokens", type=int, default=400)
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")
     args.routing = args.routing.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.host_only:
+        result = host_path(args)
+        (args.out / "host_path.json").write_text(json.dumps(result, indent=1))
+        for r in result["rows"]:
+            print(f"{r['budget']:>6}: {r['us_per_call']:6.1f} us a call, "
+                  f"{r['misses_per_call']:.2f} misses a call, hits {r['hits']} loads {r['loads']}")
+        return
     result = run(args)
     (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
     before = json.loads(args.before.read_text()) if args.before else None

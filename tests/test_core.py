@@ -5,6 +5,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -174,8 +175,9 @@ class WaitingReader:
 
     def submit(self, fills):
         self.reader.submit(fills)
-        for f in fills:
-            f.done.wait()
+        for f in fills:  # (a pool's fills carry no Event: they end by `ended`)
+            while not f.ended:
+                time.sleep(0.0005)
 
     def __getattr__(self, name):
         return getattr(self.reader, name)

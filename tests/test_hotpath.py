@@ -176,3 +176,25 @@ def test_a_resident_layers_hits_are_counted_whether_or_not_its_tallies_were_comp
             hits.append((store.snapshot() - before).hits)
     assert hits[0] == hits[1] > 8 * TOKENS * LAYERS
     store.close()
+
+
+def test_hits_first_gives_mlx_lms_logits_with_one_evaluation_started_per_missing_layer(
+        reference, monkeypatch):
+    """Hits first (#50 item 3; off by default): at the minimum budget (misses at nearly every
+    call) a call's hits are started while its misses are read, then the misses; the rows
+    go back in mlx-lm's order, so the logits are mlx-lm's, and a layer that misses adds
+    one evaluation started (`async_eval`), never a wait."""
+    from edgemoe.model import experts
+
+    monkeypatch.setattr(experts, "HITS_FIRST", True)
+    ref, prompt = reference
+    expected = forced_logits(ref, prompt[:16])
+    model, _ = edgemoe.load(BUNDLED, expert_budget=minimum_bytes(Pack.open(BUNDLED)))
+    counter = EvalCounter()
+    with counter.installed():
+        found = forced_logits(model, prompt[:16])
+        mx.eval(found)
+    assert mx.array_equal(found, expected).item()
+    per_token = counter.count / 16
+    assert LAYERS + 1 < per_token <= 2 * LAYERS + 1  # (the hits of most layers started)
+    model.expert_store.close()

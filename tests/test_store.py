@@ -163,8 +163,7 @@ def test_counters_by_value_at_the_minimum_budget(packs):
     pool.ensure(np.array([1, 2]))  # 1 hit; 2 evicts 0
     pool.release()
     pool.prefetch(np.array([3]))  # evicts 2 (used less than 1), read ahead
-    for fill in list(pool.fills.values()):
-        assert fill.done.wait(5)
+    pool._wait(list(pool.fills.values()))
     pool.ensure(np.array([1, 3]))  # 2 hits: 3 was prefetched
     pool.release()
     gate = threading.Event()
@@ -191,8 +190,7 @@ def test_a_batchs_prediction_reads_each_expert_once(packs):
     layer = pack.layers[1]
     store.prefetch(layer.index, np.array([[3, 1], [1, 3], [2, 3]], dtype=np.uint32), 1)
     pool = store.pool(layer.index)
-    for fill in list(pool.fills.values()):
-        assert fill.done.wait(5)
+    pool._wait(list(pool.fills.values()))
     assert store.snapshot().prefetches == 3 and sorted(pool.prefetched) == [1, 2, 3]
     assert pool.next_prediction == {1, 2, 3}
 
@@ -209,8 +207,7 @@ def test_a_pass_reads_the_next_one_ahead_into_the_free_half(packs):
     in_use = set(slot_of[[0, 1]].tolist())
     pool.read_ahead(np.array([2, 3]))
     assert set(pool.slot_of[[2, 3]].tolist()).isdisjoint(in_use)  # never a slot in use
-    for fill in list(pool.fills.values()):
-        assert fill.done.wait(5)
+    pool._wait(list(pool.fills.values()))
     pool.release()
     pool.ensure(np.array([2, 3]), new_call=False)
     pool.release()

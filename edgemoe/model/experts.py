@@ -23,7 +23,13 @@ from ..routing.gates import BlockInput
 from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
-from .hostsync import QueuedReads, wait
+from .hostsync import QueuedReads, start, wait
+
+# A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
+# misses are read, then the misses (#50 item 3). Off: on this CPU backend the reads of a warm
+# page cache are shorter than the extra evaluation costs the host; a forecast for a Mac
+# (edgemoe.twin) must show it pays before it is turned on there.
+HITS_FIRST = False
 
 
 @dataclass
@@ -80,11 +86,15 @@ class StreamingExperts(nn.Module):
         self.pool, self.streaming = pool, streaming  # plain objects: not children
         self.slots = pool.slots
         self.block_input = BlockInput()  # handed by its block (routing.gates.hand_input)
+        projections = []
         for name, proj in pool.module.children().items():
             proj = getattr(proj, "linear", proj)  # (a LoRASwitchLinear of streamed deltas)
             if isinstance(proj, (SwitchLinear, QuantizedSwitchLinear)):
                 setattr(self, name, ExpertProjection(pool.slots.layer.num_experts,
                                                      proj.input_dims, proj.output_dims))
+                projections.append(name)
+        # (a tuple attribute would be a child of the module: a string is not)
+        self._projections = " ".join(projections)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         layer = self.slots.layer.index
@@ -127,6 +137,10 @@ class StreamingExperts(nn.Module):
             self.slots.stats.host_syncs += 1
             return out
 
+        if HITS_FIRST and share is None and routing is None:
+            out = self._hits_first(x, ids)
+            if out is not None:
+                return out
         if share is not None:
             mine = np.flatnonzero(self.slots.owned[ids].reshape(-1))  # this host's rows
             parts = run_call(self.slots, ids, compute, routed, rows=mine)
@@ -138,6 +152,45 @@ class StreamingExperts(nn.Module):
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
+
+    def _hits_first(self, x: mx.array, ids: np.ndarray) -> Optional[mx.array]:
+        """A decode call whose experts fit the slots, on the plain path (`LayerSlots.claim`):
+        the rows of its hits start computing (`start`: no wait) while its misses are read,
+        then the rows of its misses; the outputs go back in mlx-lm's (token, k) order, so the
+        block's weighted sum is mlx-lm's, bit for bit (each row is its own `gather_qmm`
+        product, as in the passes of `run_call`). None (nothing done) for any other call."""
+        flat = ids.reshape(-1)
+        wanted = sorted(set(flat.tolist()))
+        if len(wanted) > self.slots.num_slots or self.slots.trace is not None:
+            return None
+        fills = self.slots.claim(wanted)
+        if fills is None:
+            return None
+        self._bind_deltas()
+        if not fills:  # every expert in a slot: one pass, as run_call's
+            out = self.pool.module(x, mx.array(self.slots.slot_of[ids].astype(np.uint32)))
+            self.streaming.queued.hold(self.slots, out)
+            return out
+        try:
+            missed = np.isin(flat, [f.expert for f in fills])
+            tokens, k = x.reshape(-1, x.shape[-1]), ids.shape[-1]
+
+            def rows_out(rows):
+                slot_ids = self.slots.slot_of[flat[rows]].astype(np.uint32)[:, None]
+                return self.pool.module(tokens[mx.array(rows // k)], mx.array(slot_ids))[:, 0]
+
+            hit_rows, miss_rows = np.flatnonzero(~missed), np.flatnonzero(missed)
+            parts = [rows_out(hit_rows)] if hit_rows.size else []
+            start(*parts)
+            self.slots.finish(fills)
+            parts.append(rows_out(miss_rows))
+        except BaseException:
+            self.slots.release()
+            raise
+        order = np.argsort(np.concatenate([hit_rows, miss_rows]))
+        out = mx.concatenate(parts)[mx.array(order)].reshape(*ids.shape, -1)
+        self.streaming.queued.hold(self.slots, out)
+        return out
 
     def _resident_call(self, x: mx.array, indices: mx.array) -> mx.array:
         """Every expert of the layer is in a slot: the router's ids become slot ids on the
@@ -153,7 +206,8 @@ class StreamingExperts(nn.Module):
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
-        deltas = [(n, c) for n, c in self.children().items() if isinstance(c, ExpertDeltas)]
+        deltas = [(n, self[n]) for n in self._projections.split()
+                  if isinstance(self.get(n), ExpertDeltas)]
         if not deltas:
             return
         experts = mx.array(np.maximum(self.slots.expert_in, 0))  # a free slot is never read

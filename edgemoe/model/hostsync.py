@@ -25,6 +25,12 @@ def wait(*arrays) -> None:
     mx.eval(*arrays)
 
 
+def start(*arrays) -> None:
+    """Start evaluating `arrays` without waiting (nothing: none)."""
+    if arrays:
+        mx.async_eval(*arrays)
+
+
 class QueuedReads:
     """A model's queued device work that the host must settle before reusing memory or
     reporting counts:

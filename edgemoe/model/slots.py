@@ -26,9 +26,13 @@ class MLXSlotMemory(UnorderedMemory):
         for t in layer.tensors:
             self.arrays[t.name], self._rows[t.name] = _slot_array(num_slots, t.shape, t.dtype)
         self._names = [t.name for t in layer.tensors]
+        self._slot_rows = [None] * num_slots  # each slot's rows, made at its first fill
 
     def rows(self, slot: int):
-        return [self._rows[name][slot] for name in self._names]
+        rows = self._slot_rows[slot]
+        if rows is None:
+            rows = self._slot_rows[slot] = [self._rows[name][slot] for name in self._names]
+        return rows
 
 
 def _slot_array(num_slots: int, shape, dtype: str):

@@ -52,6 +52,11 @@ class Recency:
         the store knows: the same choice without a list of every other expert."""
         return next((e for e in self._order if e in candidates), None)
 
+    def rank(self, candidates) -> list:
+        """`candidates` (resident experts) in the order `victim_among` would give them up
+        one after another (the first first), none touched meanwhile."""
+        return sorted(candidates, key=self._last.__getitem__)
+
 
 class LFUPolicy(Recency):
     """Evict the expert used least often since the start; ties go to the least recent.
@@ -63,10 +68,16 @@ class LFUPolicy(Recency):
     def __init__(self):
         super().__init__()
         self._uses = {}
+        self._key = {}  # expert -> its rank as a victim: uses, then last touch, in one int
 
     def touch(self, expert: int):
-        super().touch(expert)
-        self._uses[expert] = self._uses.get(expert, 0) + 1
+        # Recency.touch, inline: called for every expert of every call
+        self._order[expert] = None
+        self._order.move_to_end(expert)
+        self._clock = clock = self._clock + 1
+        self._last[expert] = clock
+        uses = self._uses[expert] = self._uses.get(expert, 0) + 1
+        self._key[expert] = uses << 40 | clock  # (a clock below 2**40 touches)
 
     def victim(self, pinned: Iterable[int]) -> Optional[int]:
         pinned = set(pinned)
@@ -74,8 +85,10 @@ class LFUPolicy(Recency):
         return min(candidates, key=self._uses.__getitem__, default=None)
 
     def victim_among(self, candidates) -> Optional[int]:
-        return min((e for e in self._order if e in candidates), key=self._uses.__getitem__,
-                   default=None)
+        return min(candidates, key=self._key.__getitem__, default=None)
+
+    def rank(self, candidates) -> list:
+        return sorted(candidates, key=self._key.__getitem__)
 
     def heat(self, expert: int):
         return self._uses.get(expert, 0), self._last.get(expert, 0)

@@ -54,16 +54,19 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
     `rows`: only these flat entries (a host's own), always computed by rows.
     `hold`: a call of one pass (its part's rows None) returns with its slots still in use.
     """
-    slots.record_routing(ids)
+    if slots.trace is not None:
+        slots.record_routing(ids)
     flat = ids.reshape(-1)
     chosen = flat if rows is None else flat[rows]
-    # (sorted distinct ids: a set, not np.unique, for the few ids of a decode step)
-    distinct = np.array(sorted(set(chosen.tolist())), dtype=chosen.dtype)
-    if len(distinct) > slots.num_slots:  # (a verify window or a prefill over a small pool)
+    # (sorted distinct ids: a set, not np.unique, for the few ids of a decode step; a list
+    # where they fit the pool, as `ensure` takes them)
+    groups = [sorted(set(chosen.tolist()))]
+    if len(groups[0]) > slots.num_slots:  # (a verify window or a prefill over a small pool)
+        distinct = np.array(groups[0], dtype=chosen.dtype)
         # the experts already in slots go first, so no pass evicts one a later pass uses
         # (outputs are per entry, so the order of passes changes no bit)
         distinct = distinct[np.argsort(slots.slot_of[distinct] < 0, kind="stable")]
-    groups = passes(distinct, slots.num_slots)
+        groups = passes(distinct, slots.num_slots)
     results = []
     held = hold and len(groups) == 1 and rows is None
     for i, group in enumerate(groups):

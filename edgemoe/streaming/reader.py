@@ -41,7 +41,10 @@ F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3
 
 @dataclass
 class Fill:
-    """One expert being read into one slot. `done` is set on success and on error.
+    """One expert being read into one slot. `done` (None: not kept) is set on success and
+    on error, by `on_done`; `ended`, the same without allocating an Event per fill, is
+    for `on_done` to set too (edgemoe.streaming.slots); `reported` once the reader has
+    called `on_done`.
 
     `before_read(slot)`, if given, runs on the reader thread before `buffers` are
     written: a device backend waits there until a buffer's previous copy has finished.
@@ -53,8 +56,10 @@ class Fill:
     record: object
     buffers: List[np.ndarray]
     on_done: Callable[["Fill", int, Optional[Exception]], None]
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Optional[threading.Event] = field(default_factory=threading.Event)
     error: Optional[Exception] = None
+    ended: bool = False
+    reported: bool = False
     before_read: Optional[Callable[[int], None]] = None
     # a record of several segments (in place; or with deltas): the slices still to land,
     # the first failure, set once before_read has run
@@ -182,7 +187,7 @@ class Reader:
                 f.begun = True
         for f in run:
             if f.cancelled:
-                f.on_done(f, 0, CANCELLED)
+                _report(f, 0, CANCELLED)
         if len(live) == len(run):
             return [run] if run else []
         runs: List[List[Fill]] = []
@@ -228,8 +233,8 @@ class Reader:
                 self._read_buffered(run)
         except Exception as e:  # every fill of the run fails with a clear error
             for f in run:
-                if not f.done.is_set():
-                    f.on_done(f, 0, _describe(self.pack, f, e))
+                if not f.reported:
+                    _report(f, 0, _describe(self.pack, f, e))
         return staging
 
     def _read_buffered(self, run: List[Fill]):
@@ -298,7 +303,7 @@ class Reader:
             last = f.pending == 0
         if last:
             if f.failed is not None:
-                f.on_done(f, 0, f.failed)
+                _report(f, 0, f.failed)
             else:
                 self._finish(f)
         return staging
@@ -333,12 +338,12 @@ class Reader:
                 found = zlib.crc32(b, found)
             self._verified(tic)
             if found != crc:
-                f.on_done(f, 0, PackError(
+                _report(f, 0, PackError(
                     f"{self.pack.files[f.record.segments[0][0]]}: layer {f.layer_index} "
                     f"expert {f.expert}: "
                     f"checksum mismatch (expected {crc:08x}, found {found:08x})"))
                 return
-        f.on_done(f, f.record.length, None)
+        _report(f, f.record.length, None)
 
     @property
     def busy_s(self) -> float:
@@ -380,6 +385,12 @@ class Reader:
     def _verified(self, since: float):
         with self.lock:
             self._verify_s += self.clock() - since
+
+
+def _report(f: Fill, nbytes: int, error: Optional[Exception]):
+    """The fill has ended: tell its `on_done`."""
+    f.reported = True
+    f.on_done(f, nbytes, error)
 
 
 def _segment_buffers(f: Fill, index: int) -> List[np.ndarray]:

@@ -143,6 +143,13 @@ class LayerSlots:
                  reader, stats: ExpertStats, lock: threading.Lock):
         self.layer, self.num_slots, self.policy = layer, num_slots, policy
         self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
+        self.expert_bytes = layer.expert_bytes  # (a sum over the tensors: asked per call)
+        # a fill's end is told to waiters here (no Event allocated per fill)
+        self.filled = threading.Condition(lock)
+        # the policy's ranking of a call's victims, where it is its `victim_among`'s
+        self.rank_victims = _defined_with(policy, "rank", "victim_among") \
+            if _victim_among(policy) is not None else None
+        self.in_use = np.zeros(0, dtype=np.int64)  # the slots the current call uses
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
         self.owned = layer.owned  # all experts, or one host's share (edgemoe.distributed)
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
@@ -197,20 +204,23 @@ class LayerSlots:
         device, settled later: edgemoe.model.hostsync)."""
         with self.lock:
             self.stats.hits += requested
-            self.stats.bytes_hit += requested * self.layer.expert_bytes
-            self.stats.bytes_used += requested * self.layer.expert_bytes
+            self.stats.bytes_hit += requested * self.expert_bytes
+            self.stats.bytes_used += requested * self.expert_bytes
 
     def record_routing(self, ids: np.ndarray):
         """One call's routing, (..., k) expert ids, for the trace if one is recording."""
         if self.trace is not None:
             self.trace.record(self.layer.index, ids)
 
-    def ensure(self, experts: np.ndarray, new_call: bool = True) -> np.ndarray:
-        """`new_call=False` for the later passes of one call (more experts than slots)."""
-        wanted = experts.tolist()
+    def ensure(self, experts, new_call: bool = True) -> np.ndarray:
+        """`experts`: distinct, sorted (an array or a list). `new_call=False` for the later
+        passes of one call (more experts than slots)."""
+        wanted = experts.tolist() if isinstance(experts, np.ndarray) else experts
         assert len(wanted) <= self.num_slots
-        if new_call and self._all_hits(wanted):
-            return self.slot_of
+        if new_call:
+            slot_of = self._ensure_plain(wanted)
+            if slot_of is not None:
+                return slot_of
         waits, missing = [], []
         with self.lock:
             if new_call:
@@ -229,7 +239,7 @@ class LayerSlots:
                     self.evicted_for_prefetch.discard(e)
                     if slot < 0:  # a prefetch took its slot, and now it is needed
                         self.stats.prefetch_evicted_needed += 1
-                        self.wasted_bytes += self.layer.expert_bytes
+                        self.wasted_bytes += self.expert_bytes
                 staged = e in self.staged  # read for this call by read_ahead: not a hit
                 self.staged.discard(e)
                 if staged and slot >= 0:
@@ -239,7 +249,7 @@ class LayerSlots:
                         waits.append(self.fills[e])
                 elif slot >= 0 and self.state[slot] in (READY, IN_USE):
                     self.stats.hits += 1
-                    self.stats.bytes_hit += self.layer.expert_bytes
+                    self.stats.bytes_hit += self.expert_bytes
                 elif slot >= 0:
                     self.stats.late_fills += 1
                     waits.append(self.fills[e])
@@ -247,7 +257,7 @@ class LayerSlots:
                     missing.append(e)
                 self.policy.touch(e)
             self.stats.on_demand += len(missing)
-            self.stats.bytes_used += len(wanted) * self.layer.expert_bytes
+            self.stats.bytes_used += len(wanted) * self.expert_bytes
             self.on_demand += len(missing)
         while missing:
             new, in_flight, stuck = [], [], False
@@ -274,38 +284,83 @@ class LayerSlots:
                 self._wait(in_flight[:1], raise_errors=False)
         self._wait(waits)
         with self.lock:
-            used = self.slot_of[experts]
-            self.state[used] = IN_USE
+            used = self.slot_of[wanted]
+            self._use(used)
         self.memory.acquire(used)
         return self.slot_of
 
-    def _all_hits(self, wanted: list) -> bool:
-        """A call whose experts are all ready, in a layer with no prediction or read-ahead
-        to account for: `ensure`'s bookkeeping for it alone, in a few operations (the
-        common decode step). False (nothing done) for any other call."""
-        with self.lock:
-            if (self.pending_prediction is not None or self.next_prediction is not None
-                    or self.prefetched or self.evicted_for_prefetch or self.staged):
-                return False
-            used = self.slot_of[wanted]
-            if (used < 0).any() or (self.state[used] == FILLING).any():
-                return False
-            self.bytes_read *= WASTE_DECAY
-            self.wasted_bytes *= WASTE_DECAY
-            self.last_call = set(wanted)
-            for e in wanted:
-                self.policy.touch(e)
-            n = len(wanted)
-            self.stats.hits += n
-            self.stats.bytes_hit += n * self.layer.expert_bytes
-            self.stats.bytes_used += n * self.layer.expert_bytes
-            self.state[used] = IN_USE
-        self.memory.acquire(used)
-        return True
+    def _use(self, slots: np.ndarray, disjoint: bool = False):
+        """Mark `slots` in use by the current call (the caller holds the lock); `disjoint`:
+        none of them is in use yet."""
+        self.state[slots] = IN_USE
+        if not self.in_use.size:
+            self.in_use = slots
+        else:
+            self.in_use = np.concatenate([self.in_use, slots]) if disjoint else \
+                np.union1d(self.in_use, slots)
+
+    def _ensure_plain(self, wanted: list) -> Optional[np.ndarray]:
+        """`ensure` of a call in a layer with nothing in flight and no prediction or
+        read-ahead to account for (the common decode step, hits and misses), in a few
+        operations: the general path's bookkeeping, slots and victims. None (nothing
+        done) for any other call, or when its misses find no room at once."""
+        fills = self.claim(wanted)
+        if fills is None:
+            return None
+        self.finish(fills)
+        return self.slot_of
+
+    def claim(self, wanted: list) -> Optional[list]:
+        """The first half of `ensure`'s plain path (see `_ensure_plain`): the call's hits
+        marked in use, its misses' fills started, not waited for; those fills, or None
+        (nothing done) where the plain path does not apply. `finish` waits for them."""
+        fills = []
+        try:
+            with self.lock:
+                if (self.fills or self.cancelled or self.pending_prediction is not None
+                        or self.next_prediction is not None or self.prefetched
+                        or self.evicted_for_prefetch or self.staged):
+                    return None
+                used = self.slot_of[wanted]
+                hit = used >= 0  # (nothing in flight: a slot that holds an expert is ready)
+                missing = [] if hit.all() else [e for e, h in zip(wanted, hit.tolist())
+                                                if not h]
+                room = _Room(self, wanted) if missing else None
+                if missing and not room.fits_all(missing):
+                    return None  # slots held by queued compute: the general path settles it
+                self.bytes_read *= WASTE_DECAY
+                self.wasted_bytes *= WASTE_DECAY
+                self.last_call = set(wanted)
+                touch = self.policy.touch
+                for e in wanted:
+                    touch(e)
+                n_hits = len(wanted) - len(missing)
+                self.stats.hits += n_hits
+                self.stats.bytes_hit += n_hits * self.expert_bytes
+                self.stats.bytes_used += len(wanted) * self.expert_bytes
+                self.stats.on_demand += len(missing)
+                self.on_demand += len(missing)
+                for e in reversed(missing):  # (as the general path: the last first)
+                    fills.append(self._start_fill(e, pinned=wanted, room=room))
+                hits = used[hit]
+                self._use(hits)
+        finally:  # (outside the lock: a fill served from a host tier ends at once)
+            self._submit(fills)  # a claimed slot is always read, or it stays filling
+        self.memory.acquire(hits)
+        return fills
+
+    def finish(self, fills: list):
+        """`claim`'s fills have landed: their slots in use too."""
+        if fills:
+            self._wait(fills)
+            with self.lock:
+                used = self.slot_of[[f.expert for f in fills]]
+                self._use(used, disjoint=True)  # (slots the call's misses were given)
+            self.memory.acquire(used)
 
     def release(self):
         with self.lock:
-            used = np.flatnonzero(self.state == IN_USE)
+            used, self.in_use = self.in_use, self.in_use[:0]
             # under the lock: no fill can claim these slots before their release is known
             self.memory.release(used)
             self.state[used] = READY
@@ -314,7 +369,8 @@ class LayerSlots:
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
             if self.gated and not self.earned:  # (an untrusted prediction is only scored)
                 missing = []
-            if self.read_whole and not self._resident and self.num_slots >= self.layer.num_experts:
+            if self.read_whole and self.num_slots >= self.layer.num_experts \
+                    and not self._resident:
                 # a slot for every expert: hold them all, as mlx-lm does, so that the
                 # layer turns resident and its calls need no routing on the host
                 missing = [e for e in np.flatnonzero(self.slot_of < 0).tolist()
@@ -411,36 +467,36 @@ class LayerSlots:
             self.stats.prefetch_cancelled += 1
 
     def _wait(self, fills, raise_errors=True):
+        """Until `fills` have ended (`_filled` tells `self.filled`); their first error."""
+        if not fills:
+            return
         tic = time.perf_counter()
-        try:
-            for f in fills:
-                while not f.done.wait(WAIT_POLL_S):
-                    if not self.reader.alive():
-                        raise RuntimeError("edgemoe: the expert reader thread died")
-                    waited = time.perf_counter() - tic
-                    if self.read_timeout_s is not None and waited > self.read_timeout_s:
-                        raise PackError(
-                            f"layer {self.layer.index} expert {f.expert}: the read did not "
-                            f"finish within {self.read_timeout_s:g} s (--read-timeout); "
-                            f"the disk may be stuck")
-        finally:
-            if fills:
-                with self.lock:
-                    self.stats.blocked_s += time.perf_counter() - tic
+        with self.lock:
+            try:
+                for f in fills:
+                    while not f.ended:
+                        if self.filled.wait(WAIT_POLL_S) or f.ended:
+                            continue
+                        if not self.reader.alive():
+                            raise RuntimeError("edgemoe: the expert reader thread died")
+                        waited = time.perf_counter() - tic
+                        if self.read_timeout_s is not None and waited > self.read_timeout_s:
+                            raise PackError(
+                                f"layer {self.layer.index} expert {f.expert}: the read did "
+                                f"not finish within {self.read_timeout_s:g} s "
+                                f"(--read-timeout); the disk may be stuck")
+            finally:
+                self.stats.blocked_s += time.perf_counter() - tic
         for f in fills:
             if f.error is not None and raise_errors:
                 raise f.error
 
-    def _evictable(self, pinned) -> np.ndarray:
-        """The experts in ready slots, neither pinned nor being read, in slot order (a
-        ready slot always holds an expert): array operations, as this runs for each miss."""
-        ready = self.expert_in[self.state == READY]
-        if not ready.size:
-            return ready
-        busy = np.zeros(len(self.slot_of), dtype=bool)
-        busy[list(pinned)] = True
-        busy[list(self.fills)] = True
-        return ready[~busy[ready]]
+    def _evictable(self, pinned) -> set:
+        """The experts in ready slots, neither pinned nor being read (a ready slot always
+        holds an expert): one array operation and a set difference, as this runs for each
+        call that misses."""
+        return set(self.expert_in[self.state == READY].tolist()).difference(pinned,
+                                                                             self.fills)
 
     def _worth_a_slot(self, expert: int, pinned) -> bool:
         """Whether a guess may have a slot: a free one, or the policy's victim's if the
@@ -454,7 +510,7 @@ class LayerSlots:
         """The resident, unpinned, settled expert the policy gives up next (`candidates`:
         those experts, when the caller has them)."""
         if candidates is None:
-            candidates = set(self._evictable(pinned).tolist())
+            candidates = self._evictable(pinned)
         among = _victim_among(self.policy)
         if among is not None:
             victim = among(candidates)
@@ -467,7 +523,7 @@ class LayerSlots:
         return victim
 
     def _has_room(self, pinned, expert: int) -> bool:
-        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned).size)
+        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned))
         return slot_free and self.memory.has_room(expert)
 
     def _submit(self, fills: List[Fill]):
@@ -491,17 +547,15 @@ class LayerSlots:
         if free:
             slot = free.pop(0)
         else:
-            victim = self._victim(pinned, None if room is None else room.candidates)
-            if room is not None:
-                room.candidates.discard(victim)
+            victim = self._victim(pinned) if room is None else room.victim(self, pinned)
             slot = int(self.slot_of[victim])
             self.slot_of[victim] = -1
             self.policy.forget(victim)
             self.stats.evictions += 1
             if victim in self.prefetched:  # read ahead and never used
                 self.prefetched.discard(victim)
-                self.stats.prefetch_wasted_bytes += self.layer.expert_bytes
-                self.wasted_bytes += self.layer.expert_bytes
+                self.stats.prefetch_wasted_bytes += self.expert_bytes
+                self.wasted_bytes += self.expert_bytes
             if prefetch:
                 self.evicted_for_prefetch.add(victim)
         self.slot_of[expert] = slot
@@ -511,7 +565,7 @@ class LayerSlots:
         if buffers is None:  # in the host tier: a copy, no read (see _submit)
             self.stats.host_hits += 1
         fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
-                    buffers, self._filled, before_read=self.memory.before_read)
+                    buffers, self._filled, done=None, before_read=self.memory.before_read)
         self.fills[expert] = fill
         self.policy.touch(expert)
         self.stats.loads += 1
@@ -530,7 +584,8 @@ class LayerSlots:
             if fill.cancelled:  # detached when cancelled (_cancel_stale): the slot is free
                 self.cancelled.remove(fill)
                 self.state[fill.slot] = FREE
-                fill.done.set()
+                fill.ended = True
+                self.filled.notify_all()
                 return
             self.fills.pop(fill.expert, None)
             if error is None:
@@ -543,27 +598,54 @@ class LayerSlots:
                 self.state[fill.slot] = FREE
                 self.policy.forget(fill.expert)
                 fill.error = error
-        fill.done.set()
+            fill.ended = True
+            self.filled.notify_all()
 
 
 class _Room:
     """Where a call's misses can go: the pool's free slots (lowest first) and its evictable
     experts, found once under the lock and kept as the call's fills claim them (nothing
-    else changes them while the lock is held), so that a miss costs no scan of the slots."""
+    else changes them while the lock is held), so that a miss costs no scan of the slots.
+    The policy ranks the evictable experts once, where it can (`rank`): a call's touches
+    are of its own experts, never evictable, so the ranking holds for the whole call."""
 
     def __init__(self, pool: LayerSlots, pinned):
-        self.memory = pool.memory
+        self.memory, self.policy, self.rank = pool.memory, pool.policy, pool.rank_victims
         self.free = np.flatnonzero(pool.state == FREE).tolist()
-        self.candidates = set(pool._evictable(pinned).tolist())
+        self.candidates = pool._evictable(pinned)
+        self._ranked: Optional[list] = None
 
     def fits(self, expert: int) -> bool:
         """As `LayerSlots._has_room`."""
         return bool(self.free or self.candidates) and self.memory.has_room(expert)
 
+    def fits_all(self, experts: list) -> bool:
+        """Every one of `experts` finds a slot (as `fits`, one after another)."""
+        return len(self.free) + len(self.candidates) >= len(experts) \
+            and all(self.memory.has_room(e) for e in experts)
+
+    def victim(self, pool: LayerSlots, pinned) -> int:
+        """The policy's choice among the candidates (then no longer one)."""
+        rank = self.rank
+        if rank is None:
+            victim = pool._victim(pinned, self.candidates)
+        else:
+            if self._ranked is None:
+                self._ranked = rank(self.candidates)[::-1]  # the first victim last
+            victim = self._ranked.pop()
+        self.candidates.discard(victim)
+        return victim
+
 
 def _victim_among(policy):
     """The policy's `victim_among`, where the class that defines its `victim` defines it
     too (a subclass that changes `victim` alone is asked by `victim`); else None."""
-    owner = next((c for c in type(policy).__mro__ if "victim" in c.__dict__), None)
-    return policy.victim_among if owner is not None and "victim_among" in owner.__dict__ \
-        else None
+    return _defined_with(policy, "victim_among", "victim")
+
+
+def _defined_with(policy, name: str, owner_of: str):
+    """The policy's method `name` where the class that defines its `owner_of` defines it
+    too (a shortcut that a subclass changing `owner_of` alone would make wrong); else
+    None."""
+    owner = next((c for c in type(policy).__mro__ if owner_of in c.__dict__), None)
+    return getattr(policy, name) if owner is not None and name in owner.__dict__ else None
