@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .model.experts import streaming_of
 from .options import StreamOptions, number
 
@@ -38,9 +38,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=number(int, 1), default=64)
     p.add_argument("--quantized-kv-start", type=number(int, 0),
                    default=DEFAULT_QUANTIZED_KV_START)
-    add_debug_flag(p)
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
-    return arrange(p, "cache_prompt")
+    return tool_parser(p, "cache_prompt")
 
 
 @tool("cache_prompt")

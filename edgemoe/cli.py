@@ -22,6 +22,13 @@ def add_debug_flag(parser):
                         help="On an error, print its traceback, not only its message")
 
 
+def tool_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """Every tool's prologue, once its flags are added: --debug, which the error boundary
+    (`tool`) reads, and --help ordered for a newcomer (`arrange`)."""
+    add_debug_flag(parser)
+    return arrange(parser, name)
+
+
 def message(e: BaseException) -> str:
     """One line for an expected error; an OSError as `file: reason`."""
     if isinstance(e, OSError) and e.strerror:

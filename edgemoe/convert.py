@@ -13,19 +13,15 @@ host i owns (round-robin, or balanced by a routing trace), and the partition in 
 
 import argparse
 import errno
-import fcntl
 import glob
 import json
 import os
-import re
 import secrets
 import shutil
-import socket
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -35,13 +31,14 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import MAX_FILE_SIZE_GB, quantize_model, save_config
 from tqdm import tqdm
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .distributed import Partition, make_partition, parse_shard
 from .format.source import SHARD_INDEX, model_path
+from .format.destination import (OURS, DestinationLock, check_destination, is_pack,
+                                 keep_theirs, remove_ours, replace_with)
 from .format.families import check_supported, layer_index, routed_experts, skeleton
 from .model.experts import expert_modules
-from .format.pack import FORMAT as PACK_FORMAT
-from .format.pack import (ALIGNMENT, EXPERTS_FILE, MANIFEST, RESIDENT_FILE, ExpertsWriter,
+from .format.pack import (ALIGNMENT, EXPERTS_FILE, RESIDENT_FILE, ExpertsWriter,
                           PackError, PackLayer, record_layout, record_written_files,
                           write_manifest)
 
@@ -76,7 +73,7 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
 def _convert_locked(src: Path, dst: Path, overwrite, q_bits, q_group_size, q_mode, quantize,
                     max_shard_bytes, host, partition) -> Path:
     old = dst.parent / f".{dst.name}.old"
-    if old.exists() and not dst.exists() and _is_pack(old):  # an --overwrite cut mid-swap:
+    if old.exists() and not dst.exists() and is_pack(old):  # an --overwrite cut mid-swap:
         print(f"[edgemoe] restoring the pack an interrupted --overwrite moved aside: {dst}",
               file=sys.stderr)  # the old pack is the last whole one
         old.rename(dst)
@@ -93,7 +90,7 @@ def _convert_locked(src: Path, dst: Path, overwrite, q_bits, q_group_size, q_mod
 
     owners = _partition(model, src, host, partition)
     for left in dst.parent.glob(f".{glob.escape(dst.name)}.partial*"):  # we hold the lock:
-        _remove_ours(left, "an interrupted conversion's leftovers")  # no one writes them
+        remove_ours(left, "an interrupted conversion's leftovers")  # no one writes them
     check_disk_space(dst, model, 1.0 if host is None else 1 / host[1])
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -106,8 +103,8 @@ def _convert_locked(src: Path, dst: Path, overwrite, q_bits, q_group_size, q_mod
             shutil.copy(src / "generation_config.json", tmp)
         record_written_files(tmp, exclude={OURS})  # what --overwrite may remove, checksummed
         _verify_written(tmp)
-        kept = _keep_theirs(dst, tmp) if dst.exists() else []
-        _replace(tmp, dst)
+        kept = keep_theirs(dst, tmp) if dst.exists() else []
+        replace_with(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -138,93 +135,6 @@ def _verify_written(out: Path):
 # what convert wrote into a pack whose manifest predates its "files" list: these exact
 # names (mlx-lm's weights and tokenizer files); anything else (trained assets: prerouter/,
 # adapter/, cache_policy.npz, a user's tokenizer_notes.md or vocab.backup) is not ours
-_WRITTEN = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                      r"|experts\.bin|manifest\.json(\.tmp)?|config\.json|generation_config\.json"
-                      r"|tokenizer\.json|tokenizer_config\.json|tokenizer\.model"
-                      r"|special_tokens_map\.json|added_tokens\.json|chat_template\.(jinja|json)"
-                      r"|vocab\.(json|txt)|merges\.txt|spiece\.model|sentencepiece\.bpe\.model)")
-
-
-def written_by_convert(pack: Path) -> set:
-    """The names in an existing pack that convert wrote: its manifest's "files" list, or,
-    for a pack written before the list, the exact names convert writes."""
-    try:
-        files = json.loads((pack / MANIFEST).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        files = None
-    if isinstance(files, dict):
-        return set(files) | {MANIFEST}
-    return {p.name for p in pack.iterdir() if _WRITTEN.fullmatch(p.name)}
-
-
-def _keep_theirs(dst: Path, tmp: Path) -> List[str]:
-    """Carry what convert did not write from the pack it replaces into the new one
-    (hard links where the disk allows, else copies: the old pack keeps its own until
-    the swap); the names carried."""
-    kept, ours = [], written_by_convert(dst)
-    for entry in sorted(dst.iterdir()):
-        if entry.name in ours or (tmp / entry.name).exists():
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, tmp / entry.name, symlinks=True,
-                            copy_function=_link_or_copy)
-        else:
-            _link_or_copy(entry, tmp / entry.name)
-        kept.append(entry.name + ("/" if entry.is_dir() else ""))
-    return kept
-
-
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)
-    return dst
-
-
-class DestinationLock:
-    """An exclusive lock on a destination (`.DST.lock` beside it, flock'ed: released when
-    its process ends however it ends); a second convert to the same destination is
-    refused with one line naming the holder."""
-
-    def __init__(self, dst: Path):
-        self.path = dst.parent / f".{dst.name}.lock"
-        self.file = None
-
-    def __enter__(self):
-        while True:
-            f = open(self.path, "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
-                f.close()
-                raise FileExistsError(errno.EEXIST, f"another convert is writing this pack "
-                                                    f"({holder}); wait for it to end",
-                                      str(self.path.parent / self.path.name[1:-5])) from None
-            try:  # the file we locked is still the lock (not one a finishing holder removed)
-                if os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            f.close()
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-        f.flush()
-        self.file = f
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        self.file.close()  # releases the flock
-
-
 def _cast_like_mlx_lm(model, config):
     """Cast floating weights to the checkpoint's dtype, as mlx_lm.convert does."""
     dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
@@ -364,60 +274,6 @@ def _quantization(module) -> dict:
     return quant
 
 
-OURS = ".edgemoe-partial"  # marks a folder this tool is writing
-
-
-def check_destination(src: Path, dst: Path, overwrite: bool):
-    """Refuse a destination that would destroy what convert did not write: the source,
-    a folder holding it or inside it, a file, or a folder that is not an edgemoe pack."""
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents or d in s.parents:
-        where = ("is the source" if d == s else "is inside the source" if s in d.parents
-                 else "contains the source")
-        raise ValueError(f"--mlx-path {dst}: {where} {src}; write the pack elsewhere")
-    if not dst.exists() and not dst.is_symlink():
-        return
-    if not overwrite:
-        raise FileExistsError(f"{dst}: already exists; pass --overwrite to replace it")
-    if not dst.is_dir() or dst.is_symlink():
-        raise FileExistsError(f"--overwrite {dst}: not a folder; --overwrite replaces only "
-                              f"an edgemoe pack or an empty folder")
-    if any(dst.iterdir()) and not _is_pack(dst):
-        raise FileExistsError(f"--overwrite {dst}: not an edgemoe pack (no edgemoe "
-                              f"manifest.json); --overwrite replaces only an edgemoe pack or "
-                              f"an empty folder")
-
-
-def _is_pack(path: Path) -> bool:
-    try:
-        return json.loads((path / MANIFEST).read_text()).get("format") == PACK_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _remove_ours(path: Path, what: str):
-    """Remove a folder this tool left (marked, or a pack), and say so; refuse any other."""
-    if not path.exists():
-        return
-    if not (path / OURS).exists() and not _is_pack(path):
-        raise FileExistsError(f"{path}: in the way, and not written by edgemoe.convert; "
-                              f"move it")
-    print(f"[edgemoe] removing {what}: {path}", file=sys.stderr)
-    shutil.rmtree(path)
-
-
-def _replace(tmp: Path, dst: Path):
-    """Move the finished pack into place; an old DST goes only once the new one is whole."""
-    old = dst.parent / f".{dst.name}.old"
-    _remove_ours(old, "the pack an interrupted --overwrite replaced")  # (under the lock)
-    (tmp / OURS).unlink()
-    if dst.exists():
-        dst.rename(old)
-    tmp.rename(dst)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 @tool("convert")
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Convert an MoE checkpoint to an edgemoe pack.")
@@ -440,8 +296,7 @@ def main(argv=None):
                         help="With --shard: share the experts out by the routing in this "
                              "trace (edgemoe.generate --trace), so hosts do equal work "
                              "(default: round-robin)")
-    add_debug_flag(parser)
-    args = arrange(parser, "convert").parse_args(argv)
+    args = tool_parser(parser, "convert").parse_args(argv)
     from .hub import resolve
 
     dst = convert(resolve(args.hf_path), args.mlx_path, args.q_bits, args.q_group_size, args.overwrite,

@@ -32,8 +32,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .format.pack import Pack, PackError
-
-DEFAULT_TIMEOUT_S = 60.0  # a collective waiting longer than this means a host is gone
+from .options import DEFAULT_TIMEOUT_S  # a collective waiting longer means a host is gone
 
 
 class GroupError(ConnectionError):

@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_MIN_P, DEFAULT_QUANTIZED_KV_START, DEFAULT_TOP_K, str2bool
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .hub import resolve as resolve_hub_id
 from .machines import machine_defaults
 from .model.experts import streaming_of
@@ -84,9 +84,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "for the same model): the prompt continues it")
     p.add_argument("--trace", default=None,
                    help="Write the routing of every token and layer to this .npz file")
-    add_debug_flag(p)
     StreamOptions.add_arguments(p)
-    return arrange(p, "generate")
+    return tool_parser(p, "generate")
 
 
 def add_draft_arguments(p: argparse.ArgumentParser):

@@ -14,7 +14,6 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
-from .distributed import DEFAULT_TIMEOUT_S
 from .machines import machine_defaults
 from .routing.modes import MODE_NAMES, RoutingMode, parse_routing, routing_mode
 from .streaming.budget import Budget
@@ -22,6 +21,7 @@ from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
 PREFILL_ARITHMETIC = ("native", "blas")  # edgemoe.model.prefill
+DEFAULT_TIMEOUT_S = 60.0  # --group-timeout: a collective waiting longer means a host is gone
 # what --help offers first; the other values are accepted, and named in the help's
 # "experimental" group (docs/benchmarks.md, "Variants")
 MAIN_POLICIES = (DEFAULT_POLICY,)

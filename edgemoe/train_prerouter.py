@@ -8,13 +8,13 @@
    block's input x, the router's logits and its expert ids: DIR/features/{train,eval}/,
    one .npy memmap per layer and quantity, written window by window (bounded memory).
    Features that exist are reused.
-2. Train every head (edgemoe.prerouter) on them: KL to the native router's distribution
+2. Train every head (edgemoe.routing.prerouter) on them: KL to the native router's distribution
    plus BCE on its top-k set; AdamW. A checkpoint per epoch in DIR/checkpoints/ lets an
    interrupted run resume.
 3. Report per-layer top-k recall (|predicted & native| / k) and exact-set accuracy on
    the held-out windows, beside the free baseline (the next layer's router applied to
    the current input) for the next-token and same-token targets: DIR/report.json.
-   The heads are in DIR/prerouter/ (load with edgemoe.prerouter.load_prerouter).
+   The heads are in DIR/prerouter/ (load with edgemoe.routing.prerouter.load_prerouter).
 
 PATH is an mlx-lm checkpoint (loaded fully resident) or an edgemoe pack.
 """

@@ -13,7 +13,7 @@ import sys
 
 from tqdm import tqdm
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .format.checksums import INDEX_FILE, build_index, expert_crc32s
 from .format.pack import PackError
 from .format.source import open_source
@@ -40,8 +40,7 @@ def main(argv=None):
                         "model)")
     p.add_argument("--rebuild", action="store_true",
                    help=f"For a checkpoint read in place: compute {INDEX_FILE} anew")
-    add_debug_flag(p)
-    args = arrange(p, "verify").parse_args(argv)
+    args = tool_parser(p, "verify").parse_args(argv)
     pack = open_source(args.model, verify=not args.rebuild)
     indexing = pack.in_place and (args.rebuild or pack.resident_crc32 is None)
     bar = tqdm(total=pack.expert_bytes, unit="B", unit_scale=True,

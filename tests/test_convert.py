@@ -183,7 +183,7 @@ def test_a_second_convert_to_the_same_destination_is_refused_naming_the_holder(
     import sys
 
     from conftest import error_line
-    from edgemoe.convert import DestinationLock
+    from edgemoe.format.destination import DestinationLock
 
     src, dst = checkpoints["mixtral"][0], tmp_path / "pack"
     with DestinationLock(dst):  # another convert at work

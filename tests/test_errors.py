@@ -4,13 +4,11 @@ tracebacks are for bugs, or asked for with --debug (edgemoe.cli)."""
 import errno
 import json
 import shutil
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
 
-from edgemoe.format.pack import EXPERTS_FILE, MANIFEST, Pack
+from edgemoe.format.pack import EXPERTS_FILE, MANIFEST, Pack, PackError
 from edgemoe.streaming import reader as reader_module
 
 from conftest import corrupt_record, error_line, tool_module
@@ -91,9 +89,7 @@ def test_a_missing_shard_is_named(checkpoints, tmp_path):
 def test_a_sharded_checkpoint_read_in_place_still_streams(checkpoints, tmp_path):
     """The shard check passes a whole sharded checkpoint (the guard must not refuse it)."""
     in_place = split_into_shards(checkpoints[FAMILY][1], tmp_path / "mlx")
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model", str(in_place),
-                        "-m", "3", "--verbose", "false"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    generate.main(["--model", str(in_place), "-m", "3", "--verbose", "false"])
 
 
 def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(checkpoints, tmp_path,
@@ -129,15 +125,11 @@ def test_a_bad_trace_is_one_line(tmp_path):
 def test_corruption_found_mid_decode_is_one_line_and_debug_shows_the_traceback(pack):
     layer = corrupt_record(pack, 0, 0)  # expert 0 of the first MoE layer: soon needed
     Pack.open(pack)  # the manifest is intact: only reading the record finds it
-    args = [sys.executable, "-m", "edgemoe.generate", "--model", str(pack), "-m", "40",
-            "--expert-budget", "1.0", "--prompt", "tell me a long story about the sea"]
-    r = subprocess.run(args, capture_output=True, text=True)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("edgemoe.generate: error: ") and \
-        f"layer {layer.index} expert 0: checksum mismatch" in last, r.stderr
-    r = subprocess.run(args + ["--debug"], capture_output=True, text=True)
-    assert r.returncode == 1 and "Traceback" in r.stderr and "PackError" in r.stderr
+    args = ["--model", pack, "-m", "40", "--expert-budget", "1.0",
+            "--prompt", "tell me a long story about the sea"]
+    assert f"layer {layer.index} expert 0: checksum mismatch" in error_line(generate.main, *args)
+    with pytest.raises(PackError, match="checksum mismatch"):  # --debug: the traceback
+        generate.main(list(map(str, args + ["--debug"])))
 
 
 def test_a_pack_that_cannot_fit_is_refused_before_writing(checkpoints, tmp_path, monkeypatch):

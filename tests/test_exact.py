@@ -113,7 +113,7 @@ VARIANTS = {  # name -> (source, load options)
 def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, reference):
     """Advisory prefetch, O_DIRECT, and an mlx-lm checkpoint read in place change
     where and when experts are read, never the output."""
-    from edgemoe.model.loader import open_source
+    from edgemoe.format.source import open_source
 
     _, ref_tokens, ref_logits, ref_forced = reference(family)
     source, options = VARIANTS[variant]

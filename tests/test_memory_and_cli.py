@@ -10,6 +10,8 @@ import mlx.core as mx
 import edgemoe
 from edgemoe.format.pack import Pack
 
+from conftest import error_line, tool_module
+
 PEAK = """
 import json, sys, mlx.core as mx, numpy as np
 from mlx_lm.generate import generate_step
@@ -66,14 +68,10 @@ def test_generate_cli(packs):
 
 
 def test_generate_cli_errors_are_one_clear_line(tmp_path, packs):
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model",
-                        str(tmp_path / "nope")], capture_output=True, text=True)
-    assert r.returncode != 0 and "no such model folder" in r.stderr
-    assert "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "edgemoe.generate", "--model",
-                        str(packs["qwen3_moe"]["hf"]), "--expert-budget", "1KB"],
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "the minimum is" in r.stderr and "Traceback" not in r.stderr
+    generate = tool_module("generate")  # in this process: the exit is the tool boundary's
+    assert "no such model folder" in error_line(generate.main, "--model", tmp_path / "nope")
+    assert "the minimum is" in error_line(generate.main, "--model", packs["qwen3_moe"]["hf"],
+                                          "--expert-budget", "1KB")
 
 
 def test_convert_cli(checkpoints, tmp_path):
@@ -82,8 +80,7 @@ def test_convert_cli(checkpoints, tmp_path):
             str(checkpoints["qwen3_moe"][0]), "--mlx-path", str(dst)]
     subprocess.run(args, check=True, capture_output=True)
     assert Pack.open(dst).top_k == 2
-    r = subprocess.run(args, capture_output=True, text=True)
-    assert r.returncode != 0 and "already exists" in r.stderr
+    assert "already exists" in error_line(tool_module("convert").main, *args[3:])
 
 
 def test_trace_records_every_token_and_layer(packs, tmp_path):

@@ -103,3 +103,40 @@ def test_the_cuda_auto_budget_counts_the_resident_weights_as_the_device_holds_th
     assert _resident_bytes(path, config, torch.float32, skip) == held  # dequantized
     assert model.expert_store.budget_bytes > 0
     model.expert_store.close()
+
+
+def test_one_load_plan_asks_the_backend_in_one_order(capsys):
+    """Both backends build over the plan `plan_load` resolves: the backend is asked its
+    checks once the heads and adapter are found, then its share, its memory for an auto
+    budget and its slot memory; the plan's store is open over that memory."""
+    from edgemoe.load_plan import Backend, plan_load
+    from edgemoe.model.slots import MLXSlotMemory
+
+    asked = []
+
+    class Recording(Backend):
+        def check(self, plan):
+            asked.append(("check", plan.heads is not None, plan.adapter is not None,
+                          plan.deltas, plan.store))
+
+        def share(self, plan):
+            asked.append("share")
+            return super().share(plan)
+
+        def memory_bytes(self):
+            asked.append("memory")
+            return 2**40
+
+        def slot_memory(self, plan):
+            asked.append(("slots", plan.budget))
+            return MLXSlotMemory
+
+    options = StreamOptions(routing="prerouted", prerouter_path="pack", adapter_path="pack")
+    plan = plan_load(None, options, Recording())
+    try:
+        assert asked == [("check", True, True, None, None), "share", "memory",
+                         ("slots", plan.source.expert_bytes)]  # all of them fit in 1 TiB
+        assert plan.store.budget_bytes >= plan.source.expert_bytes and plan.share is None
+        assert plan.deltas is not None and plan.source is not plan.opened  # deltas beside
+    finally:
+        plan.store.close()

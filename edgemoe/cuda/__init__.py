@@ -8,14 +8,14 @@
 Nothing in the rest of edgemoe imports this package, and this package imports neither
 MLX nor mlx-lm: it runs on a machine that has only PyTorch and transformers.
 
-The data path, SSD -> RAM -> VRAM: the reader threads (edgemoe.reader, unchanged)
+The data path, SSD -> RAM -> VRAM: the reader threads (edgemoe.streaming.reader, unchanged)
 `preadv` a record, with O_DIRECT if asked, into a pinned row of its layer's host tier
 (edgemoe.cuda.host: a RAM cache of records with its own budget and policy, or at least
 the few staging rows the copies need); the slot memory (edgemoe.cuda.slots) then issues
 one asynchronous host-to-device copy on a copy stream and records an event; compute
 waits for that event on the GPU, never on the host. A record the tier still holds costs
-a copy and no read. The slot state machine and the cache policies are edgemoe.store's and
-edgemoe.cache's, shared with the MLX backend; only the slot memory differs. Device
+a copy and no read. The slot state machine and the cache policies are edgemoe.streaming.slots' and
+edgemoe.streaming.cache's, shared with the MLX backend; only the slot memory differs. Device
 operations go through a small interface (edgemoe.cuda.streams) that tests replace with
 a fake device recording every copy, event and wait, and that the CPU implements with
 synchronous copies: the whole backend runs, and is tested, on the CPU.

@@ -10,7 +10,6 @@ MLX-quantized linears and embeddings dequantized to the compute dtype; each MoE 
 """
 
 import inspect
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,13 +21,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.activations import ACT2FN
 
-from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
-from ..format.source import BUNDLED_MODEL, open_source
-from ..load_plan import adapter_folder, auto_budget, heads_folder, model_folder, open_store
+from ..format.source import BUNDLED_MODEL
+from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
-from ..streaming.budget import SlotPlan, is_auto
+from ..streaming.budget import SlotPlan
 from ..streaming.cache import DEFAULT_POLICY
 from ..streaming.store import ExpertStore
 from .experts import StreamingExperts
@@ -88,58 +86,66 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     if options.prefill_arithmetic != "native":
         raise ValueError(f"--prefill-arithmetic {options.prefill_arithmetic}: the MLX "
                          f"backend's CPU path; the CUDA backend computes as it does")
-    routing = options.routing
-    path = model_folder(path_or_hf_repo)
-    config = json.loads((path / "config.json").read_text())
-    families.check_runs(config, path / "config.json")
-    source = open_source(path, options.verify)
-    adapter = adapter_folder(path, options)
-    if adapter is not None:  # fail before threads; the experts' deltas stream with them
-        adapter = read_adapter(adapter, streamed=[layer.module for layer in source.layers])
-        deltas = expert_deltas(adapter.path, source)
-        source = source if deltas is None else with_deltas(source, deltas)
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    streams = streams or make_streams(device, copy_streams)
-    heads = heads_folder(path, routing, options.prerouter_path)
-    heads = prerouted.load_heads(heads, device) if heads else None  # fail before threads
-    rows = host_rows(SlotPlan.of(source), host_budget)
-    skip = tuple(f"{layer.module}." for layer in source.layers)  # the streamed experts
-    expert_budget = options.expert_budget
-    if is_auto(expert_budget):
-        expert_budget = _auto_budget(source, path, config, dtype, device, skip)
-    store = open_store(source, path, expert_budget, options,
-                       lambda layer, n: DeviceSlotMemory(
-                           layer, n, device, streams, HostTier(layer, rows, streams,
-                                                               host_policy)))
-    try:  # the store's reader threads end with a failed load
-        model = _build(config, dtype)
-        _install(model, store, _kernel(device, kernel))
-        _load_resident(model, path, config, dtype, device,
-                       skip=skip)
-        if adapter is not None:
-            apply_adapter(model, adapter, RENAMES.get(config["model_type"], ()))
-        if routing.advisory:
-            _advise(model, store)
-        if heads is not None:
+    backend = CudaBackend(device, dtype, streams or make_streams(device, copy_streams),
+                          host_budget, host_policy)
+    plan = plan_load(path_or_hf_repo, options, backend)
+    with plan.building():  # the store's reader threads end with a failed load
+        model = _build(plan.config, dtype)
+        _install(model, plan.store, _kernel(device, kernel))
+        _load_resident(model, plan.path, plan.config, dtype, device,
+                       skip=streamed_prefixes(plan.source))
+        if backend.adapter is not None:
+            apply_adapter(model, backend.adapter, RENAMES.get(plan.config["model_type"], ()))
+        if plan.routing.advisory:
+            _advise(model, plan.store)
+        if backend.heads is not None:
             try:
-                prerouted.install(model, store, heads)
+                prerouted.install(model, plan.store, backend.heads)
             except UnsupportedModelError as e:  # a router it cannot route by given logits
-                raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
-    except BaseException:
-        store.close()
-        raise
-    model.expert_store = store
+                raise UnsupportedModelError(f"{plan.config_path}: {e}") from None
+    model.expert_store = plan.store
     model.eval()
-    return model, (AutoTokenizer.from_pretrained(path) if tokenizer else None)
+    return model, (AutoTokenizer.from_pretrained(plan.path) if tokenizer else None)
 
 
-def _auto_budget(source, path: Path, config: dict, dtype, device, skip) -> int:
-    """`expert_budget="auto"`: what fits in the device's free memory (the host's available
-    memory on the CPU) beside the resident weights as this backend holds them."""
-    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return auto_budget(source, config, memory, _resident_bytes(path, config, dtype, skip),
-                       where=f"{device.type} ")
+class CudaBackend(Backend):
+    """The plan's PyTorch side: slots in device memory over a host tier; the family, the
+    adapter and the heads checked (and read) before the store starts."""
+
+    def __init__(self, device: torch.device, dtype, streams, host_budget, host_policy: str):
+        self.device, self.dtype, self.streams = device, dtype, streams
+        self.host_budget, self.host_policy = host_budget, host_policy
+        self.where = f"{device.type} "
+        self.adapter = self.heads = None  # read by check()
+
+    def check(self, plan: LoadPlan) -> None:
+        families.check_runs(plan.config, plan.config_path)
+        if plan.adapter is not None:
+            self.adapter = read_adapter(plan.adapter, streamed=[layer.module for layer
+                                                                in plan.opened.layers])
+        if plan.heads is not None:
+            self.heads = prerouted.load_heads(plan.heads, self.device)
+
+    def memory_bytes(self) -> Optional[int]:
+        """The device's free memory (the host's available memory on the CPU)."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+
+    def resident_bytes(self, plan: LoadPlan) -> int:
+        return _resident_bytes(plan.path, plan.config, self.dtype,
+                               streamed_prefixes(plan.source))
+
+    def slot_memory(self, plan: LoadPlan):
+        rows = host_rows(SlotPlan.of(plan.source), self.host_budget)
+        return lambda layer, n: DeviceSlotMemory(
+            layer, n, self.device, self.streams,
+            HostTier(layer, rows, self.streams, self.host_policy))
+
+
+def streamed_prefixes(source) -> tuple:
+    """The resident files' names the streamed experts start with (never loaded whole)."""
+    return tuple(f"{layer.module}." for layer in source.layers)
 
 
 def _resident_bytes(path: Path, config: dict, dtype, skip=()) -> int:

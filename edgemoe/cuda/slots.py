@@ -30,7 +30,7 @@ TORCH_DTYPES = {"uint32": torch.int32,  # the same bits; see int4.py
 
 
 class DeviceSlotMemory:
-    """A layer's slots for edgemoe.store.LayerSlots, on `device`, fed by `host` (a tier
+    """A layer's slots for edgemoe.streaming.slots.LayerSlots, on `device`, fed by `host` (a tier
     of `host_rows` rows by default), ordered by `streams`."""
 
     def __init__(self, layer: PackLayer, num_slots: int, device, streams,

@@ -42,7 +42,7 @@ MANIFEST = "expert_deltas.json"
 
 
 @dataclass
-class ExpertDeltas:
+class DeltaRecords:
     """An adapter's delta records: per pack layer module, the layout of one record, its
     records by expert, and the LoRA scale."""
 
@@ -64,7 +64,7 @@ def delta_tensors(adapter: Path, source: Pack) -> Dict[str, Dict[str, dict]]:
     return found
 
 
-def expert_deltas(adapter, source: Pack) -> Optional[ExpertDeltas]:
+def expert_deltas(adapter, source: Pack) -> Optional[DeltaRecords]:
     """The delta records of `adapter` (a folder in mlx-lm's format) for `source`'s routed
     experts, written first if missing or stale; None when it adapts no routed expert."""
     adapter = Path(adapter)
@@ -183,7 +183,7 @@ def _expert_slice(weights: np.ndarray, entry: dict, expert: int) -> np.ndarray:
     return weights[start:start + size]
 
 
-def _read(folder: Path, manifest: dict) -> ExpertDeltas:
+def _read(folder: Path, manifest: dict) -> DeltaRecords:
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise PackError(f"{folder / MANIFEST}: format {manifest.get('format')!r} version "
                         f"{manifest.get('version')}, expected {FORMAT!r} version {VERSION}; "
@@ -194,10 +194,10 @@ def _read(folder: Path, manifest: dict) -> ExpertDeltas:
                                 t["nbytes"]) for t in d["tensors"]]
         records = [Record(((0, off, length),), crc) for off, length, crc in d["records"]]
         layers[d["module"]] = PackLayer(d["module"], -1, tensors, {}, records)
-    return ExpertDeltas(folder / RECORDS, manifest["scale"], layers)
+    return DeltaRecords(folder / RECORDS, manifest["scale"], layers)
 
 
-def with_deltas(source: Pack, deltas: ExpertDeltas) -> Pack:
+def with_deltas(source: Pack, deltas: DeltaRecords) -> Pack:
     """`source` whose records carry the deltas: each layer's tensors are its expert's and
     then its delta's, each record two segments (the expert's, the delta's), its CRC32
     chained over both."""

@@ -361,7 +361,7 @@ def streaming_class(model_class: type, expert_paths) -> type:
     """
     prefixes = tuple(f"{path}." for path in expert_paths)
 
-    class Streaming(model_class, StreamingModel):
+    class Streamed(model_class, StreamingModel):
         def sanitize(self, weights):
             weights = super().sanitize(weights) if hasattr(super(), "sanitize") else weights
             return {k: v for k, v in weights.items() if not k.startswith(prefixes)}
@@ -382,6 +382,6 @@ def streaming_class(model_class: type, expert_paths) -> type:
                 streaming.queued.flush()  # layers' queued compute is settled
                 raise
 
-    Streaming.__name__ = Streaming.__qualname__ = model_class.__name__
-    Streaming.__module__ = model_class.__module__
-    return Streaming
+    Streamed.__name__ = Streamed.__qualname__ = model_class.__name__
+    Streamed.__module__ = model_class.__module__
+    return Streamed

@@ -1,7 +1,5 @@
 """`load()`: an MoE model whose routed experts stream from disk, as an mlx-lm model."""
 
-import json
-import sys
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
@@ -10,15 +8,11 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER as VERY_LONG
 
 from ..distributed import connect, share_for
-from ..format.deltas import expert_deltas, with_deltas
 from ..format.families import routed_experts
-from ..format.pack import PackError
-from ..format.source import open_source
-from ..load_plan import adapter_folder, auto_budget, heads_folder, model_folder, open_store
-from ..routing.gates import hand_input, moe_blocks
+from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
 from ..routing.driver import PredictedRouting
-from ..streaming.budget import is_auto
+from ..routing.gates import hand_input, moe_blocks
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
@@ -75,76 +69,18 @@ def load(
     `snapshot()`, `start_trace()`).
     """
     options = StreamOptions.of(options, **overrides)
-    expert_budget, io, verify = options.expert_budget, options.io, options.verify
     if group is None and options.distributed:
         group = connect(options.group_timeout)
-    path = model_folder(path_or_hf_repo)
-    source = opened = open_source(path, verify)
-    if verify and source.resident_crc32 is None:  # in place, never indexed
-        print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
-              f"its weights are not verified (`python -m edgemoe.verify --model {path}` "
-              f"indexes them once)", file=sys.stderr)
-    elif verify:
-        source.verify_resident(uncached=io == "direct")
-    routing = options.routing
-    heads = heads_folder(path, routing, options.prerouter_path)  # fail before threads, weights
-    adapter = adapter_folder(path, options)
-    # an adapter of the routed experts: their deltas stream with them
-    deltas = None if adapter is None else expert_deltas(adapter, source)
-    share = None
-    if group is not None and group.size() > 1:
-        source, share = share_for(source, group, options.partition,
-                                  options.group_timeout)
-    elif source.shard is not None and source.shard["hosts"] > 1:
-        raise PackError(f"{path}: holds host {source.shard['index']}'s share of "
-                        f"{source.shard['hosts']}; run it with its group (--distributed, "
-                        f"launched by mlx.launch)")
-    if deltas is not None:
-        source = with_deltas(source, deltas)
-    if is_auto(expert_budget):  # what fits in the memory available, before loading
-        expert_budget = auto_budget(source, json.loads((path / "config.json").read_text()))
-    store = open_store(source, path, expert_budget, options, MLXSlotMemory)
-    streaming = Streaming(store, share)
-    experts = {}
-
-    def streaming_classes(config):
-        model_class, args_class = _get_classes(config)
-
-        def build(args):
-            model = streaming_class(model_class, store.layers)(args)
-            model.streaming = streaming
-            # a family with none is refused here; a config.json that routes otherwise than
-            # the pack was written for, too
-            opened.check_routing(*routed_experts(model, path / "config.json"),
-                                 path / "config.json")
-            experts.update(install(model, streaming))
-            return model
-
-        return build, args_class
-
-    uncached = io == "direct" and not lazy
-    try:
-        model, config = load_model(path, lazy or uncached, model_config=model_config,
-                                   get_model_classes=streaming_classes)
-        if uncached:
-            _load_uncached(model, source.resident_files)
-    except BaseException:
-        store.close()
-        raise
-    predictor = (routing.predictor(heads, moe_blocks(model), store.info().slots_per_layer,
-                                   store.new_policy)
-                 if routing.predicts else None)
-    if predictor is not None:
-        store.gate_prefetches(routing.gates_prefetches)
-        streaming.routing = PredictedRouting(predictor, store.prefetch)
-        for layer, block in moe_blocks(model).items():
-            hand_input(block, experts[layer].block_input)
-    if adapter is not None:
-        model = load_adapter(model, adapter, streamed_experts=deltas is not None)
-        model.eval()
-    if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
-        use_blas(model, experts)
-    tokenizer = load_tokenizer(path, tokenizer_config,
+    plan = plan_load(path_or_hf_repo, options, MLXBackend(group))
+    with plan.building():
+        model, config, experts = _build(plan, lazy, model_config)
+        _install_routing(model, plan, experts)
+        if plan.adapter is not None:
+            model = load_adapter(model, plan.adapter, streamed_experts=plan.deltas is not None)
+            model.eval()
+        if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
+            use_blas(model, experts)
+    tokenizer = load_tokenizer(plan.path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
     # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:
     # the model's context is, checked where a prompt is taken; no warning per long prompt
@@ -152,6 +88,65 @@ def load(
     if return_config:
         return model, tokenizer, config
     return model, tokenizer
+
+
+class MLXBackend(Backend):
+    """The plan's MLX side: slots in unified memory; a group of hosts shares the experts."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def share(self, plan: LoadPlan):
+        if self.group is None or self.group.size() == 1:
+            return plan.opened, None
+        options = plan.options
+        return share_for(plan.opened, self.group, options.partition, options.group_timeout)
+
+    def slot_memory(self, plan: LoadPlan):
+        return MLXSlotMemory
+
+
+def _build(plan: LoadPlan, lazy: bool, model_config):
+    """(mlx-lm's model for the family, each MoE block's experts streaming from the plan's
+    store; its config; {layer: streaming expert module})."""
+    streaming = Streaming(plan.store, plan.share)
+    experts = {}
+
+    def streaming_classes(config):
+        model_class, args_class = _get_classes(config)
+
+        def build(args):
+            model = streaming_class(model_class, plan.store.layers)(args)
+            model.streaming = streaming
+            # a family with none is refused here; a config.json that routes otherwise than
+            # the pack was written for, too
+            plan.opened.check_routing(*routed_experts(model, plan.config_path),
+                                      plan.config_path)
+            experts.update(install(model, streaming))
+            return model
+
+        return build, args_class
+
+    uncached = plan.options.io == "direct" and not lazy
+    model, config = load_model(plan.path, lazy or uncached, model_config=model_config,
+                               get_model_classes=streaming_classes)
+    if uncached:
+        _load_uncached(model, plan.source.resident_files)
+    return model, config, experts
+
+
+def _install_routing(model, plan: LoadPlan, experts: dict):
+    """A predicting mode's predictor, reading ahead through the store."""
+    routing, store = plan.routing, plan.store
+    if not routing.predicts:
+        return
+    blocks = moe_blocks(model)
+    predictor = routing.predictor(plan.heads, blocks, store.info().slots_per_layer,
+                                  store.new_policy)
+    store.gate_prefetches(routing.gates_prefetches)
+    model.streaming.routing = PredictedRouting(predictor, store.prefetch)
+    for layer, block in blocks.items():
+        hand_input(block, experts[layer].block_input)
 
 
 def _load_uncached(model, files, chunk_bytes: int = 32 * 2**20):
