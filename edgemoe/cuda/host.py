@@ -62,6 +62,15 @@ class HostTier:
         with self.lock:
             return expert in self.row_of or bool(len(self._evictable()))
 
+    def has_room_for(self, experts: list) -> bool:
+        """Whether `stage` can serve every one of `experts`, one after another, without
+        waiting: a row for each expert not in the tier, among the evictable rows that none
+        of the others' hits claims."""
+        with self.lock:
+            held = {self.row_of[e] for e in experts if e in self.row_of}
+            new = sum(e not in self.row_of for e in experts)
+            return new <= len(set(self._evictable().tolist()) - held)
+
     def stage(self, expert: int) -> Tuple[int, Optional[List[np.ndarray]]]:
         """(row, None) when a row holds the record (a hit), else (row, buffers to read it
         into): a free row, or the policy's choice among ready rows that no hit has

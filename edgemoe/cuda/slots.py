@@ -49,6 +49,9 @@ class DeviceSlotMemory:
     def has_room(self, expert: int) -> bool:
         return self.host.has_room(expert)
 
+    def has_room_for(self, experts: list) -> bool:
+        return self.host.has_room_for(experts)
+
     def stage(self, slot: int, expert: int) -> Optional[List[np.ndarray]]:
         row, buffers = self.host.stage(expert)
         self.source[slot] = (row, buffers is None)

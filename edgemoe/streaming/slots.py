@@ -70,7 +70,8 @@ class SlotMemory(Protocol):
     `before_read(slot)`, writes the buffers, then calls `after_read(slot)`; a slot turns
     ready only after that (a fill served from the host tier gets `after_read` alone). A
     fill that fails gets `abandon(slot)` instead. `has_room(expert)` is False while the
-    memory cannot stage that expert now (its host rows are all being read into). Compute
+    memory cannot stage that expert now (its host rows are all being read into);
+    `has_room_for(experts)`, whether it can stage them all, one after another. Compute
     calls `acquire(slots)` before reading slots and `release(slots)` once its reads are
     issued; a slot is refilled only after its release.
     """
@@ -80,6 +81,8 @@ class SlotMemory(Protocol):
     def stage(self, slot: int, expert: int) -> Optional[List[np.ndarray]]: ...
 
     def has_room(self, expert: int) -> bool: ...
+
+    def has_room_for(self, experts: list) -> bool: ...
 
     def before_read(self, slot: int) -> None: ...
 
@@ -101,6 +104,9 @@ class UnorderedMemory:
         return self.rows(slot)
 
     def has_room(self, expert: int) -> bool:
+        return True
+
+    def has_room_for(self, experts: list) -> bool:
         return True
 
     def before_read(self, slot: int):
@@ -622,7 +628,7 @@ class _Room:
     def fits_all(self, experts: list) -> bool:
         """Every one of `experts` finds a slot (as `fits`, one after another)."""
         return len(self.free) + len(self.candidates) >= len(experts) \
-            and all(self.memory.has_room(e) for e in experts)
+            and self.memory.has_room_for(experts)
 
     def victim(self, pool: LayerSlots, pinned) -> int:
         """The policy's choice among the candidates (then no longer one)."""
