@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .format.deltas import DeltaRecords, expert_deltas, with_deltas
-from .format.pack import Pack, PackError
+from .format.pack import Pack, PackError, read_json
 from .format.source import model_path, open_source, pack_asset, resolve_asset
 from .hub import resolve as resolve_hub_id
 from .options import StreamOptions
@@ -76,6 +76,10 @@ class Backend:
 
     where = ""  # whose memory an auto budget fills, as stderr names it ("cuda ")
 
+    def check_family(self, config: dict, config_path: Path) -> None:
+        """The model's family, from its config alone: a model this backend cannot run is
+        refused before its weights are opened."""
+
     def check(self, plan: LoadPlan) -> None:
         """Once the heads and the adapter are found: fail before anything is written."""
 
@@ -101,6 +105,9 @@ def plan_load(path_or_hf_repo: Optional[str], options: StreamOptions,
     path = model_path(resolve_hub_id(path_or_hf_repo))  # a hub id: its folder in the cache
     heads = heads_folder(path, options.routing, options.prerouter_path)  # before any weight
     adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
+    config_path = path / "config.json"
+    if config_path.is_file():  # (a folder without one: open_source says what it is not)
+        backend.check_family(read_json(config_path), config_path)
     source = open_source(path, options.verify)
     if options.verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "

@@ -83,7 +83,7 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     options = StreamOptions.of(options, **overrides)
     if options.distributed:
         raise ValueError("--distributed: the CUDA backend runs on one host")
-    if options.prefill_arithmetic != "native":
+    if options.prefill_arithmetic == "blas":
         raise ValueError(f"--prefill-arithmetic {options.prefill_arithmetic}: the MLX "
                          f"backend's CPU path; the CUDA backend computes as it does")
     device = torch.device(device)
@@ -120,8 +120,10 @@ class CudaBackend(Backend):
         self.where = f"{device.type} "
         self.adapter = self.heads = None  # read by check()
 
+    def check_family(self, config: dict, config_path: Path) -> None:
+        families.check_runs(config, config_path)
+
     def check(self, plan: LoadPlan) -> None:
-        families.check_runs(plan.config, plan.config_path)
         if plan.adapter is not None:
             self.adapter = read_adapter(plan.adapter, streamed=[layer.module for layer
                                                                 in plan.opened.layers])
