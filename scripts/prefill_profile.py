@@ -144,7 +144,7 @@ def profile(args, budgets):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(
-        {"prompt_len": int(tokens.size), "model": args.model, "runs": runs,
+        {"prompt_len": int(tokens.size), "model": _name(args.model), "runs": runs,
          "median": medians}, indent=1))
     _plot(medians, names, out / "profile.png", tokens.size)
 
@@ -235,7 +235,7 @@ def peers(args, budgets):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(
-        {"prompt_len": args.prompt_len, "model": args.model, "gguf": args.gguf,
+        {"prompt_len": args.prompt_len, "model": _name(args.model), "gguf": _name(args.gguf),
          "runs": runs, "median_ttft_s": medians}, indent=1))
     import matplotlib
 
@@ -248,3 +248,8 @@ def peers(args, budgets):
     ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     fig.savefig(out / "peers.png", dpi=120)
+
+
+def _name(path):
+    """A file or folder as the JSON records it: its name, never the machine's own path."""
+    return None if path is None else Path(path).name
