@@ -547,7 +547,8 @@ def test_only_requests_from_this_servers_own_names_and_pages_are_taken(server):
 
 
 def test_oversized_bodies_and_stop_lists_are_refused(server):
-    from edgemoe.serving.http import MAX_BODY_BYTES, MAX_STOP_STRINGS
+    from edgemoe.serving.fields import MAX_STOP_STRINGS
+    from edgemoe.serving.http import MAX_BODY_BYTES
 
     big = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1), "max_tokens": 2})
     r = httpx.post(f"{server}/v1/completions", content=big, timeout=TIMEOUT,

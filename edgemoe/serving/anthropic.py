@@ -8,16 +8,18 @@ other request; the reply's text, reasoning and tool calls become content blocks.
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, Dict, List
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .chat import Reply, arguments_object, no_tool_format, render, text_of
-from .constrain import forced_call
+from .canonical import Conversation, Delivery, Generation, Result, Sampling, ToolChoice
+from .chat import Reply, arguments_object, render, text_of
 from .errors import BadRequest
-from .http import NUMBER, Server, field, public, refuse_unknown, stop_strings
+from .fields import NUMBER, field, refuse_unknown, stop_strings
+from .http import Server, public
 from .http import sse as _sse
 from .messages_fields import (AGENT_FIELDS, WINDOW_EXCEEDED, check_agent_fields,
                               fold_system, thinking_args)
@@ -34,6 +36,11 @@ def error(message: str, status: int = 400) -> JSONResponse:
         status, "invalid_request_error" if status < 500 else "api_error")
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
                         status_code=status)
+
+
+@dataclass
+class MessagesDelivery(Delivery):
+    window_bound: bool = False  # max_tokens was lowered to the context's room
 
 
 class AnthropicAPI:
@@ -129,25 +136,11 @@ class AnthropicAPI:
         choice = field(body, "tool_choice", dict, {"type": "auto"})
         refuse_unknown(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice",
                        "tool_choice.")
-        kind, grammar, reading = choice.get("type"), None, "parse" if tools else None
-        if kind == "none":
-            reading = None
-        elif kind == "auto" and tools and s.tokenizer.tool_parser is None:
-            raise BadRequest(no_tool_format(s.tokenizer), "tools")
-        elif kind in ("any", "tool"):
-            if not tools:
-                raise BadRequest("'tool_choice' asks for tool use, but no 'tools' are "
-                                 "given", "tool_choice")
-            name = choice.get("name") if kind == "tool" else None
-            if kind == "tool" and name not in [t["function"]["name"] for t in tools]:
-                raise BadRequest(f"'tool_choice.name' {name!r} is not in 'tools'",
-                                 "tool_choice")
-            grammar, reading = forced_call(s, tools, name), "forced"
-        elif kind != "auto":
-            raise BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got "
-                             f"{kind!r}", "tool_choice")
-        prompt = render(s.tokenizer, messages, tools if reading else None,
-                        thinking_args(s, body))
+        conversation = Conversation(
+            messages, tools, self._tool_choice(choice, tools),
+            template_args=thinking_args(s, body),
+            max_calls=1 if choice.get("disable_parallel_tool_use") else None)
+        prompt, grammar, reply = conversation.prompt(s)
         # a max_tokens past the context is a ceiling the context lowers, as Anthropic's
         # API takes it: the reply that reaches the context says so in its stop_reason
         room = s.context_length - len(prompt)
@@ -156,24 +149,37 @@ class AnthropicAPI:
                              f"{s.context_length - 1} maximum", "messages")
         window_bound = room < max_tokens
         d = s.sampling_defaults
-        job = s.job(prompt, max_tokens=room if window_bound else max_tokens,
-                    max_tokens_name="max_tokens",
-                    prompt_param="messages",
-                    # a request's own temperature is Anthropic's (0 to 1); the server's
-                    # --temp default is the server's, on OpenAI's scale (up to 2)
-                    temperature=_or(field(body, "temperature", NUMBER, lo=0, hi=1),
-                                    d.get("temperature", 0.0)),
-                    top_p=_or(field(body, "top_p", NUMBER, lo=0, hi=1), d.get("top_p", 1.0)),
-                    top_k=s.top_k_field(body, default=d.get("top_k", 0)),
-                    min_p=d.get("min_p", 0.0),
-                    stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
-                    grammar=grammar, id_prefix="msg_")
-        opts = {"model": model, "stream": field(body, "stream", bool, False),
-                "window_bound": window_bound}
-        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
-                                forced=reading == "forced",
-                                max_calls=1 if choice.get("disable_parallel_tool_use")
-                                else None)
+        job = s.job(Generation(
+            prompt, room if window_bound else max_tokens,
+            # a request's own temperature is Anthropic's (0 to 1); the server's --temp
+            # default is the server's, on OpenAI's scale (up to 2)
+            Sampling(temperature=_or(field(body, "temperature", NUMBER, lo=0, hi=1),
+                                     d.get("temperature", 0.0)),
+                     top_p=_or(field(body, "top_p", NUMBER, lo=0, hi=1), d.get("top_p", 1.0)),
+                     top_k=s.top_k_field(body, default=d.get("top_k", 0)),
+                     min_p=d.get("min_p", 0.0),
+                     stop=stop_strings(body.get("stop_sequences"), "stop_sequences")),
+            prompt_param="messages", grammar=grammar, id_prefix="msg_"))
+        delivery = MessagesDelivery(model, field(body, "stream", bool, False), window_bound)
+        return job, delivery, reply
+
+    @staticmethod
+    def _tool_choice(choice: dict, tools) -> ToolChoice:
+        """{"type": "auto" | "any" | "tool" | "none", "name": ...}."""
+        kind = choice.get("type")
+        if kind in ("none", "auto"):
+            return ToolChoice(kind)
+        if kind not in ("any", "tool"):
+            raise BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got "
+                             f"{kind!r}", "tool_choice")
+        if not tools:
+            raise BadRequest("'tool_choice' asks for tool use, but no 'tools' are "
+                             "given", "tool_choice")
+        name = choice.get("name") if kind == "tool" else None
+        if kind == "tool" and name not in [t["function"]["name"] for t in tools]:
+            raise BadRequest(f"'tool_choice.name' {name!r} is not in 'tools'",
+                             "tool_choice")
+        return ToolChoice("required", name)
 
     async def count_tokens(self, request: Request):
         s = self.server
@@ -203,15 +209,15 @@ def _or(value, default):
 class MessageView:
     """One request's events as a Message, or as the stream of events Anthropic's SDK reads."""
 
-    def __init__(self, job, opts: dict, reply: Reply):
-        self.job, self.opts, self.reply = job, opts, reply
+    def __init__(self, job, delivery: MessagesDelivery, reply: Reply):
+        self.job, self.delivery, self.reply = job, delivery, reply
         self.block = None  # the kind of the open content block
         self.index = -1
         self.generated = 0
 
     def _message(self, content: list, stop_reason, usage: dict) -> dict:
         return {"id": self.job.id, "type": "message", "role": "assistant",
-                "model": self.opts["model"], "content": content, "stop_reason": stop_reason,
+                "model": self.delivery.model, "content": content, "stop_reason": stop_reason,
                 "stop_sequence": self.job.stop_hit, "usage": usage}
 
     @staticmethod
@@ -228,13 +234,13 @@ class MessageView:
 
     def _stop_reason(self, finish: str) -> str:
         reason = STOP[self.reply.finish_reason(finish)]
-        if reason == "max_tokens" and self.opts.get("window_bound"):
+        if reason == "max_tokens" and self.delivery.window_bound:
             return WINDOW_EXCEEDED
         return "stop_sequence" if reason == "end_turn" and self.job.stop_hit else reason
 
-    def whole(self, events: List[dict], last: dict) -> dict:
-        content, reasoning, calls = self.reply.feed("".join(e["text"] for e in events),
-                                                    final=True)
+    def whole(self, result: Result) -> dict:
+        last = result.last
+        content, reasoning, calls = self.reply.feed(result.text, final=True)
         blocks = []
         if reasoning:
             blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})

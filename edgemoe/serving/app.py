@@ -25,7 +25,8 @@ from starlette.routing import Route
 
 from .access import LogRefusals
 from .anthropic import AnthropicAPI
-from .http import Server, error_response, public
+from .errors import error_response
+from .http import Server, public
 from .ollama import OllamaAPI
 from .openai import OpenAIAPI
 from .responses import ResponsesAPI

@@ -1,17 +1,17 @@
-"""What the three APIs share over one engine: reading bodies and fields, running a job,
-cancelling it when its client leaves, /health and /metrics (edgemoe.serving.app puts the
-APIs and these together into the app).
+"""What every API shares over one engine, knowing none of them: reading bodies, running a
+job, cancelling it when its client leaves, /health and /metrics (edgemoe.serving.app puts
+the APIs and these together into the app).
 
 The HTTP layer (Starlette on uvicorn, one asyncio loop) validates and tokenizes each
 request, then hands it to the engine thread (edgemoe.serving.engine), which owns the model
-and decodes every request in flight together, one step at a time. Each API module turns
-a body into an engine `Job` and the job's events into that API's responses.
+and decodes every request in flight together, one step at a time. Each API module (a
+dialect) reads a body into the canonical request (edgemoe.serving.canonical), which
+becomes an engine `Job`, and renders the job's result in its own shape.
 """
 
 import asyncio
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -23,84 +23,24 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from .cache_scope import cache_scope
+from .canonical import Generation, Result
 from .constrain import Grammar, Tokens, vetted
-from .errors import BadRequest
+from .errors import BadRequest, error_response
 from .engine import Engine
+from .fields import MAX_DRAFT_TOKENS, NUMBER, field
 from .job import Job
 from .limits import BoundedTokenizer
-from ..sampling_params import check_sampling, sampler_args
 
 log = logging.getLogger("edgemoe.server")
 
 DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 4 * 2**20  # a request body larger than this gets a 413
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-_OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its names of our fields
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 SEND_TIMEOUT_S = 30.0  # a stream whose client takes nothing for this long is cancelled
 # the folders of a path: absolute, ~ or ./ relative, or relative before a file.ext
 _DIRECTORIES = re.compile(r"(?<![\w.~/-])(?:(?:~|\.{1,2})?/(?:[\w.~-]+/)*(?=[\w.-])"
                           r"|(?:[\w.~-]+/)+(?=[\w-]+(?:\.[\w-]+)*\.[A-Za-z]\w*\b))")
-
-
-def error_response(message: str, status: int = 400, param: Optional[str] = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error shape (the other APIs bring their own)."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None}}, status_code=status)
-
-
-# ---- request fields ----------------------------------------------------------------
-
-NUMBER = (int, float)
-MAX_DRAFT_TOKENS = 64  # a window's drafts a request may ask for
-
-
-def field(body: dict, name: str, types, default=None, lo=None, hi=None, where: str = ""):
-    """body[name], checked: its type, finite, within [lo, hi]; `default` when absent or
-    null. `where` prefixes the name in messages (e.g. "options.")."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    label = where + name
-    names = types if isinstance(types, tuple) else (types,)
-    # bool is an int in Python; a JSON true is never a valid number here
-    if not isinstance(value, names) or (isinstance(value, bool) and bool not in names):
-        expected = " or ".join({"int": "integer", "float": "number", "str": "string",
-                                "bool": "boolean", "list": "array", "dict": "object"}
-                               .get(t.__name__, t.__name__) for t in names)
-        raise BadRequest(f"'{label}' must be {'an' if expected[0] in 'aeiou' else 'a'} "
-                         f"{expected}, got {type(value).__name__} {json.dumps(value)[:60]}",
-                         label)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise BadRequest(f"'{label}' must be a finite number, got {value}", label)
-    if lo is not None and value < lo:
-        raise BadRequest(f"'{label}' must be at least {lo}, got {value}", label)
-    if hi is not None and value > hi:
-        raise BadRequest(f"'{label}' must be at most {hi}, got {value}", label)
-    return value
-
-
-def refuse_unknown(body: dict, known, what: str, where: str = ""):
-    """A 400 naming the first field this server does not implement: never a silent 200.
-    A field sent as null is absent (clients built on typed models send every field)."""
-    unknown = sorted(k for k in body if k not in known and body[k] is not None)
-    if unknown:
-        raise BadRequest(f"'{where}{unknown[0]}' is not supported by {what} on this server "
-                         f"(supported: {', '.join(sorted(known))})", where + unknown[0])
-
-
-def stop_strings(value, name: str = "stop") -> List[str]:
-    stop = [value] if isinstance(value, str) else (value or [])
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest(f"'{name}' must be a string or an array of non-empty strings", name)
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise BadRequest(f"'{name}' takes at most {MAX_STOP_STRINGS} strings of at most "
-                         f"{MAX_STOP_CHARS} characters, got {len(stop)} (longest "
-                         f"{max(map(len, stop))})", name)
-    return stop
 
 
 class Server:
@@ -192,41 +132,10 @@ class Server:
         raise BadRequest(f"'{param}' must be a string or a non-empty array of token ids "
                          f"(or, for several prompts, an array of those)", param)
 
-    def job(self, prompt: List[int], *, max_tokens: Optional[int], max_tokens_name: str,
-            prompt_param: str, temperature: float = 0.0, top_p: float = 1.0,
-            top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
-            stop: Optional[List[str]] = None, penalties: Optional[dict] = None,
-            logit_bias: Optional[dict] = None, grammar=None, id_prefix: str = "req-",
-            **flags) -> Job:
-        """An engine job for `prompt`: its length checked against the context, its
-        sampling, penalties and grammar. `flags`: Job fields (want_logprobs, ...)."""
-        if not prompt:
-            raise BadRequest("the prompt is empty after tokenization", prompt_param)
-        room = self.context_length - len(prompt)
-        if room < 1:
-            raise BadRequest(f"the prompt is {len(prompt)} tokens; the model's context is "
-                             f"{self.context_length} tokens, and at least one must be left "
-                             f"for the completion", prompt_param)
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
-        elif max_tokens > room:
-            raise BadRequest(f"the model's context is {self.context_length} tokens; the "
-                             f"prompt is {len(prompt)} and '{max_tokens_name}' asks for "
-                             f"{max_tokens} more ({len(prompt) + max_tokens} in all)",
-                             max_tokens_name)
-        bad = check_sampling(temperature, penalties)
-        if bad is not None:  # a row whose logits would become NaN (sampling_params)
-            name = ("options." + _OLLAMA_NAMES.get(bad[0], bad[0])
-                    if id_prefix.startswith("ollama") else bad[0])
-            raise BadRequest(f"'{name}' {bad[1]}", name)
-        sampling = sampler_args(temperature, top_p, min_p, top_k, seed)  # None: greedy
-        processors = []
-        if logit_bias or any((penalties or {}).values()):
-            from mlx_lm.sample_utils import make_logits_processors
-            processors = make_logits_processors(logit_bias or None, **(penalties or {}))
-        return Job(id=id_prefix + uuid.uuid4().hex[:24], prompt=prompt,
-                   max_tokens=max_tokens, emit=lambda e: None, sampling=sampling,
-                   stop=stop or [], processors=processors, grammar=grammar, **flags)
+    def job(self, generation: Generation) -> Job:
+        """The engine's job for a request's `generation`, checked against the context."""
+        return generation.job(uuid.uuid4().hex[:24], self.context_length,
+                              self.default_max_tokens)
 
     def draft_tokens_field(self, body: dict) -> Optional[int]:
         """mlx_lm.server's per-request draft length: drafts per window, fixed for this
@@ -267,29 +176,30 @@ class Server:
                       media_type: str = "text/event-stream"):
         """One request of any API, start to end: its body `parse`d off the event loop
         (tokenizing a long prompt, or compiling a grammar, must not hold it up) into
-        (job, opts, reply), or (None, a response body, None) for a request answered
-        without generating; the job run; its events given by `view(job, opts, reply)`
-        (`.chunks(event)` streamed, `.whole(tokens, last)` at once); failures as the
+        (job, delivery, reply), or (None, a response body, None) for a request answered
+        without generating; the job run; its events given by `view(job, delivery,
+        reply)` (`.chunks(event)` streamed, `.whole(result)` at once); failures as the
         API's `error(message, status, param)`."""
         try:
             body = await self.body(request)
             self.ready()
-            job, opts, reply = await asyncio.to_thread(parse, body)
+            job, delivery, reply = await asyncio.to_thread(parse, body)
             if job is None:
-                return JSONResponse(opts)
+                return JSONResponse(delivery)
             events = await self.submit(job, request)
         except BadRequest as e:
             return error(e.message, e.status, e.param)
-        shown = view(job, opts, reply)
-        if opts["stream"]:
+        shown = view(job, delivery, reply)
+        if delivery.stream:
             return event_stream(self.stream(job, events, shown.chunks), media_type)
         try:
-            tokens, last = await self.collect(request, job, events)
+            result = await self.collect(request, job, events)
         except ClientGone:
             return error("client disconnected", 499, None)
+        last = result.last
         if last["type"] == "error":  # a 400 where the request's own grammar failed
             return error(public(last["message"]), last.get("status", 500), last.get("param"))
-        return JSONResponse(shown.whole(tokens, last))
+        return JSONResponse(shown.whole(result))
 
     async def submit(self, job: Job, request: Optional[Request] = None) -> asyncio.Queue:
         """Queue `job` (of `request`: its prompt-cache scope) on the engine; its events
@@ -314,8 +224,7 @@ class Server:
                              f"waiting); try again later", status=503)
         return events
 
-    async def collect(self, request: Request, job: Job, events: asyncio.Queue
-                      ) -> Tuple[List[dict], dict]:
+    async def collect(self, request: Request, job: Job, events: asyncio.Queue) -> Result:
         """All of a job's token events and its last event (done or error); a client that
         goes away cancels the job (ClientGone)."""
         tokens = []
@@ -338,7 +247,7 @@ class Server:
                 if event["type"] == "token":
                     tokens.append(event)
                     continue
-                return tokens, event
+                return Result(tokens, event)
         except asyncio.CancelledError:
             self.engine.cancel(job)
             raise

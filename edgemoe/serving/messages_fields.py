@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 
 from .chat import text_of
 from .errors import BadRequest
-from .http import field, refuse_unknown
+from .fields import field, refuse_unknown
 
 AGENT_FIELDS = {"thinking", "output_config", "context_management"}
 THINKING = ("enabled", "disabled", "adaptive")

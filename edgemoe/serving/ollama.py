@@ -14,6 +14,7 @@ A body is read as JSON whatever its content type (`curl -d` sends a form's).
 
 import json
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 
@@ -22,11 +23,12 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .chat import (Reply, arguments_object, check_tools, render, text_of, token_pieces)
+from .canonical import Conversation, Delivery, Generation, Result, Sampling
+from .chat import Reply, arguments_object, check_tools, render, text_of, token_pieces
 from .constrain import Grammar, GrammarError
 from .errors import BadRequest
-from .http import (MAX_TOP_LOGPROBS, NUMBER, Server, field, public, refuse_unknown,
-                   stop_strings)
+from .fields import MAX_TOP_LOGPROBS, NUMBER, field, refuse_unknown, stop_strings
+from .http import Server, public
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop",
@@ -38,10 +40,16 @@ RESOURCES = {"num_thread", "num_gpu", "main_gpu", "num_batch", "use_mmap", "use_
              # Ollama itself ignores it now; mirostat's own knobs do nothing without it
              "penalize_newline", "mirostat_tau", "mirostat_eta"}
 NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}  # sampling not implemented here
+OUR_NAMES = {"repetition_penalty": "repeat_penalty"}  # Ollama's names of the engine's
 COMMON = {"model", "stream", "format", "options", "keep_alive", "think", "logprobs",
           "top_logprobs"}
 CHAT = COMMON | {"messages", "tools"}
 GENERATE = COMMON | {"prompt", "system", "raw", "suffix", "images"}
+
+
+@dataclass
+class OllamaDelivery(Delivery):
+    chat: bool = True  # /api/chat's message, or /api/generate's response
 
 
 def error(message: str, status: int = 400) -> JSONResponse:
@@ -124,7 +132,8 @@ class OllamaAPI:
             "modified_at": self._card()["modified_at"]})
 
     # -- requests ------------------------------------------------------------------------
-    def _options(self, body: dict) -> dict:
+    def _options(self, body: dict):
+        """(num_ctx, num_predict as max_tokens, the sampling) from `options`."""
         s = self.server
         options = field(body, "options", dict, {})
         refuse_unknown(options, SAMPLING | RESOURCES | set(NEUTRAL), "Ollama's options",
@@ -145,8 +154,7 @@ class OllamaAPI:
         repeat = field(o, "repeat_penalty", NUMBER, 1.0, lo=0, where="options.")
         last_n = field(o, "repeat_last_n", int, 64, lo=-1, where="options.")
         last_n = num_ctx if last_n == -1 else max(last_n, 1)
-        return dict(
-            num_ctx=num_ctx, max_tokens=predict if predict > 0 else None,
+        return num_ctx, predict if predict > 0 else None, Sampling(
             temperature=field(o, "temperature", NUMBER, lo=0, where="options."),
             top_p=field(o, "top_p", NUMBER, lo=0, hi=1, where="options."),
             top_k=s.top_k_field(o, where="options."),
@@ -219,19 +227,17 @@ class OllamaAPI:
         return out
 
     def _job(self, body: dict, prompt: List[int], grammar, prompt_param: str):
-        s = self.server
-        o = self._options(body)
+        num_ctx, max_tokens, sampling = self._options(body)
         logprobs = field(body, "logprobs", bool, False)
         top = field(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
-        if len(prompt) >= o["num_ctx"]:
+        if len(prompt) >= num_ctx:
             raise BadRequest(f"the prompt is {len(prompt)} tokens; 'options.num_ctx' is "
-                             f"{o['num_ctx']}", "options.num_ctx")
-        return s.job(prompt, max_tokens=o["max_tokens"],
-                     max_tokens_name="options.num_predict", prompt_param=prompt_param,
-                     temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"],
-                     min_p=o["min_p"], seed=o["seed"], stop=o["stop"],
-                     penalties=o["penalties"], grammar=grammar, id_prefix="ollama-",
-                     want_logprobs=logprobs, top_logprobs=top)
+                             f"{num_ctx}", "options.num_ctx")
+        return self.server.job(Generation(
+            prompt, max_tokens, sampling, max_tokens_name="options.num_predict",
+            prompt_param=prompt_param, sampling_prefix="options.",
+            sampling_names=OUR_NAMES, grammar=grammar, id_prefix="ollama-",
+            want_logprobs=logprobs, top_logprobs=top))
 
     def parse_chat(self, body: dict):
         s = self.server
@@ -244,10 +250,10 @@ class OllamaAPI:
         messages = self._messages(body)
         if not messages:  # Ollama's way to load a model, which is loaded
             return None, loaded(model, chat=True), None
-        prompt = render(s.tokenizer, messages, tools, self._template_args(body))
+        prompt, _, reply = Conversation(
+            messages, tools, template_args=self._template_args(body)).prompt(s)
         job = self._job(body, prompt, self._format(body), "messages")
-        opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": True}
-        return job, opts, Reply(s.tokenizer, prompt, tools)
+        return job, OllamaDelivery(model, field(body, "stream", bool, True)), reply
 
     def parse_generate(self, body: dict):
         s = self.server
@@ -268,8 +274,8 @@ class OllamaAPI:
                 [{"role": "user", "content": text}]
             prompt = render(s.tokenizer, messages, None, self._template_args(body))
         job = self._job(body, prompt, self._format(body), "prompt")
-        opts = {"model": model, "stream": field(body, "stream", bool, True), "chat": False}
-        return job, opts, Reply(s.tokenizer, prompt, None)
+        delivery = OllamaDelivery(model, field(body, "stream", bool, True), chat=False)
+        return job, delivery, Reply(s.tokenizer, prompt, None)
 
     async def chat(self, request: Request):
         return await self._run(request, self.parse_chat)
@@ -279,7 +285,7 @@ class OllamaAPI:
 
     async def _run(self, request: Request, parse):
         return await self.server.respond(
-            request, parse, lambda job, opts, reply: Lines(self.server, job, opts, reply),
+            request, parse, lambda job, delivery, reply: Lines(self.server, job, delivery, reply),
             lambda message, status, param: error(message, status),
             media_type="application/x-ndjson")
 
@@ -287,14 +293,15 @@ class OllamaAPI:
 class Lines:
     """One request's events as Ollama's responses: one object, or a line per piece."""
 
-    def __init__(self, server: Server, job, opts: dict, reply: Optional[Reply]):
-        self.server, self.job, self.opts, self.reply = server, job, opts, reply
+    def __init__(self, server: Server, job, delivery: OllamaDelivery,
+                 reply: Optional[Reply]):
+        self.server, self.job, self.delivery, self.reply = server, job, delivery, reply
         self.first: Optional[float] = None  # when the first token was made
 
     def _piece(self, content: str, reasoning: str, calls: List[dict],
                events: List[dict]) -> dict:
-        out: Dict[str, Any] = {"model": self.opts["model"], "created_at": now()}
-        if self.opts["chat"]:
+        out: Dict[str, Any] = {"model": self.delivery.model, "created_at": now()}
+        if self.delivery.chat:
             message: Dict[str, Any] = {"role": "assistant", "content": content}
             if reasoning:
                 message["thinking"] = reasoning
@@ -341,10 +348,11 @@ class Lines:
                    eval_duration=int((end - first) * ns))
         return out
 
-    def whole(self, events: List[dict], last: dict) -> dict:
+    def whole(self, result: Result) -> dict:
+        events = result.events
         self.first = events[0].get("at") if events else None
-        text = "".join(e["text"] for e in events)
-        return self._done(self._piece(*self.reply.feed(text, final=True), events), last)
+        piece = self._piece(*self.reply.feed(result.text, final=True), events)
+        return self._done(piece, result.last)
 
     def chunks(self, event: dict):
         if event["type"] == "error":

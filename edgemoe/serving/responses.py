@@ -3,11 +3,11 @@ reads: response.created, response.output_text.delta, response.completed, ...), s
 clients and agents that speak it (openai-agents by default, newer OpenAI clients, coding
 agents) connect unchanged.
 
-A request becomes a chat-completions request and runs as one: `input` (a string, or a list
-of messages, function calls and their outputs) and `instructions` are the chat template's
-messages, `tools` and `tool_choice` its tools (a forced call decoded under a grammar, as
-edgemoe.serving.openai does it), `text.format` its response_format. The reply's text and
-tool calls become output items. Nothing is stored: a field that needs a stored response
+A request becomes the canonical request (edgemoe.serving.canonical), as every API's does:
+`input` (a string, or a list of messages, function calls and their outputs) and
+`instructions` are the chat template's messages, `tools` and `tool_choice` its tools (a
+forced call decoded under a grammar), `text.format` its response format. The reply's text
+and tool calls become output items. Nothing is stored: a field that needs a stored response
 (previous_response_id, conversation, background) is a 400 naming it, as is any other field
 this server does not implement.
 """
@@ -16,16 +16,19 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .chat import Reply, check_tools, render, text_of, tool_call_message
+from .canonical import Conversation, Delivery, Generation, Result, Sampling
+from .chat import Reply, check_tools, text_of, tool_call_message
 from .errors import BadRequest
-from .http import NUMBER, Server, field, public, refuse_unknown, sse
-from .openai import NO_EFFECT, OpenAIAPI, check_reasoning_effort
+from .fields import (NO_EFFECT, NUMBER, check_reasoning_effort, field, refuse_unknown,
+                     response_format_grammar, tool_choice)
+from .http import Server, public, sse
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
           "tools", "tool_choice", "parallel_tool_calls", "stream", "stream_options", "text",
@@ -64,10 +67,14 @@ def _drop_hosted(tool: dict):
                     "request (logged once)", kind)
 
 
+@dataclass
+class ResponsesDelivery(Delivery):
+    settings: dict  # the request's settings, which every Response repeats
+
+
 class ResponsesAPI:
     def __init__(self, server: Server):
         self.server = server
-        self.chat = OpenAIAPI(server)
 
     def routes(self):
         return [Route("/v1/responses", self.responses, methods=["POST"]),
@@ -75,8 +82,7 @@ class ResponsesAPI:
 
     async def responses(self, request: Request):
         return await self.server.respond(
-            request, self.parse, lambda job, opts, reply: ResponseView(job, opts, reply),
-            error)
+            request, self.parse, ResponseView, error)
 
     # -- requests ------------------------------------------------------------------------
     def _messages(self, body: dict) -> List[dict]:
@@ -145,28 +151,32 @@ class ResponsesAPI:
         return check_tools(out) if out else None
 
     @staticmethod
-    def _chat_shape(body: dict) -> dict:
-        """tool_choice and text.format in chat completions' form (tool_choice, response_format)."""
-        shaped: Dict[str, Any] = {}
-        choice = body.get("tool_choice")
-        if isinstance(choice, dict):
-            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise BadRequest("'tool_choice' must be none, auto, required or "
-                                 "{\"type\": \"function\", \"name\": ...}", "tool_choice")
-            choice = {"type": "function", "function": {"name": choice["name"]}}
-        shaped["tool_choice"] = choice
+    def _function_name(choice: dict) -> str:
+        """The name of a forced function: {"type": "function", "name": ...}."""
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise BadRequest("'tool_choice' must be none, auto, required or "
+                             "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+        return choice["name"]
+
+    def _format(self, body: dict):
+        """text.format's grammar (as chat completions' response_format), or None."""
         text = field(body, "text", dict, {})
         refuse_unknown(text, {"format", "verbosity"}, "text", "text.")
         if text.get("verbosity") not in (None, "medium"):
             raise BadRequest("'text.verbosity' is not supported (only \"medium\")",
                              "text.verbosity")
         fmt = field(text, "format", dict, None, where="text.")
-        if fmt is not None:
-            if fmt.get("type") == "json_schema":
-                fmt = {"type": "json_schema", "json_schema": {
-                    "name": fmt.get("name"), "schema": fmt.get("schema")}}
-            shaped["response_format"] = fmt
-        return shaped
+        if fmt is not None and fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {
+                "name": fmt.get("name"), "schema": fmt.get("schema")}}
+        try:
+            grammar = response_format_grammar(self.server, fmt)
+        except BadRequest as e:
+            raise BadRequest(e.message.replace("'response_format'", "'text.format'"),
+                             "text.format") from None
+        if grammar is not None:
+            grammar.param = "text.format"
+        return grammar
 
     def parse(self, body: dict):
         s = self.server
@@ -190,26 +200,22 @@ class ResponsesAPI:
         parallel = field(body, "parallel_tool_calls", bool, True)
         messages = self._messages(body)
         tools = self._tools(body)
-        try:
-            grammar, reading = self.chat._grammar(self._chat_shape(body), tools)
-        except BadRequest as e:  # its response_format is this API's text.format
-            if e.param != "response_format":
-                raise
-            raise BadRequest(e.message.replace("'response_format'", "'text.format'"),
-                             "text.format") from None
-        if grammar is not None and grammar.param == "response_format":
-            grammar.param = "text.format"
-        prompt = render(s.tokenizer, messages, tools if reading else None, s.template_args)
+        choice = tool_choice(body.get("tool_choice"), tools, self._function_name)
+        conversation = Conversation(messages, tools, choice, self._format(body),
+                                    s.template_args,
+                                    max_calls=1 if not parallel else max_calls)
+        prompt, grammar, reply = conversation.prompt(s)
         d = s.sampling_defaults
         temperature = field(body, "temperature", NUMBER, d.get("temperature", 0.0), lo=0,
                             hi=2)
         top_p = field(body, "top_p", NUMBER, d.get("top_p", 1.0), lo=0, hi=1)
-        job = s.job(prompt, max_tokens=field(body, "max_output_tokens", int, None, lo=1),
-                    max_tokens_name="max_output_tokens", prompt_param="input",
-                    temperature=temperature, top_p=top_p, top_k=d.get("top_k", 0),
-                    min_p=d.get("min_p", 0.0), grammar=grammar, id_prefix="resp_")
-        limit = 1 if not parallel else max_calls
-        opts = {"model": model, "stream": stream, "echo": {
+        job = s.job(Generation(
+            prompt, field(body, "max_output_tokens", int, None, lo=1),
+            Sampling(temperature=temperature, top_p=top_p, top_k=d.get("top_k", 0),
+                     min_p=d.get("min_p", 0.0)),
+            max_tokens_name="max_output_tokens", prompt_param="input", grammar=grammar,
+            id_prefix="resp_"))
+        settings = {
             "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
             "temperature": temperature, "top_p": top_p,
@@ -217,9 +223,8 @@ class ResponsesAPI:
             "parallel_tool_calls": parallel, "metadata": body.get("metadata") or {},
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "user": body.get("user"), "store": False, "truncation": "disabled",
-            "previous_response_id": None, "reasoning": None, "service_tier": "default"}}
-        return job, opts, Reply(s.tokenizer, prompt, tools, parse_tools=reading == "parse",
-                                forced=reading == "forced", max_calls=limit)
+            "previous_response_id": None, "reasoning": None, "service_tier": "default"}
+        return job, ResponsesDelivery(model, stream, settings), reply
 
 
 def _one_system(messages: List[dict]) -> List[dict]:
@@ -248,8 +253,8 @@ def _parts(content, where: str):
 class ResponseView:
     """One request's events as a Response, or as the SDK's stream of response events."""
 
-    def __init__(self, job, opts: dict, reply: Reply):
-        self.job, self.opts, self.reply = job, opts, reply
+    def __init__(self, job, delivery: ResponsesDelivery, reply: Reply):
+        self.job, self.delivery, self.reply = job, delivery, reply
         self.created = int(time.time())
         self.sequence = 0
         self.output: List[dict] = []  # the items so far
@@ -259,9 +264,9 @@ class ResponseView:
     # -- the response ------------------------------------------------------------------
     def _response(self, status: str, last: Optional[dict] = None) -> dict:
         out = {"id": self.job.id, "object": "response", "created_at": self.created,
-               "status": status, "model": self.opts["model"], "output": list(self.output),
+               "status": status, "model": self.delivery.model, "output": list(self.output),
                "error": None, "incomplete_details": None, "usage": None,
-               **self.opts["echo"]}
+               **self.delivery.settings}
         if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if last is not None:
@@ -294,9 +299,9 @@ class ResponseView:
         return {"type": "reasoning", "id": _id("rs"), "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}]}
 
-    def whole(self, events: List[dict], last: dict) -> dict:
-        content, reasoning, calls = self.reply.feed("".join(e["text"] for e in events),
-                                                    final=True)
+    def whole(self, result: Result) -> dict:
+        last = result.last
+        content, reasoning, calls = self.reply.feed(result.text, final=True)
         if reasoning:
             self.output.append(self._reasoning_item(reasoning))
         if content or not calls:
