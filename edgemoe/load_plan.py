@@ -137,7 +137,7 @@ def plan_load(path_or_hf_repo: Optional[str], options: StreamOptions,
                   f"fits in the {backend.where}memory available", file=sys.stderr)
     plan.store = ExpertStore(plan.source, plan.budget, options.cache_policy, options.io,
                              options.readers, memory=backend.slot_memory(plan),
-                             learned_policy=pack_asset(path, "cache_policy"),
+                             folder=path,
                              read_timeout_s=options.read_timeout)
     return plan
 

@@ -11,7 +11,10 @@ A policy that can rank an expert it does not hold has `heat(expert)`: higher is 
 longer, comparable across one layer's experts, resident or not. An advisory prefetch
 evicts only an expert colder than its prediction (`edgemoe.streaming.slots`).
 
-LFU is the policy; the learned one is experimental (edgemoe.streaming.experimental).
+A policy is made by name from `POLICIES`: a factory given the model's folder, where a
+policy finds what was trained for it. LFU is the policy; another registers itself
+(`register_policy`): the learned one, experimental, from edgemoe.streaming.experimental,
+which the tools' command line imports (edgemoe.cli) and this runtime never does.
 LRU, LFU-DA and S3-FIFO were removed in #44: each was below LFU at every budget on both
 bundled models (docs/benchmarks.md, "Variants"). Belady's optimum needs the future; it
 lives in `edgemoe.streaming.replay`, which replays recorded routing traces through these
@@ -19,9 +22,8 @@ policies and measures them against it.
 """
 
 from collections import OrderedDict
-from typing import Iterable, Optional
-
-from .experimental.learned import LearnedPolicy
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 
 class Recency:
@@ -94,20 +96,23 @@ class LFUPolicy(Recency):
         return self._uses.get(expert, 0), self._last.get(expert, 0)
 
 
-POLICIES = {
-    "lfu": LFUPolicy,
-    "learned": LearnedPolicy.from_file,  # experimental; its weights: DEFAULT_LEARNED or given
-}
+# name -> a fresh policy, given the model's folder (None: none, or a replay's)
+POLICIES = {"lfu": lambda folder: LFUPolicy()}
 DEFAULT_POLICY = "lfu"  # best online policy in cache_sim replays of the bundled model
 
 
-def make_policy(name, learned=None):
-    """A fresh policy by name (`learned`: the learned policy's weights file), or from a
-    factory: a callable taking nothing."""
+def register_policy(name: str, factory: Callable[[Optional[Path]], object]):
+    """Offer a policy by name (`--cache-policy NAME`): `factory(model folder)` makes one."""
+    POLICIES[name] = factory
+
+
+def make_policy(name, folder: Optional[Path] = None):
+    """A fresh policy by name, for the model in `folder`, or from a factory: a callable
+    taking nothing."""
     if callable(name):
         return name()
     if name not in POLICIES:
-        raise ValueError(f"cache policy {name!r}: choose one of {', '.join(POLICIES)}")
-    if name == "learned":
-        return LearnedPolicy.from_file(learned)
-    return POLICIES[name]()
+        raise ValueError(f"cache policy {name!r}: choose one of {', '.join(POLICIES)} (an "
+                         f"experimental one is offered once edgemoe.streaming.experimental "
+                         f"is imported, as the command-line tools do)")
+    return POLICIES[name](folder)

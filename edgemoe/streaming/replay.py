@@ -259,10 +259,11 @@ def simulate(trace: Dict[str, np.ndarray], budget, policy: str,
                      for i in range(routed.shape[1])]
         policies = iter([BeladyPolicy(steps) for steps in per_layer])
         factory = lambda: next(policies)  # noqa: E731 (one per layer, in layer order)
-    elif policy == "learned" and model is not None:
-        factory = lambda: LearnedPolicy(model)  # noqa: E731
+    elif policy == "learned":  # its weights: `model`, else the file `learned`
+        factory = lambda: LearnedPolicy(model) if model is not None \
+            else LearnedPolicy.from_file(learned)  # noqa: E731
     else:
-        factory = lambda: make_policy(policy, learned)  # noqa: E731
+        factory = lambda: make_policy(policy)  # noqa: E731
     pack = replay_pack(plan.expert_bytes, plan.num_experts, plan.top_k)
     store = replay_store(pack, slots, factory)
     store.gate_prefetches(prefetch and bool(trace.get("prefetch_gated", False)))

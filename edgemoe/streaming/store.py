@@ -55,11 +55,11 @@ class ExpertStore:
     def __init__(self, pack: Pack, expert_budget: Budget = 1.0,
                  cache_policy: str = DEFAULT_POLICY, io: str = "buffered", readers: int = 2,
                  *, memory: MemoryFactory, reader=None,
-                 learned_policy: Optional[Path] = None, read_timeout_s: Optional[float] = 30.0):
+                 folder: Optional[Path] = None, read_timeout_s: Optional[float] = 30.0):
         """`memory` makes each layer's SlotMemory (the backend's: edgemoe.model.slots for
         MLX, edgemoe.cuda.slots; NoMemory for a replay); `reader` fills slots (default:
-        `readers` threads of edgemoe.streaming.reader); `learned_policy` holds the
-        learned cache policy's weights (default: the bundled ones). A compute
+        `readers` threads of edgemoe.streaming.reader); `folder`: the model's, where
+        a cache policy finds what was trained for it (edgemoe.streaming.cache). A compute
         that waits longer than `read_timeout_s` for a read fails with a PackError, and
         the store reports itself unhealthy while a read takes that long."""
         self.read_timeout_s = read_timeout_s
@@ -75,13 +75,13 @@ class ExpertStore:
         # counts the model side keeps on the device until asked (edgemoe.model.hostsync)
         self.settle: Optional[Callable[[], None]] = None
         if not callable(cache_policy):  # a bad name or file fails before threads start
-            make_policy(cache_policy, learned_policy)
+            make_policy(cache_policy, folder)
         # a fresh policy as each layer's slots use (cache-conditional routing simulates them)
-        self.new_policy = lambda: make_policy(cache_policy, learned_policy)
+        self.new_policy = lambda: make_policy(cache_policy, folder)
         self.reader = reader if reader is not None else Reader(pack, readers, io)
         self.layers: Dict[str, LayerSlots] = {
             l.module: LayerSlots(l, self.slots_per_layer,
-                                 make_policy(cache_policy, learned_policy),
+                                 make_policy(cache_policy, folder),
                                  memory(l, self.slots_per_layer), self.reader, self.stats,
                                  self.lock)
             for l in pack.layers

@@ -16,6 +16,9 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from ...format.source import pack_asset
+from ..cache import register_policy
+
 # fitted on the bundled model's traces; a pack may carry its own (cache_policy.npz)
 DEFAULT_LEARNED = Path(__file__).resolve().parents[2] / "models" / "fine" / "cache_policy.npz"
 
@@ -81,6 +84,12 @@ class LearnedPolicy:
     def from_file(cls, path=None) -> "LearnedPolicy":
         return cls(_load_model(str(path or DEFAULT_LEARNED)))
 
+    @classmethod
+    def for_model(cls, folder: Optional[Path] = None) -> "LearnedPolicy":
+        """With the weights the model's folder carries (cache_policy.npz), else the
+        bundled ones."""
+        return cls.from_file(pack_asset(folder, "cache_policy") if folder else None)
+
     def touch(self, expert: int):
         self.clock += 1
         recent = self._recent.setdefault(expert, deque())
@@ -119,3 +128,6 @@ class LearnedPolicy:
         if expert not in self._last:
             return -np.inf
         return -float(self.model.predict(self.features([expert]))[0])
+
+
+register_policy("learned", LearnedPolicy.for_model)  # --cache-policy learned
