@@ -38,9 +38,9 @@ from .format.destination import (OURS, DestinationLock, check_destination, is_pa
                                  keep_theirs, remove_ours, replace_with)
 from .format.families import check_supported, layer_index, routed_experts, skeleton
 from .model.experts import expert_modules
-from .format.pack import (ALIGNMENT, EXPERTS_FILE, RESIDENT_FILE, ExpertsWriter,
-                          PackError, PackLayer, record_layout, record_written_files,
-                          write_manifest)
+from .format.pack import ALIGNMENT, EXPERTS_FILE, PackError, PackLayer, RESIDENT_FILE
+from .format.writer import (ExpertsWriter, record_layout, record_written_files,
+                            write_manifest)
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")

@@ -27,8 +27,8 @@ import torch
 
 from edgemoe.cuda.int4 import gather_qmm
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load
-from edgemoe.format.pack import (RESIDENT_FILE, ExpertsWriter, PackLayer, record_layout,
-                          write_manifest)
+from edgemoe.format.pack import PackLayer, RESIDENT_FILE
+from edgemoe.format.writer import ExpertsWriter, record_layout, write_manifest
 
 PROMPT, DECODE, BENCH_TOKENS = 64, 32, 64
 # stated tolerances against the CPU MLX path, as docs/cuda.md states them: float32 must match

@@ -237,7 +237,8 @@ def test_an_overwrite_cut_mid_swap_restores_the_old_pack(checkpoints, tmp_path):
 
 def test_a_pack_that_does_not_verify_is_never_reported_written(checkpoints, tmp_path,
                                                                monkeypatch):
-    from edgemoe.format.pack import ExpertsWriter, PackError
+    from edgemoe.format.pack import PackError
+    from edgemoe.format.writer import ExpertsWriter
 
     write = ExpertsWriter.write
 

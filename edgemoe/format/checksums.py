@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .pack import Pack, PackError, read_json, resident_checksums, resident_tensor_names
+from .pack import Pack, PackError, read_json, resident_checksums
+from .resident import resident_tensor_names
 
 INDEX_FILE = "edgemoe.checksums.json"
 FORMAT = "edgemoe.checksums"

@@ -33,7 +33,9 @@ import numpy as np
 
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LEAVES, lora_key, owner
 from .inplace import _DTYPES, safetensors_header
-from .pack import ExpertsWriter, Pack, PackError, PackLayer, Record, TensorLayout, read_json
+from .pack import Pack, PackError, PackLayer, read_json
+from .records import Record, TensorLayout
+from .writer import ExpertsWriter
 
 FORMAT = "edgemoe.expert_deltas"
 VERSION = 1

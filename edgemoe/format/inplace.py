@@ -13,8 +13,9 @@ from pathlib import Path
 
 from .checksums import load_index, with_index
 from .families import check_supported, layer_index, routed_experts, skeleton
-from .pack import (Pack, PackError, PackLayer, Record, TensorLayout, expert_of, read_json,
-                   read_safetensors_header)
+from .pack import Pack, PackError, PackLayer, read_json
+from .records import Record, TensorLayout
+from .resident import expert_of, read_safetensors_header
 
 _DTYPES = {"U32": "uint32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "U8": "uint8", "I32": "int32"}

@@ -24,7 +24,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..format.pack import Pack, PackLayer, Record, TensorLayout
+from ..format.pack import Pack, PackLayer
+from ..format.records import Record, TensorLayout
 from . import calls as calls_module
 from .budget import SlotPlan
 from .cache import make_policy

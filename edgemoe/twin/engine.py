@@ -31,7 +31,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..streaming.replay import recorded_prefetches, trace_calls
-from ..format.pack import Pack, PackError, PackLayer, aligned
+from ..format.pack import Pack, PackError, PackLayer
+from ..format.records import aligned
 from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
@@ -271,7 +272,7 @@ def memory_factory(pack: Pack, slots: int, cap: float = SLOT_MEMORY_CAP):
 
 
 def without_checksums(pack: Pack) -> Pack:
-    from ..format.pack import Record
+    from ..format.records import Record
     layers = [PackLayer(l.module, l.index, l.tensors, l.quantization,
                         [Record(r.segments, None) for r in l.records]) for l in pack.layers]
     return Pack(pack.path, pack.model_type, pack.top_k, layers, pack.experts_file_size,

@@ -30,8 +30,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..format.pack import (ALIGNMENT, EXPERTS_FILE, ExpertsWriter, Pack, PackLayer, Record,
-                           TensorLayout, aligned)
+from ..format.pack import ALIGNMENT, EXPERTS_FILE, Pack, PackLayer
+from ..format.records import Record, TensorLayout, aligned
+from ..format.writer import ExpertsWriter
 
 INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # affine 4-bit, groups of 64, bf16 scales and biases
 SHAPE_PACK_CAP = 4 * 10**9  # physical layers written: as many as fit this (at least one)
@@ -61,7 +62,7 @@ class Shape:
 
     def record_tensors(self) -> List[Tuple[str, str, tuple]]:
         """(name, dtype, shape) of one expert's tensors, sorted by name as convert lays
-        them out (edgemoe.format.pack.record_layout)."""
+        them out (edgemoe.format.writer.record_layout)."""
         d, f = self.hidden, self.moe_intermediate
         projs = {"down_proj": (d, f)}
         if self.fused_gate_up:
