@@ -6,7 +6,7 @@
                ensure -> compute -> release (always)
     store      all layers' pools under one budget, one reader: `prefetch`, `snapshot`
     reader     background `preadv` threads that fill slots (O_DIRECT if asked)
-    cache      eviction policies: LFU (the default) and the learned one
+    cache      eviction policies: LFU (the default); others register by name
     stats      the counters and the one definition of a hit
     trace      routing and prefetch traces, for edgemoe.cache_sim
     replay     traces replayed through the store's own slots; Belady's optimum
