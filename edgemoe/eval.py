@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .format.source import BUNDLED_MODEL, source_kind
 from .model.experts import streaming_of
 from .options import StreamOptions
@@ -250,8 +250,7 @@ def main(argv=None):
                         "call)")
     p.add_argument("--json", default=None, help="Also write the result here")
     StreamOptions.add_arguments(p, only=StreamOptions.single_host())
-    add_debug_flag(p)
-    args = arrange(p, "eval").parse_args(argv)
+    args = tool_parser(p, "eval").parse_args(argv)
     args.model = args.model or [str(BUNDLED_MODEL)]
     if len(args.model) > 2:
         p.error("give one --model, or two to compare")

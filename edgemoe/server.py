@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Tuple
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .machines import machine_defaults
 from .options import StreamOptions, number
@@ -126,9 +126,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_draft_arguments(p)  # a request decoded alone speculates (edgemoe.serving.engine)
-    add_debug_flag(p)
     StreamOptions.add_arguments(p)  # each batch row keeps its own routing state
-    return arrange(p, "server")
+    return tool_parser(p, "server")
 
 
 def byte_size(text: str) -> int:

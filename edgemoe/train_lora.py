@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .eval import compare
 from .format.deltas import expert_deltas
 from .format.source import open_source
@@ -280,8 +280,7 @@ def main(argv=None):
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "routing",
                                          "prerouter_path", "readers"])
     p.set_defaults(routing=PREROUTED)  # the student as it will be served
-    add_debug_flag(p)
-    args = arrange(p, "train_lora").parse_args(argv)
+    args = tool_parser(p, "train_lora").parse_args(argv)
     existing = Path(args.out) / ADAPTER_CONFIG
     resumable = (Path(args.out) / STATE).exists() or (Path(args.out) / TORCH_STATE).exists()
     if existing.exists() and not resumable:

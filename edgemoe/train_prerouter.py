@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .cli import add_debug_flag, arrange, tool
+from .cli import tool, tool_parser
 from .format.source import source_kind
 from .options import StreamOptions
 from .streaming.budget import is_auto
@@ -335,8 +335,7 @@ def main(argv=None):
     p.add_argument("--max-train-tokens", type=int, default=0)
     p.add_argument("--max-eval-tokens", type=int, default=0)
     StreamOptions.add_arguments(p, only=["expert_budget", "cache_policy", "io", "readers"])
-    add_debug_flag(p)
-    args = arrange(p, "train_prerouter").parse_args(argv)
+    args = tool_parser(p, "train_prerouter").parse_args(argv)
     report = run(args)
     print_table(report)
 
