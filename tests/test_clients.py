@@ -405,22 +405,24 @@ def test_a_reply_is_split_into_reasoning_content_and_tool_calls(tmp_path):
                 for c in reply.calls] == [("get_weather", {"city": "Oslo"})]
         assert reply.finish_reason("stop") == "tool_calls"
     # the calls as each API gives them, read by its official client's own types
-    from edgemoe.serving.anthropic import MessageView
+    from edgemoe.serving.anthropic import MessagesDelivery, MessageView
+    from edgemoe.serving.canonical import Result
     from edgemoe.serving.job import Job
-    from edgemoe.serving.ollama import Lines
+    from edgemoe.serving.ollama import Lines, OllamaDelivery
 
     job = Job(id="x", prompt=[1, 2], max_tokens=8, emit=print)
     done = {"type": "done", "finish_reason": "stop", "prompt_tokens": 2,
             "completion_tokens": 9, "cached_tokens": 0}
     events = [{"type": "token", "token": 1, "logprob": -1.0, "text": text, "top": None}]
     message = anthropic.types.Message.model_validate(
-        MessageView(job, {"model": MODEL}, Reply(tok, [1], [WEATHER])).whole(events, done))
+        MessageView(job, MessagesDelivery(MODEL, False), Reply(tok, [1], [WEATHER]))
+        .whole(Result(events, done)))
     assert message.stop_reason == "tool_use"
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[2].input == {"city": "Oslo"}
     response = ollama.ChatResponse.model_validate(
-        Lines(None, job, {"model": MODEL, "chat": True}, Reply(tok, [1], [WEATHER]))
-        .whole(events, done))
+        Lines(None, job, OllamaDelivery(MODEL, False), Reply(tok, [1], [WEATHER]))
+        .whole(Result(events, done)))
     assert response.message.thinking == "rain? check"
     assert [(c.function.name, c.function.arguments) for c in response.message.tool_calls] \
         == [("get_weather", {"city": "Oslo"})]
