@@ -43,7 +43,7 @@ ENGINE = tuple(f"edgemoe.serving.{name}" for name in (
     "engine", "job", "sampling", "speculation", "prompt_cache", "metrics", "lockstep",
     "http", "canonical"))
 DIALECTS = tuple(f"edgemoe.serving.{name}" for name in (
-    "openai", "anthropic", "ollama", "responses"))
+    "openai", "openai_view", "anthropic", "ollama", "responses", "responses_view"))
 
 # what decodes and serves, and the room for what-if questions, which imports it
 RUNTIME = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgemoe.model",
