@@ -27,7 +27,7 @@ from .canonical import Generation, Result
 from .constrain import Grammar, Tokens, vetted
 from .errors import BadRequest, error_response
 from .engine import Engine
-from .fields import MAX_DRAFT_TOKENS, NUMBER, field
+from .fields import field
 from .job import Job
 from .limits import BoundedTokenizer
 
@@ -115,61 +115,16 @@ class Server:
                              f"{self.model_id!r} (add names with --model-alias)", name, 404)
         return model
 
-    def text_tokens(self, prompt, param: str = "prompt") -> List[int]:
-        """A prompt as text (tokenized) or token ids (checked against the vocabulary)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.vocab_size
-        if (isinstance(prompt, list) and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise BadRequest(f"'{param}' token id {bad[0]} is out of range "
-                                 f"[0, {vocab})", param)
-            return list(prompt)
-        raise BadRequest(f"'{param}' must be a string or a non-empty array of token ids "
-                         f"(or, for several prompts, an array of those)", param)
-
     def job(self, generation: Generation) -> Job:
         """The engine's job for a request's `generation`, checked against the context."""
         return generation.job(uuid.uuid4().hex[:24], self.context_length,
                               self.default_max_tokens)
-
-    def draft_tokens_field(self, body: dict) -> Optional[int]:
-        """mlx_lm.server's per-request draft length: drafts per window, fixed for this
-        request (else the server's DraftLength adapts it, at most --num-draft-tokens)."""
-        count = field(body, "num_draft_tokens", int, None, lo=0, hi=MAX_DRAFT_TOKENS)
-        if count and not self.engine.drafting:
-            raise BadRequest("'num_draft_tokens' needs a draft: this server was started "
-                             "without --draft-model or --prompt-lookup", "num_draft_tokens")
-        return count
 
     def top_k_field(self, body: dict, name: str = "top_k", where: str = "",
                     default: int = 0) -> int:
         vocab = self.vocab_size
         return field(body, name, int, default, lo=0, hi=vocab - 1 if vocab else None,
                      where=where)
-
-    def logit_bias(self, value, name: str = "logit_bias") -> Optional[Dict[int, float]]:
-        """OpenAI's {"token id": bias in [-100, 100]}."""
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise BadRequest(f"'{name}' must be an object of token id: bias", name)
-        bias = {}
-        for key, b in value.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise BadRequest(f"'{name}' keys must be token ids, got {key!r}",
-                                 name) from None
-            if not (0 <= token < (self.vocab_size or 2**31)):
-                raise BadRequest(f"'{name}' token id {token} is out of range "
-                                 f"[0, {self.vocab_size})", name)
-            bias[token] = field({key: b}, key, NUMBER, lo=-100, hi=100, where=name + ".")
-        return bias
 
     # -- running a job ---------------------------------------------------------------
     async def respond(self, request: Request, parse, view, error,

@@ -13,7 +13,7 @@ tool parser mlx-lm infers from the chat template; `none` needs nothing.
 
 import asyncio
 from dataclasses import replace
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -22,9 +22,9 @@ from starlette.routing import Route
 from .canonical import Conversation, Generation, Sampling
 from .chat import check_tools, text_of, tool_call_message, untrimmed_detokenizer
 from .errors import BadRequest, error_response
-from .fields import (MAX_TOP_LOGPROBS, NO_EFFECT, NUMBER, check_reasoning_effort, field,
-                     refuse_unknown, response_format_grammar, stop_strings,
-                     tool_choice)
+from .fields import (MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, NO_EFFECT, NUMBER,
+                     check_reasoning_effort, field, refuse_unknown, response_format_grammar,
+                     stop_strings, tool_choice)
 from .http import ClientGone, Server, event_stream, public, sse
 from .openai_view import OpenAIDelivery, View, error, summed
 
@@ -107,11 +107,11 @@ class OpenAIAPI:
             min_p=field(body, "min_p", NUMBER, d.get("min_p", 0.0), lo=0, hi=1),
             seed=field(body, "seed", int, lo=0, hi=2**63 - 1),
             stop=stop_strings(body.get("stop")), penalties=penalties,
-            logit_bias=s.logit_bias(body.get("logit_bias")))
+            logit_bias=logit_bias(s, body.get("logit_bias")))
         return delivery, Generation(
             prompt=[], max_tokens=field(body, name, int, None, lo=0 if not chat else 1),
             max_tokens_name=name, sampling=sampling,
-            num_draft_tokens=s.draft_tokens_field(body))
+            num_draft_tokens=draft_tokens_field(s, body))
 
     def _messages(self, body: dict) -> List[dict]:
         messages = body.get("messages")
@@ -228,11 +228,11 @@ class OpenAIAPI:
         batch = isinstance(prompt, list) and prompt and all(
             isinstance(p, (str, list)) for p in prompt)
         if not batch:
-            return [s.text_tokens(prompt)]
+            return [text_tokens(s, prompt)]
         if len(prompt) > MAX_PROMPTS:
             raise BadRequest(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} "
                              f"are taken in one request", "prompt")
-        return [s.text_tokens(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [text_tokens(s, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
 
     async def chat(self, request: Request):
         return await self.server.respond(request, self.parse_chat, self._view, error)
@@ -318,3 +318,53 @@ class Batched(Exception):
     def __init__(self, jobs: list, delivery: OpenAIDelivery):
         super().__init__(f"{len(jobs)} prompts")
         self.jobs, self.delivery = jobs, delivery
+
+
+# -- OpenAI's (and mlx_lm.server's) own fields ------------------------------------------
+
+def text_tokens(server, prompt, param: str = "prompt") -> List[int]:
+    """A prompt as text (tokenized) or token ids (checked against the vocabulary)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return server.tokenizer.encode(prompt)
+    vocab = server.vocab_size
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise BadRequest(f"'{param}' token id {bad[0]} is out of range "
+                             f"[0, {vocab})", param)
+        return list(prompt)
+    raise BadRequest(f"'{param}' must be a string or a non-empty array of token ids "
+                     f"(or, for several prompts, an array of those)", param)
+
+
+def draft_tokens_field(server, body: dict) -> Optional[int]:
+    """mlx_lm.server's per-request draft length: drafts per window, fixed for this
+    request (else the server's DraftLength adapts it, at most --num-draft-tokens)."""
+    count = field(body, "num_draft_tokens", int, None, lo=0, hi=MAX_DRAFT_TOKENS)
+    if count and not server.engine.drafting:
+        raise BadRequest("'num_draft_tokens' needs a draft: this server was started "
+                         "without --draft-model or --prompt-lookup", "num_draft_tokens")
+    return count
+
+
+def logit_bias(server, value, name: str = "logit_bias") -> Optional[Dict[int, float]]:
+    """OpenAI's {"token id": bias in [-100, 100]}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest(f"'{name}' must be an object of token id: bias", name)
+    bias = {}
+    for key, b in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"'{name}' keys must be token ids, got {key!r}",
+                             name) from None
+        if not (0 <= token < (server.vocab_size or 2**31)):
+            raise BadRequest(f"'{name}' token id {token} is out of range "
+                             f"[0, {server.vocab_size})", name)
+        bias[token] = field({key: b}, key, NUMBER, lo=-100, hi=100, where=name + ".")
+    return bias
