@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
-from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
+from edgemoe.twin.engine import Compute, TwinConfig, prerouted_layers, run_twin  # noqa: E402
 from edgemoe.twin.forecast import ttft_forecast  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
@@ -257,9 +257,12 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     from edgemoe.format.pack import Pack
     pack = Pack.open(pack_path)
     budget, routing = kind.split(":")[:2]
+    # the run was traced (every layer syncs); prerouted as the pack's heads route
+    heads = prerouted_layers(Path(pack_path) / "prerouter") if routing == "prerouted" else {}
     cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
-                     mac_reads=False, reader_contends=not args.no_contention)
+                     mac_reads=False, reader_contends=not args.no_contention, traced=True,
+                     **heads)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -417,14 +420,25 @@ def score(run, compute, profile, args) -> dict:
            "predicted_ttft_s": t.forecast_ttft_s,
            "measured_bytes": measured_bytes, "predicted_bytes": t.decode_bytes,
            "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
-           "predicted_bytes_per_token": t.decode_bytes_per_token}
+           "predicted_bytes_per_token": t.decode_bytes_per_token,
+           # where a row misses: the waits on reads, the syncs, the disk while reading
+           "measured_blocked_ms": r.get("blocked_ms_per_token", 0.0),
+           "predicted_blocked_ms": t.blocked_ms_per_token,
+           "measured_syncs_per_token": r.get("host_syncs_per_token", 0.0),
+           "predicted_syncs_per_token": t.host_syncs_per_token,
+           "measured_read_gbps": r.get("read_gbps", 0.0),
+           "predicted_read_gbps": t.read_gbps_during_run}
     row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
     row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
     row["bytes_error"] = (row["predicted_bytes"] / measured_bytes - 1 if measured_bytes
                           else 0.0)
     print(f"{row['config']:>40} round {run['round']}: tok/s {row['measured_tok_s']:6.1f} "
           f"measured, {row['predicted_tok_s']:6.1f} twin ({row['tok_s_error']:+.1%}); TTFT "
-          f"{row['ttft_error']:+.1%}; bytes {row['bytes_error']:+.2%}", flush=True)
+          f"{row['ttft_error']:+.1%}; bytes {row['bytes_error']:+.2%}; blocked "
+          f"{row['measured_blocked_ms']:.2f}/{row['predicted_blocked_ms']:.2f} ms, syncs "
+          f"{row['measured_syncs_per_token']:.1f}/{row['predicted_syncs_per_token']:.1f}, read "
+          f"{row['measured_read_gbps']:.2f}/{row['predicted_read_gbps']:.2f} GB/s "
+          f"(measured/twin)", flush=True)
     return row
 
 

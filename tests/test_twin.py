@@ -155,6 +155,44 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
     assert syncs("native", per_layer=2) == pytest.approx(2 * 3)  # the path before it
 
 
+def test_syncs_follow_a_traced_run_and_the_heads_config(tiny):
+    """A validation's real runs are traced, and a traced layer held whole reads its routing
+    back too: the twin of its 100% run (the calibration) syncs as the streamed runs do, so
+    their syncs are not counted twice. Prerouted syncs follow the heads' config: the
+    shipped cache-conditional layers read their routing back, after one more evaluation."""
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=10), shape)
+    prof = load_profile("m4-pro-24gb")
+
+    def run(mode, budget, **kw):
+        return run_twin(pack, trace, zero_compute(1e-3), prof,
+                        TwinConfig(budget=budget, mode=mode, io="buffered", stretch=1.0,
+                                   dilate_python=False, **kw))
+
+    assert run("native", "100%").host_syncs_per_token == 0
+    assert run("native", "100%", traced=True).host_syncs_per_token == 3
+    # heads on layer 2 alone: layers 0 and 1 read theirs, from the second decoded token on
+    assert run("prerouted", "50%", heads_layers=(2,)).host_syncs_per_token == \
+        pytest.approx((9 * 2 + 3) / 10)
+    # cache-conditional layers 1 and 2 (layer 0 native): every layer syncs, held whole too,
+    # and each conditional layer evaluates its restricted logits first
+    plain = run("prerouted", "100%", heads_layers=(), conditional_layers=())
+    conditional = run("prerouted", "100%", heads_layers=(), conditional_layers=(1, 2))
+    assert conditional.host_syncs_per_token == plain.host_syncs_per_token == 3
+    assert conditional.compute_ms_per_token - plain.compute_ms_per_token == \
+        pytest.approx(2 * 1.0 * 9 / 10)
+
+
+def test_the_bundled_heads_route_cache_conditionally():
+    from edgemoe.routing.heads_config import read_config
+    from edgemoe.twin.engine import prerouted_layers
+    heads = ROOT / "edgemoe" / "models" / "fine" / "prerouter"
+    config = read_config(heads)
+    layers = prerouted_layers(heads)
+    assert config.conditional and layers["heads_layers"] == ()
+    assert layers["conditional_layers"] == tuple(config.predicted_layers) != ()
+
+
 def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):
     from edgemoe.doctor import main
     from edgemoe.format.source import BUNDLED_MODEL

@@ -26,7 +26,7 @@ ran under.
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -299,6 +299,17 @@ class TwinConfig:
     # 2 is the path before it (a routing read and an evaluation after the experts;
     # prerouted kept the second). Set it to forecast another path.
     syncs_per_layer: Optional[int] = None
+    # the real run recorded a trace (a validation): a layer held whole syncs on its routing
+    # too (edgemoe.model.experts keeps the device lookup for untraced runs), so its
+    # resident run syncs as its streamed ones do
+    traced: bool = False
+    # prerouted decode (edgemoe.routing.heads_config, prerouted_layers): the MoE layers (by
+    # model index) whose routing the heads give a token ahead (None: all but the first,
+    # plain heads); those routed cache-conditionally, whose router chooses after one more
+    # evaluation (its restricted logits: edgemoe.routing.between.ConditionalTap). Every
+    # other layer syncs on its routing, held whole or not.
+    heads_layers: Optional[Tuple[int, ...]] = None
+    conditional_layers: Tuple[int, ...] = ()
     # compute runs on this CPU, beside the reader threads (a validation here, with this
     # machine's reader): the reader's CPU seconds during a compute wait extend the wait
     reader_contends: bool = False
@@ -382,6 +393,29 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
         store.close()
 
 
+def layer_syncs(pool, mode, known: bool, traced: bool) -> bool:
+    """Whether a decode call of this layer reads its routing back, as
+    edgemoe.model.experts.StreamingExperts does: not when the heads gave it; a prerouted
+    model's other layers always (the resident shortcut is native and advisory's); a
+    native or advisory layer when streamed, or when the run is traced."""
+    if known:
+        return False
+    if mode.routes:
+        return True
+    return traced or pool.num_slots < pool.layer.num_experts
+
+
+def prerouted_layers(heads) -> dict:
+    """TwinConfig's heads_layers and conditional_layers for the prerouter folder `heads`
+    (its prerouter_config.json, what `--routing prerouted` runs)."""
+    from ..routing.heads_config import read_config
+    config = read_config(heads)
+    predicted = tuple(config.predicted_layers)
+    if config.conditional:
+        return {"heads_layers": (), "conditional_layers": predicted}
+    return {"heads_layers": predicted, "conditional_layers": ()}
+
+
 def _reader_cpu(reader) -> Callable[[], float]:
     """The reader's CPU seconds so far: counted per thread where it counts them, else its
     copy and CRC32 time."""
@@ -439,6 +473,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         target, lead = (p + 1, 1) if p + 1 < L else (0, 0)
         store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead)
 
+    first = min(pool.layer.index for pool in pools)
+    by_heads = (lambda layer: layer != first) if cfg.heads_layers is None else \
+        (lambda layer: layer in cfg.heads_layers)
     record_bytes = pools[0].layer.expert_bytes
     profile_s = profile.read_s(record_bytes, cfg.readers)
     track = cfg.stretch is None and cfg.track_disk
@@ -466,14 +503,13 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         tic = time.perf_counter()
         tokens = call.stop - call.start
         issue(c, -1)
-        known = (mode.routes and is_decode and c > 0
-                 and bool(decode[calls[c - 1].start]))
+        predicted = (mode.routes and is_decode and c > 0
+                     and bool(decode[calls[c - 1].start]))
         syncs = 2 if not is_decode else cfg.syncs_per_layer
         for p, pool in enumerate(pools):
-            if syncs is None:  # today's path: the routing read of a streamed layer alone;
-                # prerouted's predictions are evaluated at its first layer's sync
-                streamed = pool.num_slots < pool.layer.num_experts
-                routing_sync = (not known and streamed) or (known and p == 0)
+            known = predicted and by_heads(pool.layer.index)
+            if syncs is None:  # today's path (layer_syncs)
+                routing_sync = layer_syncs(pool, mode, known, cfg.traced)
                 experts_sync = False
             else:
                 routing_sync = not known and syncs >= 1
@@ -481,6 +517,10 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
             waiter.wait(compute.resident_layer_s(tokens))
             if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))
+            if predicted and pool.layer.index in cfg.conditional_layers:
+                # its restricted logits, evaluated in the router (not a sync of the
+                # expert path: the store's count, which the twin's matches, leaves it out)
+                waiter.wait(compute.host_sync_s)
             if routing_sync:
                 waiter.wait(compute.host_sync_s + compute.sync_idle_s)
                 stats.host_syncs += 1
@@ -495,17 +535,17 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                                 + (0.0 if routing_sync else compute.sync_idle_s))
                     stats.host_syncs += 1
 
-            def on_routed(c=c, p=p):
-                if not mode.routes or not is_decode:
+            def on_routed(c=c, p=p, known=known):
+                if not known:  # its prefetches overlap its compute (StreamingExperts)
                     issue(c, p)
                 if synthetic and mode.advisory:
                     advise(c, p)
 
             run_call(pool, ids, compute_pass, on_routed)
-            if mode.routes and is_decode:
+            if known:  # deferred to the next sync, after this layer's compute
                 issue(c, p)
-                if synthetic:
-                    preroute(c, p)
+            if mode.routes and is_decode and synthetic:
+                preroute(c, p)
         waiter.wait(compute.head_s)
         waiter.wait(compute.host_sync_s)
         took = time.perf_counter() - tic
