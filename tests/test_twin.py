@@ -183,6 +183,23 @@ def test_syncs_follow_a_traced_run_and_the_heads_config(tiny):
         pytest.approx(2 * 1.0 * 9 / 10)
 
 
+def test_a_full_budget_reads_every_expert_after_the_first_call(tiny):
+    """At 100% the MLX decode path reads a layer's every expert once its first call is done
+    (LayerSlots.read_whole), as mlx-lm holds them: the twin too, or it would read first
+    uses inside the decode window that the real run read during the prompt."""
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=10), shape)
+    prof = load_profile("m4-pro-24gb")
+    every = sum(r.length for layer in pack.layers for r in layer.records)
+
+    def total(read_whole):
+        return run_twin(pack, trace, zero_compute(1e-3), prof,
+                        TwinConfig(budget="100%", io="buffered", stretch=1.0,
+                                   read_whole=read_whole)).total_bytes
+
+    assert total(True) == every > total(False)
+
+
 def test_the_bundled_heads_route_cache_conditionally():
     from edgemoe.routing.heads_config import read_config
     from edgemoe.twin.engine import prerouted_layers

@@ -313,6 +313,10 @@ class TwinConfig:
     # compute runs on this CPU, beside the reader threads (a validation here, with this
     # machine's reader): the reader's CPU seconds during a compute wait extend the wait
     reader_contends: bool = False
+    # with a slot for every expert, a layer reads all of them after its first call, as
+    # mlx-lm holds them (LayerSlots.read_whole, which the MLX decode path sets); False:
+    # each on its first use (the store's default, a replay's)
+    read_whole: bool = True
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
 
@@ -386,6 +390,8 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
         reader = CpuCountedReader(pack, cfg.readers, cfg.io)
     store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
                         memory=factory, reader=reader)
+    for layer in store.layer_indices:
+        store.pool(layer).read_whole = cfg.read_whole
     try:
         return _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                        probe, notes)
