@@ -359,6 +359,8 @@ def by_config(rows) -> list:
         row["bytes_error"] = (row["predicted_bytes"] / row["measured_bytes"] - 1
                               if row["measured_bytes"] else 0.0)
         row["round_tok_s_errors"] = [r["tok_s_error"] for r in these]
+        # a round beside another busy process measured the two together (2 cores here)
+        row["others_cores_max"] = max((r.get("others_cores") or 0.0) for r in these)
         out.append(row)
     return out
 
@@ -427,7 +429,9 @@ def score(run, compute, profile, args) -> dict:
            "measured_syncs_per_token": r.get("host_syncs_per_token", 0.0),
            "predicted_syncs_per_token": t.host_syncs_per_token,
            "measured_read_gbps": r.get("read_gbps", 0.0),
-           "predicted_read_gbps": t.read_gbps_during_run}
+           "predicted_read_gbps": t.read_gbps_during_run,
+           # the real run's own CPU, and what other processes took beside it (cores)
+           "measured_cpu_cores": r.get("cpu_cores"), "others_cores": r.get("others_cores")}
     row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
     row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
     row["bytes_error"] = (row["predicted_bytes"] / measured_bytes - 1 if measured_bytes
@@ -438,7 +442,8 @@ def score(run, compute, profile, args) -> dict:
           f"{row['measured_blocked_ms']:.2f}/{row['predicted_blocked_ms']:.2f} ms, syncs "
           f"{row['measured_syncs_per_token']:.1f}/{row['predicted_syncs_per_token']:.1f}, read "
           f"{row['measured_read_gbps']:.2f}/{row['predicted_read_gbps']:.2f} GB/s "
-          f"(measured/twin)", flush=True)
+          f"(measured/twin)" + (f"; others took {row['others_cores']:.2f} cores"
+                                if row["others_cores"] is not None else ""), flush=True)
     return row
 
 

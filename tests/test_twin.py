@@ -200,6 +200,21 @@ def test_a_full_budget_reads_every_expert_after_the_first_call(tiny):
     assert total(True) == every > total(False)
 
 
+def test_a_validation_run_reports_what_other_processes_took():
+    """bench_stream's worker (the validation's real runs) reports its own CPU and the cores
+    other processes took beside it: on 2 cores one busy neighbour is half the machine."""
+    import sys
+    from collections import namedtuple
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_stream
+    times = namedtuple("times", "user system")
+    out = bench_stream.cpu_during(2.0, times(1.0, 0.5), times(2.5, 1.0), (100.0, 1.0),
+                                  (104.0, 1.2))
+    assert out == pytest.approx({"cpu_cores": 1.0, "others_cores": 1.0, "steal_cores": 0.1})
+    busy, steal = bench_stream.machine_cpu_s()
+    assert busy > 0 and steal >= 0
+
+
 def test_the_bundled_heads_route_cache_conditionally():
     from edgemoe.routing.heads_config import read_config
     from edgemoe.twin.engine import prerouted_layers
