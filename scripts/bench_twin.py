@@ -262,7 +262,7 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
                      mac_reads=False, reader_contends=not args.no_contention, traced=True,
-                     **heads)
+                     busy_compute=args.busy_compute, **heads)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -583,6 +583,10 @@ def main(argv=None):
     p.add_argument("--no-contention", action="store_true",
                    help="--validate: the twin without the reader's CPU time slowing compute "
                         "(as it was before #51)")
+    p.add_argument("--busy-compute", action="store_true",
+                   help="--validate: the twin's compute waits keep a core busy instead of "
+                        "sleeping, as the real compute does on this CPU (the readers then "
+                        "find the cores as taken as beside it)")
     p.add_argument("--record-greedy", default=None, metavar="DIR",
                    help="Record the bundled model's greedy-decode routing traces, as "
                         "streamlx's sweep decodes, into DIR (for --routing-check)")

@@ -2,6 +2,7 @@
 the wait model scales as the profile says. Tiny shapes: the whole file runs in seconds."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,13 @@ def test_waits_scale_with_the_compute_figure_and_the_stretch():
         w.wait(0.003)
         assert w.asked == pytest.approx(0.005 * stretch)
         assert w.slept >= 0.005 * stretch * 0.95
+    cpu = {}
+    for busy in (False, True):  # compute on this CPU: the wait keeps a core busy
+        w, tic = Waiter(1.0, busy=busy), time.process_time()
+        w.wait(0.03)
+        assert w.slept >= 0.03 * 0.95
+        cpu[busy] = time.process_time() - tic
+    assert cpu[True] > max(0.001, 4 * cpu[False])  # (what a loaded machine leaves it)
 
 
 def test_twin_compute_per_token_follows_the_profile(tiny):

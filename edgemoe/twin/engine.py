@@ -25,6 +25,7 @@ ran under.
 
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -107,12 +108,27 @@ class Compute:
                        lambda t: self.heads_s(t) * factor, self.sync_idle_s * factor)
 
 
+_SPIN = bytes(16384)  # zlib.crc32 of it: ~5 us of one core, the GIL released
+
+
+def spin(seconds: float):
+    """Keep one core busy for `seconds` (wall), as compute on this CPU does; other threads
+    (the readers) may take the GIL meanwhile, and must find a core."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        zlib.crc32(_SPIN)
+
+
 class Waiter:
-    """Timed waits that stand for compute, and the Python between them dilated."""
+    """Timed waits that stand for compute, and the Python between them dilated. `busy`:
+    a wait keeps a core busy (`spin`) instead of sleeping, as compute does where it runs on
+    this CPU (a validation here), so that the readers find the cores as taken as they
+    were beside the real compute."""
 
     def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0,
-                 contending=None):
+                 contending=None, busy: bool = False):
         self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
+        self.sleep = spin if busy else time.sleep
         # CPU seconds other threads spend (the reader's CRC32s and copies) that a compute
         # wait must make up for: where compute runs on this CPU (a validation here), a
         # read that overlaps compute slows it; a sleep does not feel it
@@ -146,11 +162,11 @@ class Waiter:
         tic = time.perf_counter()
         cpu_before = self.contending() if self.contending else 0.0
         if sleep > 0:
-            time.sleep(sleep)
+            self.sleep(sleep)
         if self.contending and seconds > 0:
             stolen = self.contending() - cpu_before
             if stolen > 0:
-                time.sleep(stolen)
+                self.sleep(stolen)
                 self.contended += stolen
                 want += stolen
                 self.asked += stolen
@@ -313,6 +329,7 @@ class TwinConfig:
     # compute runs on this CPU, beside the reader threads (a validation here, with this
     # machine's reader): the reader's CPU seconds during a compute wait extend the wait
     reader_contends: bool = False
+    busy_compute: bool = False  # compute waits keep a core busy (Waiter's `busy`)
     # with a slot for every expert, a layer reads all of them after its first call, as
     # mlx-lm holds them (LayerSlots.read_whole, which the MLX decode path sets); False:
     # each on its first use (the store's default, a replay's)
@@ -441,7 +458,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s,
-                    contending=_reader_cpu(store.reader) if cfg.reader_contends else None)
+                    contending=_reader_cpu(store.reader) if cfg.reader_contends else None,
+                    busy=cfg.busy_compute)
     if cfg.mac_reads:
         store.reader.stretch = stretch
     mode = routing_mode(cfg.mode)
