@@ -242,6 +242,18 @@ def real_run(kind, pack, args, trace: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def disk_probe_us(pack_path, args) -> float:
+    """This disk's microseconds a record now (256 random reads of the pack's records, the
+    run's readers, O_DIRECT as it reads): beside each real run and each twin, so that a
+    row whose disk was slower on one side than the other says so (the VM's disk drifts)."""
+    from edgemoe.format.pack import Pack
+    from edgemoe.twin.profiles import measure_reads
+    pack = Pack.open(pack_path)
+    m = measure_reads(pack.experts_path, pack.layers[0].expert_bytes, 256,
+                      first_readers(args), direct=args.io == "direct")
+    return 1e6 * m["s_per_record"]
+
+
 def drop_cache(folder: Path):
     for f in Path(folder).glob("*"):
         if f.suffix in (".bin", ".safetensors"):
@@ -307,8 +319,10 @@ def validate(args):
                          f"{Path(model).name}_{kind.replace(':', '_')}_{label}_{rnd}.npz")
                 if args.io == "direct":
                     drop_cache(Path(model))
+                probe = disk_probe_us(model, args)
                 r = real_run(kind, model, args, trace)
                 runs.append({"model": model, "kind": kind, "round": rnd, "result": r,
+                             "disk_us_per_record": probe,
                              "trace": str(trace), "label": args.label,
                              "prompt_len": args.prompt_len, "decode": args.decode})
                 print(f"round {rnd} {Path(model).name} {kind}: {r['decode_tps']:.1f} tok/s, "
@@ -408,6 +422,7 @@ def calibrate(runs, profile, args) -> dict:
 
 def score(run, compute, profile, args) -> dict:
     r, kind = run["result"], run["kind"]
+    probe = disk_probe_us(run["model"], args)
     t = twin_of_run(run["model"], run["trace"], kind, compute[kind.split(":")[1]], profile,
                     args)
     measured_bytes = r.get("expert_bytes_read_per_token", 0.0) * (run["decode"] - 1)
@@ -431,7 +446,9 @@ def score(run, compute, profile, args) -> dict:
            "measured_read_gbps": r.get("read_gbps", 0.0),
            "predicted_read_gbps": t.read_gbps_during_run,
            # the real run's own CPU, and what other processes took beside it (cores)
-           "measured_cpu_cores": r.get("cpu_cores"), "others_cores": r.get("others_cores")}
+           "measured_cpu_cores": r.get("cpu_cores"), "others_cores": r.get("others_cores"),
+           # the idle disk's us a record just before the run, and before its twin
+           "measured_disk_us": run.get("disk_us_per_record"), "predicted_disk_us": probe}
     row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
     row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
     row["bytes_error"] = (row["predicted_bytes"] / measured_bytes - 1 if measured_bytes
@@ -443,7 +460,9 @@ def score(run, compute, profile, args) -> dict:
           f"{row['measured_syncs_per_token']:.1f}/{row['predicted_syncs_per_token']:.1f}, read "
           f"{row['measured_read_gbps']:.2f}/{row['predicted_read_gbps']:.2f} GB/s "
           f"(measured/twin)" + (f"; others took {row['others_cores']:.2f} cores"
-                                if row["others_cores"] is not None else ""), flush=True)
+                                if row["others_cores"] is not None else "")
+          + (f"; idle disk {row['measured_disk_us']:.0f}/{probe:.0f} us a record"
+             if row["measured_disk_us"] is not None else ""), flush=True)
     return row
 
 
