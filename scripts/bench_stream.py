@@ -44,6 +44,30 @@ def drop_page_cache(folder: Path):
             os.close(fd)
 
 
+def machine_cpu_s():
+    """(busy, steal) CPU seconds of the whole machine so far, all cores (Linux's /proc/stat;
+    None elsewhere): busy less this process's own is what other processes took."""
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def cpu_during(wall_s: float, own_before, own_after, machine_before, machine_after) -> dict:
+    """This process's CPU ms a second of the span, and the cores other processes (and the
+    hypervisor: steal) took meanwhile: a run beside another busy process is not measuring
+    this one alone (2 cores here: one busy neighbour takes half the machine)."""
+    own = (own_after.user - own_before.user) + (own_after.system - own_before.system)
+    out = {"cpu_cores": own / wall_s}
+    if machine_before and machine_after:
+        out["others_cores"] = max(machine_after[0] - machine_before[0] - own, 0.0) / wall_s
+        out["steal_cores"] = (machine_after[1] - machine_before[1]) / wall_s
+    return out
+
+
 def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
            prerouter=None, text=None, temp=0.0, adapter=None, cache_policy="lfu",
            readers=2, trace=None, forced=False) -> dict:
@@ -86,6 +110,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
     next(steps)
     prompt_s = time.perf_counter() - tic
     before = store.snapshot() if store else None
+    own, machine = os.times(), machine_cpu_s()
     tic = time.perf_counter()
     n = sum(1 for _ in steps)
     decode_s = time.perf_counter() - tic
@@ -93,6 +118,7 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
         "config": kind,
         "prompt_tps": prompt_len / prompt_s,
         "decode_tps": n / decode_s,
+        **cpu_during(decode_s, own, os.times(), machine, machine_cpu_s()),
         "peak_mlx_bytes": mx.get_peak_memory(),
         "peak_rss_bytes": peak_rss_bytes(),
         "page_cache_bytes": sum(page_cache_bytes(f) for f in Path(path).glob("*")

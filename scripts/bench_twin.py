@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
-from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
+from edgemoe.twin.engine import Compute, TwinConfig, prerouted_layers, run_twin  # noqa: E402
 from edgemoe.twin.forecast import ttft_forecast  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
@@ -242,6 +242,18 @@ def real_run(kind, pack, args, trace: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def disk_probe_us(pack_path, args) -> float:
+    """This disk's microseconds a record now (256 random reads of the pack's records, the
+    run's readers, O_DIRECT as it reads): beside each real run and each twin, so that a
+    row whose disk was slower on one side than the other says so (the VM's disk drifts)."""
+    from edgemoe.format.pack import Pack
+    from edgemoe.twin.profiles import measure_reads
+    pack = Pack.open(pack_path)
+    m = measure_reads(pack.experts_path, pack.layers[0].expert_bytes, 256,
+                      first_readers(args), direct=args.io == "direct")
+    return 1e6 * m["s_per_record"]
+
+
 def drop_cache(folder: Path):
     for f in Path(folder).glob("*"):
         if f.suffix in (".bin", ".safetensors"):
@@ -257,9 +269,12 @@ def twin_of_run(pack_path, trace_path, kind, compute, profile, args):
     from edgemoe.format.pack import Pack
     pack = Pack.open(pack_path)
     budget, routing = kind.split(":")[:2]
+    # the run was traced (every layer syncs); prerouted as the pack's heads route
+    heads = prerouted_layers(Path(pack_path) / "prerouter") if routing == "prerouted" else {}
     cfg = TwinConfig(budget=budget, mode=routing, policy=args.policy, io=args.io,
                      readers=first_readers(args), stretch=1.0, skip_decode_calls=2,
-                     mac_reads=False, reader_contends=not args.no_contention)
+                     mac_reads=False, reader_contends=not args.no_contention, traced=True,
+                     busy_compute=args.busy_compute, **heads)
     return run_twin(pack, load_trace(trace_path), compute, profile, cfg)
 
 
@@ -304,8 +319,10 @@ def validate(args):
                          f"{Path(model).name}_{kind.replace(':', '_')}_{label}_{rnd}.npz")
                 if args.io == "direct":
                     drop_cache(Path(model))
+                probe = disk_probe_us(model, args)
                 r = real_run(kind, model, args, trace)
                 runs.append({"model": model, "kind": kind, "round": rnd, "result": r,
+                             "disk_us_per_record": probe,
                              "trace": str(trace), "label": args.label,
                              "prompt_len": args.prompt_len, "decode": args.decode})
                 print(f"round {rnd} {Path(model).name} {kind}: {r['decode_tps']:.1f} tok/s, "
@@ -356,6 +373,8 @@ def by_config(rows) -> list:
         row["bytes_error"] = (row["predicted_bytes"] / row["measured_bytes"] - 1
                               if row["measured_bytes"] else 0.0)
         row["round_tok_s_errors"] = [r["tok_s_error"] for r in these]
+        # a round beside another busy process measured the two together (2 cores here)
+        row["others_cores_max"] = max((r.get("others_cores") or 0.0) for r in these)
         out.append(row)
     return out
 
@@ -403,6 +422,7 @@ def calibrate(runs, profile, args) -> dict:
 
 def score(run, compute, profile, args) -> dict:
     r, kind = run["result"], run["kind"]
+    probe = disk_probe_us(run["model"], args)
     t = twin_of_run(run["model"], run["trace"], kind, compute[kind.split(":")[1]], profile,
                     args)
     measured_bytes = r.get("expert_bytes_read_per_token", 0.0) * (run["decode"] - 1)
@@ -417,14 +437,32 @@ def score(run, compute, profile, args) -> dict:
            "predicted_ttft_s": t.forecast_ttft_s,
            "measured_bytes": measured_bytes, "predicted_bytes": t.decode_bytes,
            "measured_bytes_per_token": r.get("expert_bytes_read_per_token", 0.0),
-           "predicted_bytes_per_token": t.decode_bytes_per_token}
+           "predicted_bytes_per_token": t.decode_bytes_per_token,
+           # where a row misses: the waits on reads, the syncs, the disk while reading
+           "measured_blocked_ms": r.get("blocked_ms_per_token", 0.0),
+           "predicted_blocked_ms": t.blocked_ms_per_token,
+           "measured_syncs_per_token": r.get("host_syncs_per_token", 0.0),
+           "predicted_syncs_per_token": t.host_syncs_per_token,
+           "measured_read_gbps": r.get("read_gbps", 0.0),
+           "predicted_read_gbps": t.read_gbps_during_run,
+           # the real run's own CPU, and what other processes took beside it (cores)
+           "measured_cpu_cores": r.get("cpu_cores"), "others_cores": r.get("others_cores"),
+           # the idle disk's us a record just before the run, and before its twin
+           "measured_disk_us": run.get("disk_us_per_record"), "predicted_disk_us": probe}
     row["tok_s_error"] = row["predicted_tok_s"] / row["measured_tok_s"] - 1
     row["ttft_error"] = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
     row["bytes_error"] = (row["predicted_bytes"] / measured_bytes - 1 if measured_bytes
                           else 0.0)
     print(f"{row['config']:>40} round {run['round']}: tok/s {row['measured_tok_s']:6.1f} "
           f"measured, {row['predicted_tok_s']:6.1f} twin ({row['tok_s_error']:+.1%}); TTFT "
-          f"{row['ttft_error']:+.1%}; bytes {row['bytes_error']:+.2%}", flush=True)
+          f"{row['ttft_error']:+.1%}; bytes {row['bytes_error']:+.2%}; blocked "
+          f"{row['measured_blocked_ms']:.2f}/{row['predicted_blocked_ms']:.2f} ms, syncs "
+          f"{row['measured_syncs_per_token']:.1f}/{row['predicted_syncs_per_token']:.1f}, read "
+          f"{row['measured_read_gbps']:.2f}/{row['predicted_read_gbps']:.2f} GB/s "
+          f"(measured/twin)" + (f"; others took {row['others_cores']:.2f} cores"
+                                if row["others_cores"] is not None else "")
+          + (f"; idle disk {row['measured_disk_us']:.0f}/{probe:.0f} us a record"
+             if row["measured_disk_us"] is not None else ""), flush=True)
     return row
 
 
@@ -564,6 +602,10 @@ def main(argv=None):
     p.add_argument("--no-contention", action="store_true",
                    help="--validate: the twin without the reader's CPU time slowing compute "
                         "(as it was before #51)")
+    p.add_argument("--busy-compute", action="store_true",
+                   help="--validate: the twin's compute waits keep a core busy instead of "
+                        "sleeping, as the real compute does on this CPU (the readers then "
+                        "find the cores as taken as beside it)")
     p.add_argument("--record-greedy", default=None, metavar="DIR",
                    help="Record the bundled model's greedy-decode routing traces, as "
                         "streamlx's sweep decodes, into DIR (for --routing-check)")

@@ -2,6 +2,7 @@
 the wait model scales as the profile says. Tiny shapes: the whole file runs in seconds."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,13 @@ def test_waits_scale_with_the_compute_figure_and_the_stretch():
         w.wait(0.003)
         assert w.asked == pytest.approx(0.005 * stretch)
         assert w.slept >= 0.005 * stretch * 0.95
+    cpu = {}
+    for busy in (False, True):  # compute on this CPU: the wait keeps a core busy
+        w, tic = Waiter(1.0, busy=busy), time.process_time()
+        w.wait(0.03)
+        assert w.slept >= 0.03 * 0.95
+        cpu[busy] = time.process_time() - tic
+    assert cpu[True] > max(0.001, 4 * cpu[False])  # (what a loaded machine leaves it)
 
 
 def test_twin_compute_per_token_follows_the_profile(tiny):
@@ -153,6 +161,76 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
     assert syncs("prerouted") == pytest.approx((9 * 1 + 3) / 10)
     assert syncs("native", "100%") == pytest.approx(0)
     assert syncs("native", per_layer=2) == pytest.approx(2 * 3)  # the path before it
+
+
+def test_syncs_follow_a_traced_run_and_the_heads_config(tiny):
+    """A validation's real runs are traced, and a traced layer held whole reads its routing
+    back too: the twin of its 100% run (the calibration) syncs as the streamed runs do, so
+    their syncs are not counted twice. Prerouted syncs follow the heads' config: the
+    shipped cache-conditional layers read their routing back, after one more evaluation."""
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=10), shape)
+    prof = load_profile("m4-pro-24gb")
+
+    def run(mode, budget, **kw):
+        return run_twin(pack, trace, zero_compute(1e-3), prof,
+                        TwinConfig(budget=budget, mode=mode, io="buffered", stretch=1.0,
+                                   dilate_python=False, **kw))
+
+    assert run("native", "100%").host_syncs_per_token == 0
+    assert run("native", "100%", traced=True).host_syncs_per_token == 3
+    # heads on layer 2 alone: layers 0 and 1 read theirs, from the second decoded token on
+    assert run("prerouted", "50%", heads_layers=(2,)).host_syncs_per_token == \
+        pytest.approx((9 * 2 + 3) / 10)
+    # cache-conditional layers 1 and 2 (layer 0 native): every layer syncs, held whole too,
+    # and each conditional layer evaluates its restricted logits first
+    plain = run("prerouted", "100%", heads_layers=(), conditional_layers=())
+    conditional = run("prerouted", "100%", heads_layers=(), conditional_layers=(1, 2))
+    assert conditional.host_syncs_per_token == plain.host_syncs_per_token == 3
+    assert conditional.compute_ms_per_token - plain.compute_ms_per_token == \
+        pytest.approx(2 * 1.0 * 9 / 10)
+
+
+def test_a_full_budget_reads_every_expert_after_the_first_call(tiny):
+    """At 100% the MLX decode path reads a layer's every expert once its first call is done
+    (LayerSlots.read_whole), as mlx-lm holds them: the twin too, or it would read first
+    uses inside the decode window that the real run read during the prompt."""
+    shape, pack = tiny
+    trace = map_trace(synthetic_trace(decode=10), shape)
+    prof = load_profile("m4-pro-24gb")
+    every = sum(r.length for layer in pack.layers for r in layer.records)
+
+    def total(read_whole):
+        return run_twin(pack, trace, zero_compute(1e-3), prof,
+                        TwinConfig(budget="100%", io="buffered", stretch=1.0,
+                                   read_whole=read_whole)).total_bytes
+
+    assert total(True) == every > total(False)
+
+
+def test_a_validation_run_reports_what_other_processes_took():
+    """bench_stream's worker (the validation's real runs) reports its own CPU and the cores
+    other processes took beside it: on 2 cores one busy neighbour is half the machine."""
+    import sys
+    from collections import namedtuple
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_stream
+    times = namedtuple("times", "user system")
+    out = bench_stream.cpu_during(2.0, times(1.0, 0.5), times(2.5, 1.0), (100.0, 1.0),
+                                  (104.0, 1.2))
+    assert out == pytest.approx({"cpu_cores": 1.0, "others_cores": 1.0, "steal_cores": 0.1})
+    busy, steal = bench_stream.machine_cpu_s()
+    assert busy > 0 and steal >= 0
+
+
+def test_the_bundled_heads_route_cache_conditionally():
+    from edgemoe.routing.heads_config import read_config
+    from edgemoe.twin.engine import prerouted_layers
+    heads = ROOT / "edgemoe" / "models" / "fine" / "prerouter"
+    config = read_config(heads)
+    layers = prerouted_layers(heads)
+    assert config.conditional and layers["heads_layers"] == ()
+    assert layers["conditional_layers"] == tuple(config.predicted_layers) != ()
 
 
 def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):

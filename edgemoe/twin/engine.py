@@ -25,8 +25,9 @@ ran under.
 
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -108,12 +109,27 @@ class Compute:
                        lambda t: self.heads_s(t) * factor, self.sync_idle_s * factor)
 
 
+_SPIN = bytes(16384)  # zlib.crc32 of it: ~5 us of one core, the GIL released
+
+
+def spin(seconds: float):
+    """Keep one core busy for `seconds` (wall), as compute on this CPU does; other threads
+    (the readers) may take the GIL meanwhile, and must find a core."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        zlib.crc32(_SPIN)
+
+
 class Waiter:
-    """Timed waits that stand for compute, and the Python between them dilated."""
+    """Timed waits that stand for compute, and the Python between them dilated. `busy`:
+    a wait keeps a core busy (`spin`) instead of sleeping, as compute does where it runs on
+    this CPU (a validation here), so that the readers find the cores as taken as they
+    were beside the real compute."""
 
     def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0,
-                 contending=None):
+                 contending=None, busy: bool = False):
         self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
+        self.sleep = spin if busy else time.sleep
         # CPU seconds other threads spend (the reader's CRC32s and copies) that a compute
         # wait must make up for: where compute runs on this CPU (a validation here), a
         # read that overlaps compute slows it; a sleep does not feel it
@@ -147,11 +163,11 @@ class Waiter:
         tic = time.perf_counter()
         cpu_before = self.contending() if self.contending else 0.0
         if sleep > 0:
-            time.sleep(sleep)
+            self.sleep(sleep)
         if self.contending and seconds > 0:
             stolen = self.contending() - cpu_before
             if stolen > 0:
-                time.sleep(stolen)
+                self.sleep(stolen)
                 self.contended += stolen
                 want += stolen
                 self.asked += stolen
@@ -300,9 +316,25 @@ class TwinConfig:
     # 2 is the path before it (a routing read and an evaluation after the experts;
     # prerouted kept the second). Set it to forecast another path.
     syncs_per_layer: Optional[int] = None
+    # the real run recorded a trace (a validation): a layer held whole syncs on its routing
+    # too (edgemoe.model.experts keeps the device lookup for untraced runs), so its
+    # resident run syncs as its streamed ones do
+    traced: bool = False
+    # prerouted decode (edgemoe.routing.heads_config, prerouted_layers): the MoE layers (by
+    # model index) whose routing the heads give a token ahead (None: all but the first,
+    # plain heads); those routed cache-conditionally, whose router chooses after one more
+    # evaluation (its restricted logits: edgemoe.routing.between.ConditionalTap). Every
+    # other layer syncs on its routing, held whole or not.
+    heads_layers: Optional[Tuple[int, ...]] = None
+    conditional_layers: Tuple[int, ...] = ()
     # compute runs on this CPU, beside the reader threads (a validation here, with this
     # machine's reader): the reader's CPU seconds during a compute wait extend the wait
     reader_contends: bool = False
+    busy_compute: bool = False  # compute waits keep a core busy (Waiter's `busy`)
+    # with a slot for every expert, a layer reads all of them after its first call, as
+    # mlx-lm holds them (LayerSlots.read_whole, which the MLX decode path sets); False:
+    # each on its first use (the store's default, a replay's)
+    read_whole: bool = True
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
 
@@ -376,11 +408,36 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
         reader = CpuCountedReader(pack, cfg.readers, cfg.io)
     store = ExpertStore(pack, cfg.budget, cfg.policy, io=cfg.io, readers=cfg.readers,
                         memory=factory, reader=reader)
+    for layer in store.layer_indices:
+        store.pool(layer).read_whole = cfg.read_whole
     try:
         return _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                        probe, notes)
     finally:
         store.close()
+
+
+def layer_syncs(pool, mode, known: bool, traced: bool) -> bool:
+    """Whether a decode call of this layer reads its routing back, as
+    edgemoe.model.experts.StreamingExperts does: not when the heads gave it; a prerouted
+    model's other layers always (the resident shortcut is native and advisory's); a
+    native or advisory layer when streamed, or when the run is traced."""
+    if known:
+        return False
+    if mode.routes:
+        return True
+    return traced or pool.num_slots < pool.layer.num_experts
+
+
+def prerouted_layers(heads) -> dict:
+    """TwinConfig's heads_layers and conditional_layers for the prerouter folder `heads`
+    (its prerouter_config.json, what `--routing prerouted` runs)."""
+    from ..routing.heads_config import read_config
+    config = read_config(heads)
+    predicted = tuple(config.predicted_layers)
+    if config.conditional:
+        return {"heads_layers": (), "conditional_layers": predicted}
+    return {"heads_layers": predicted, "conditional_layers": ()}
 
 
 def _reader_cpu(reader) -> Callable[[], float]:
@@ -402,7 +459,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
     cpu = cfg.cpu_vs_here if cfg.cpu_vs_here is not None else profile.value("cpu_vs_here")
     python_factor = stretch / cpu if cfg.dilate_python else 1.0
     waiter = Waiter(stretch, python_factor, blocked=lambda: stats.blocked_s,
-                    contending=_reader_cpu(store.reader) if cfg.reader_contends else None)
+                    contending=_reader_cpu(store.reader) if cfg.reader_contends else None,
+                    busy=cfg.busy_compute)
     if cfg.mac_reads:
         store.reader.stretch = stretch
     mode = routing_mode(cfg.mode)
@@ -440,6 +498,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         target, lead = (p + 1, 1) if p + 1 < L else (0, 0)
         store.prefetch(target, np.unique(routed[calls[c + 1], target]), lead)
 
+    first = min(pool.layer.index for pool in pools)
+    by_heads = (lambda layer: layer != first) if cfg.heads_layers is None else \
+        (lambda layer: layer in cfg.heads_layers)
     record_bytes = pools[0].layer.expert_bytes
     profile_s = profile.read_s(record_bytes, cfg.readers)
     track = cfg.stretch is None and cfg.track_disk
@@ -467,14 +528,13 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
         tic = time.perf_counter()
         tokens = call.stop - call.start
         issue(c, -1)
-        known = (mode.routes and is_decode and c > 0
-                 and bool(decode[calls[c - 1].start]))
+        predicted = (mode.routes and is_decode and c > 0
+                     and bool(decode[calls[c - 1].start]))
         syncs = 2 if not is_decode else cfg.syncs_per_layer
         for p, pool in enumerate(pools):
-            if syncs is None:  # today's path: the routing read of a streamed layer alone;
-                # prerouted's predictions are evaluated at its first layer's sync
-                streamed = pool.num_slots < pool.layer.num_experts
-                routing_sync = (not known and streamed) or (known and p == 0)
+            known = predicted and by_heads(pool.layer.index)
+            if syncs is None:  # today's path (layer_syncs)
+                routing_sync = layer_syncs(pool, mode, known, cfg.traced)
                 experts_sync = False
             else:
                 routing_sync = not known and syncs >= 1
@@ -482,6 +542,10 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
             waiter.wait(compute.resident_layer_s(tokens))
             if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))
+            if predicted and pool.layer.index in cfg.conditional_layers:
+                # its restricted logits, evaluated in the router (not a sync of the
+                # expert path: the store's count, which the twin's matches, leaves it out)
+                waiter.wait(compute.host_sync_s)
             if routing_sync:
                 waiter.wait(compute.host_sync_s + compute.sync_idle_s)
                 stats.host_syncs += 1
@@ -496,17 +560,17 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
                                 + (0.0 if routing_sync else compute.sync_idle_s))
                     stats.host_syncs += 1
 
-            def on_routed(c=c, p=p):
-                if not mode.routes or not is_decode:
+            def on_routed(c=c, p=p, known=known):
+                if not known:  # its prefetches overlap its compute (StreamingExperts)
                     issue(c, p)
                 if synthetic and mode.advisory:
                     advise(c, p)
 
             run_call(pool, ids, compute_pass, on_routed)
-            if mode.routes and is_decode:
+            if known:  # deferred to the next sync, after this layer's compute
                 issue(c, p)
-                if synthetic:
-                    preroute(c, p)
+            if mode.routes and is_decode and synthetic:
+                preroute(c, p)
         waiter.wait(compute.head_s)
         waiter.wait(compute.host_sync_s)
         took = time.perf_counter() - tic

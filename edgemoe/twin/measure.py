@@ -9,8 +9,8 @@ profile"):
                  queue depth (reader threads): the table, and from it the bandwidth and the
                  per-read latency the twin uses
     int4         `mx.quantized_matmul` int4 g64 on the default device, one token and 256
-    host sync    a read-back after a layer's queued work, beyond the work itself, and the
-                 host's time to build that layer's graph (the device waits for it)
+    host sync    the read-back of a result (a one-element graph: the read itself), and the
+                 host's time to build a layer's graph (the device waits for it)
     our Python   the store's own bookkeeping (a replay of a bundled trace through
                  edgemoe.streaming.replay), timed against the project's VM: cpu_vs_here
 """
@@ -134,9 +134,10 @@ def measure_machine(out: Path, read_file: Optional[Path] = None, megabytes: int 
         "int4_gbps": fig(c["int4_gbps"], "GB/s", f"mx.quantized_matmul int4 g64, one token, "
                                                  f"{c['shape']}"),
         "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
-        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back after a layer-like graph, "
-                                                     "beyond the graph's own time"),
-        "sync_idle_us": fig(c["sync_idle_us"], "us", "the host building that graph"),
+        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back of a one-element graph, "
+                                                     "median (the read itself)"),
+        "sync_idle_us": fig(c["sync_idle_us"], "us", "the host building a layer-like graph, "
+                                                     "median"),
         "cpu_vs_here": fig(REFERENCE_PYTHON_S / py, "x", f"the store's Python (a replay) "
                                                          f"{py:.3f} s here, "
                                                          f"{REFERENCE_PYTHON_S} s on the "
