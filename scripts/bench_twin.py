@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
 from edgemoe.twin.engine import Compute, TwinConfig, run_twin  # noqa: E402
-from edgemoe.twin.forecast import ttft_forecast  # noqa: E402
+from edgemoe.twin.forecast import ttft_forecast, ttft_passes  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
@@ -116,11 +116,27 @@ def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
                                                        args.prefill_chunk,
                                                        first_readers(args)),
                          "prefill_bytes": r.total_bytes - r.decode_bytes,
-                         "stretch": r.stretch})
+                         "stretch": r.stretch,
+                         # where the twin's seconds went (forecast s; the one decode step's
+                         # in them): compute asked, Python between waits, waits on reads
+                         "compute_s": (r.waits["asked_s"] - r.waits["python_pad_s"])
+                         / r.stretch,
+                         "python_s": (r.waits["python_s"] + r.waits["python_pad_s"])
+                         / r.stretch,
+                         "blocked_s": r.waits["blocked_s"] / r.stretch,
+                         "schedule": ttft_passes(shape, profile, tokens, r.slots_per_layer,
+                                                 args.prefill_chunk, first_readers(args),
+                                                 look_ahead=ahead == "on")})
+            sched = rows[-1]["schedule"]
             print(f" forecast {shape.name:>16} {profile.name:>13} {budget:>5} {mode:>9} "
                   f"look-ahead {ahead:>3}  TTFT of {tokens} tokens (chunks of {args.prefill_chunk}): "
                   f"{r.forecast_prefill_s:6.2f} s (limit {rows[-1]['ttft_limit_s']:6.2f} s)"
-                  f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read", flush=True)
+                  f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read; compute "
+                  f"{rows[-1]['compute_s']:.2f} s, Python {rows[-1]['python_s']:.2f} s, "
+                  f"blocked {rows[-1]['blocked_s']:.2f} s; schedule (analytic) "
+                  f"{sched['total']:.2f} s: first pass waits {sched['first_pass_wait']:.2f}, "
+                  f"pass reads beyond compute {sched['pass_reads_beyond_compute']:.2f}",
+                  flush=True)
     return rows
 
 

@@ -122,14 +122,15 @@ def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk
 
 
 def ttft_passes(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: int = 2048,
-                readers: int = 2, look_ahead: bool = True, sync: bool = True) -> dict:
+                readers: int = 2, look_ahead: bool = True, ahead: int = 1) -> dict:
     """Seconds to the first token as the pass schedule runs it (edgemoe.streaming.calls),
     from a cold start, analytically: per chunk and layer, attention, the routing sync, the
     first pass's reads (overlapped by attention where a long chunk reads them ahead:
     edgemoe.streaming.prefill_ahead; none where the pool kept the previous chunk's last
-    passes), then each pass's compute beside the next pass's reads, a sync a pass. The
-    terms, summed over chunks and layers: {"total", "attention", "experts", "syncs",
-    "first_pass_wait", "pass_reads_beyond_compute"}."""
+    passes), then each pass's compute beside the next pass's reads, a sync a pass. `ahead`:
+    passes read ahead (1, as built; 2, a whole pool of half-pool passes). The terms, summed
+    over chunks and layers: {"total", "attention", "experts", "syncs", "first_pass_wait",
+    "pass_reads_beyond_compute"}."""
     c = Compute.from_profile(profile, shape)
     r = profile.read_s(shape.record_bytes, readers)
     terms = dict.fromkeys(("attention", "experts", "syncs", "first_pass_wait",
@@ -146,7 +147,8 @@ def ttft_passes(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: 
         first = 0.0 if kept or resident >= size else size * r
         if look_ahead and start == 0 and slots < shape.experts \
                 and t * shape.top_k >= 2 * shape.experts:
-            first = max(0.0, first - attention)
+            resident = min(ahead * size, slots, needed)  # read while attention computes
+            first = max(0.0, resident * r - attention)
         beyond = 0.0
         for i in range(1, n_passes):  # pass i's reads beside pass i - 1's compute
             read = 0.0 if kept or (i + 1) * size <= resident else \
@@ -154,7 +156,7 @@ def ttft_passes(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: 
             beyond += max(0.0, read - per_pass)
         syncs = (1 + (n_passes if n_passes > 1 else 0)) * c.host_sync_s + c.sync_idle_s
         for name, value in (("attention", attention), ("experts", n_passes * per_pass),
-                            ("syncs", syncs if sync else 0.0), ("first_pass_wait", first),
+                            ("syncs", syncs), ("first_pass_wait", first),
                             ("pass_reads_beyond_compute", beyond)):
             terms[name] += shape.layers * value
     terms["total"] = sum(terms.values())
