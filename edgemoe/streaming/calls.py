@@ -74,6 +74,11 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
         # (outputs are per entry, so the order of passes changes no bit)
         distinct = distinct[np.argsort(slots.slot_of[distinct] < 0, kind="stable")]
         groups = passes(distinct, slots.num_slots)
+        # each chosen entry's pass, found once (not an `isin` over the entries a pass)
+        pass_of = np.empty(slots.layer.num_experts, dtype=np.int64)
+        for i, group in enumerate(groups):
+            pass_of[group] = i
+        entry_pass = pass_of[chosen]
     results = []
     held = hold and len(groups) == 1 and rows is None
     for i, group in enumerate(groups):
@@ -87,8 +92,11 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
             if len(groups) == 1 and rows is None:
                 results.append((None, compute(None, slot_of[ids])))
             else:
-                part = np.flatnonzero(np.isin(flat, group)) if rows is None else \
-                    rows[np.isin(chosen, group)]
+                if len(groups) == 1:  # (a host's rows, all of them in its one pass)
+                    part = rows
+                else:
+                    part = entry_pass == i
+                    part = np.flatnonzero(part) if rows is None else rows[part]
                 results.append((part, compute(part, slot_of[flat[part]])))
             done = True
         finally:
