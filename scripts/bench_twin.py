@@ -117,13 +117,7 @@ def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
                                                        first_readers(args)),
                          "prefill_bytes": r.total_bytes - r.decode_bytes,
                          "stretch": r.stretch,
-                         # where the twin's seconds went (forecast s; the one decode step's
-                         # in them): compute asked, Python between waits, waits on reads
-                         "compute_s": (r.waits["asked_s"] - r.waits["python_pad_s"])
-                         / r.stretch,
-                         "python_s": (r.waits["python_s"] + r.waits["python_pad_s"])
-                         / r.stretch,
-                         "blocked_s": r.waits["blocked_s"] / r.stretch,
+                         **prefill_terms(r),
                          "schedule": ttft_passes(shape, profile, tokens, r.slots_per_layer,
                                                  args.prefill_chunk, first_readers(args),
                                                  look_ahead=ahead == "on")})
@@ -133,11 +127,22 @@ def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
                   f"{r.forecast_prefill_s:6.2f} s (limit {rows[-1]['ttft_limit_s']:6.2f} s)"
                   f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read; compute "
                   f"{rows[-1]['compute_s']:.2f} s, Python {rows[-1]['python_s']:.2f} s, "
-                  f"blocked {rows[-1]['blocked_s']:.2f} s; schedule (analytic) "
+                  f"reads waited {rows[-1]['blocked_s']:.2f} s; schedule (analytic) "
                   f"{sched['total']:.2f} s: first pass waits {sched['first_pass_wait']:.2f}, "
                   f"pass reads beyond compute {sched['pass_reads_beyond_compute']:.2f}",
                   flush=True)
     return rows
+
+
+def prefill_terms(r) -> dict:
+    """Where a long prompt's forecast seconds went: the compute and syncs asked, the Python
+    between waits (dilated), and the rest, waits on reads (the one decode step after it
+    is in the first two; the prefill call's own stretch converts)."""
+    scale = r.forecast_prefill_s / r.twin_prefill_s
+    compute = (r.waits["asked_s"] - r.waits["python_pad_s"]) * scale
+    python = (r.waits["python_s"] + r.waits["python_pad_s"]) * scale
+    return {"compute_s": compute, "python_s": python,
+            "blocked_s": r.forecast_prefill_s - compute - python}
 
 
 def shape_pack(shape, packs: Path, physical=None):
