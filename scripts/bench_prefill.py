@@ -30,6 +30,9 @@ and BLAS arithmetic, all prefilling in chunks of 2048 tokens.
 
     python scripts/bench_prefill.py --peers --gguf FILE --llama-python PY --mlx-lm DIR
                                     [--prompt-len 1024] [--budgets 1.0,0.25] [--out DIR]
+
+`--twin PROFILE`: the twin's prefill against real runs here, the look-ahead of a long
+prefill (edgemoe.streaming.prefill_ahead) off and on (scripts/prefill_twin.py).
 """
 
 import argparse
@@ -43,28 +46,40 @@ ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
 
-def worker(model: str, budget: float, prompt_len: int, read_ahead: bool) -> dict:
+def worker(model: str, budget: float, prompt_len: int, read_ahead: bool,
+           look_ahead: bool = True, trace: str = None, warm: bool = False) -> dict:
+    """One prefill of the whole prompt in one forward call, cold (O_DIRECT); `warm`: the
+    second of two (at 100%, every expert then in its slot: compute alone); `trace`: its
+    routing saved there (for the twin: scripts/prefill_twin.py)."""
     import time
 
     import mlx.core as mx
 
     import edgemoe
-    from edgemoe.streaming import calls
+    from edgemoe.streaming import calls, prefill_ahead
 
     calls.READ_AHEAD = read_ahead
+    prefill_ahead.LOOK_AHEAD = look_ahead
     m, tokenizer = edgemoe.load(model, expert_budget=budget, io="direct")
     text = (ROOT / "edgemoe" / "streaming" / "slots.py").read_text() * 4
     tokens = mx.array(tokenizer.encode(text)[:prompt_len])
     store = m.expert_store
+    if warm:
+        mx.eval(m(tokens[None]))
+    recorder = store.start_trace() if trace else None
     before = store.snapshot()
     tic = time.perf_counter()
     mx.eval(m(tokens[None]))
     seconds = time.perf_counter() - tic
     stats = store.snapshot() - before
-    return {"read_ahead": read_ahead, "budget": budget, "prompt_len": int(tokens.size),
+    if recorder is not None:
+        recorder.save(trace)
+    return {"read_ahead": read_ahead, "look_ahead": look_ahead, "budget": budget,
+            "prompt_len": int(tokens.size), "warm": warm,
             "prefill_s": seconds, "tok_per_s": tokens.size / seconds,
             "bytes_read": stats.bytes_read, "read_mb_per_s": stats.bytes_read / seconds / 1e6,
-            "blocked_s": stats.blocked_s, "loads": stats.loads, "slots": store.slots_per_layer}
+            "blocked_s": stats.blocked_s, "loads": stats.loads, "prefetches": stats.prefetches,
+            "prefetches_used": stats.predicted_used, "slots": store.slots_per_layer}
 
 
 def run_one(args, budget, read_ahead) -> dict:
@@ -92,12 +107,26 @@ def main():
     p.add_argument("--gguf", help="--peers: the model as GGUF, for llama.cpp's row")
     p.add_argument("--llama-python", default=sys.executable,
                    help="--peers: the Python that has llama-cpp-python")
+    p.add_argument("--twin", metavar="PROFILE",
+                   help="the twin against real runs here, look-ahead off and on (see "
+                        "scripts/prefill_twin.py); PROFILE: this machine's (bench_twin "
+                        "--measure)")
+    p.add_argument("--expert-share", type=float, default=0.5,
+                   help="--twin: the experts' share of a layer's compute")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--read-ahead", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--look-ahead", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--trace", help=argparse.SUPPRESS)
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.worker:
-        print(json.dumps(worker(args.model, budgets[0], args.prompt_len, bool(args.read_ahead))))
+        print(json.dumps(worker(args.model, budgets[0], args.prompt_len, bool(args.read_ahead),
+                                bool(args.look_ahead), args.trace, args.warm)))
+        return
+    if args.twin:
+        from prefill_twin import check
+        check(args, budgets)
         return
     if args.profile:
         from prefill_profile import profile

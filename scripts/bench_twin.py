@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
 from edgemoe.twin.engine import Compute, TwinConfig, prerouted_layers, run_twin  # noqa: E402
-from edgemoe.twin.forecast import ttft_forecast  # noqa: E402
+from edgemoe.twin.forecast import ttft_forecast, ttft_passes  # noqa: E402
 from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
@@ -98,27 +98,51 @@ def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
     for tokens in (int(t) for t in args.prompt_tokens.split(",")):
         mapped = map_trace(long_prompt(traces, tokens, args.prefill_chunk), shape,
                            seed=args.seed)
-        for budget in args.budget.split(","):
-            for mode in args.mode.split(","):
-                cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
-                                 readers=first_readers(args), stretch=args.stretch,
-                                 seed=args.seed, cpu_vs_here=args.cpu_vs_here)
-                r = run_twin(pack, mapped, compute, profile, cfg)
-                rows.append({"label": "forecast", "shape": shape.name,
-                             "profile": profile.name, "budget": budget, "mode": mode,
-                             "prompt_tokens": tokens, "prefill_chunk": args.prefill_chunk,
-                             "forecast_ttft_s": r.forecast_prefill_s,
-                             "ttft_limit_s": ttft_forecast(shape, profile, tokens,
-                                                           r.slots_per_layer,
-                                                           args.prefill_chunk,
-                                                           first_readers(args)),
-                             "prefill_bytes": r.total_bytes - r.decode_bytes,
-                             "stretch": r.stretch})
-                print(f" forecast {shape.name:>16} {profile.name:>13} {budget:>5} {mode:>9}  "
-                      f"TTFT of {tokens} tokens (chunks of {args.prefill_chunk}): "
-                      f"{r.forecast_prefill_s:6.2f} s (limit {rows[-1]['ttft_limit_s']:6.2f} s)"
-                      f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read", flush=True)
+        for budget, mode, ahead in ((b, m, a) for b in args.budget.split(",")
+                                    for m in args.mode.split(",")
+                                    for a in args.look_ahead.split(",")):
+            cfg = TwinConfig(budget=budget, mode=mode, policy=args.policy, io=args.io,
+                             readers=first_readers(args), stretch=args.stretch,
+                             seed=args.seed, cpu_vs_here=args.cpu_vs_here,
+                             look_ahead=ahead == "on")
+            r = run_twin(pack, mapped, compute, profile, cfg)
+            rows.append({"label": "forecast", "shape": shape.name,
+                         "profile": profile.name, "budget": budget, "mode": mode,
+                         "look_ahead": ahead,
+                         "prompt_tokens": tokens, "prefill_chunk": args.prefill_chunk,
+                         "forecast_ttft_s": r.forecast_prefill_s,
+                         "ttft_limit_s": ttft_forecast(shape, profile, tokens,
+                                                       r.slots_per_layer,
+                                                       args.prefill_chunk,
+                                                       first_readers(args)),
+                         "prefill_bytes": r.total_bytes - r.decode_bytes,
+                         "stretch": r.stretch,
+                         **prefill_terms(r),
+                         "schedule": ttft_passes(shape, profile, tokens, r.slots_per_layer,
+                                                 args.prefill_chunk, first_readers(args),
+                                                 look_ahead=ahead == "on")})
+            sched = rows[-1]["schedule"]
+            print(f" forecast {shape.name:>16} {profile.name:>13} {budget:>5} {mode:>9} "
+                  f"look-ahead {ahead:>3}  TTFT of {tokens} tokens (chunks of {args.prefill_chunk}): "
+                  f"{r.forecast_prefill_s:6.2f} s (limit {rows[-1]['ttft_limit_s']:6.2f} s)"
+                  f"  {rows[-1]['prefill_bytes'] / 1e9:6.2f} GB read; compute "
+                  f"{rows[-1]['compute_s']:.2f} s, Python {rows[-1]['python_s']:.2f} s, "
+                  f"reads waited {rows[-1]['blocked_s']:.2f} s; schedule (analytic) "
+                  f"{sched['total']:.2f} s: first pass waits {sched['first_pass_wait']:.2f}, "
+                  f"pass reads beyond compute {sched['pass_reads_beyond_compute']:.2f}",
+                  flush=True)
     return rows
+
+
+def prefill_terms(r) -> dict:
+    """Where a long prompt's forecast seconds went: the compute and syncs asked, the Python
+    between waits (dilated), and the rest, waits on reads (the one decode step after it
+    is in the first two; the prefill call's own stretch converts)."""
+    scale = r.forecast_prefill_s / r.twin_prefill_s
+    compute = (r.waits["asked_s"] - r.waits["python_pad_s"]) * scale
+    python = (r.waits["python_s"] + r.waits["python_pad_s"]) * scale
+    return {"compute_s": compute, "python_s": python,
+            "blocked_s": r.forecast_prefill_s - compute - python}
 
 
 def shape_pack(shape, packs: Path, physical=None):
@@ -580,6 +604,9 @@ def main(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="--prompt-tokens: tokens per prefill call (mlx-lm's "
                         "prefill_step_size)")
+    p.add_argument("--look-ahead", default="on", metavar="on,off",
+                   help="--prompt-tokens: a long prefill's look-ahead (edgemoe.streaming."
+                        "prefill_ahead) on, off, or both, one after another")
     p.add_argument("--limit", action="store_true",
                    help="Also the exact-mode limit: max(compute, Belady bytes / read rate)")
     p.add_argument("--packs", default=str(DEFAULT_PACKS), help="Where shape packs are written")

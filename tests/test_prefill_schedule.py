@@ -1,5 +1,6 @@
 """Prefill by expert (issue #55, item 4): a prompt chunk reads each expert it needs once,
-also when it needs more experts than the layer has slots, and its logits stay mlx-lm's;
+also when it needs more experts than the layer has slots and when a layer's first pass
+is read ahead of its routing (edgemoe.streaming.prefill_ahead), and its logits stay mlx-lm's;
 the explicit BLAS arithmetic (edgemoe.model.prefill) stays within its stated tolerance.
 
 Reads are counted where the slot state machine claims a slot for a read
@@ -8,8 +9,10 @@ Reads are counted where the slot state machine claims a slot for a read
 
 from collections import Counter
 from pathlib import Path
+from unittest.mock import patch
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
@@ -18,6 +21,10 @@ import edgemoe
 import edgemoe.model.prefill as prefill_module
 from edgemoe.model.experts import StreamingExperts
 from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
+from edgemoe.streaming import prefill_ahead
+from edgemoe.streaming.calls import run_call
+from edgemoe.streaming.prefill_ahead import look_ahead
+from edgemoe.streaming.replay import replay_pack, replay_store
 
 from unpack import unpack
 
@@ -70,16 +77,64 @@ def test_a_prefill_chunk_reads_each_expert_once_and_keeps_mlx_lms_logits(referen
     model, _ = edgemoe.load(BUNDLED, expert_budget=budget)
     store = model.expert_store
     counter = ReadCounter(store)
-    per_chunk = []
-    found = prefill(model, prompt, lambda: per_chunk.append(counter.take()))
+    per_chunk, stats = [], [store.snapshot()]
+
+    def between():
+        per_chunk.append(counter.take())
+        stats.append(store.snapshot())
+    found = prefill(model, prompt, between)
     assert per_chunk[0], "the first chunk streamed its experts"
     for reads in per_chunk:
         assert max(reads.values(), default=1) == 1, [k for k, n in reads.items() if n > 1]
     if budget == "25%":  # the chunks needed more experts than slots: passes ran
         assert len(per_chunk[0]) > store.slots_per_layer * len(store.layers)
         assert store.snapshot().evictions > 0
+        # the cold chunk read each layer's first pass ahead of its routing (48 x top-8
+        # entries, 3x the experts: edgemoe.streaming.prefill_ahead), among the reads
+        # counted once above, and its calls computed most of them (89 of 128: at 3 entries
+        # an expert, a cold guess by id misses some); the next chunk found its pools full
+        # and read nothing ahead
+        first, second = stats[1] - stats[0], stats[2] - stats[1]
+        assert first.prefetches == len(store.layers) * store.slots_per_layer // 2
+        assert sum(per_chunk[0].values()) == first.loads
+        assert first.predicted == first.prefetches
+        assert first.predicted_used > first.prefetches / 2
+        assert second.prefetches == 0
     for got, want in zip(found, expected):
         assert mx.array_equal(got, want).item()
+
+
+def test_the_look_ahead_reads_a_first_pass_into_free_slots_only():
+    """A long call's first pass is read before its routing (into free slots, never
+    evicting), the call computes it first, and every expert is still read once."""
+    pack = replay_pack([4096], [32], 4)
+    store = replay_store(pack, 8, "lfu")  # passes of 4
+    pool = store.pool(0)
+    counter = ReadCounter(store)
+    ids = np.arange(64).reshape(16, 4) % 32  # 64 entries, every expert twice
+    assert look_ahead(pool, ids.size - 1) == 0  # under AHEAD_FACTOR x the experts
+    assert look_ahead(pool, ids.size) == 4
+    assert sorted(pool.expert_in[pool.expert_in >= 0].tolist()) == [0, 1, 2, 3]
+    assert look_ahead(pool, ids.size) == 0  # a pass is in slots already
+    first = []
+    run_call(pool, ids, lambda rows, slot_ids: first.append(set(pool.expert_in[slot_ids])))
+    assert first[0] == {0, 1, 2, 3} and len(first) == 8
+    assert max(counter.take().values()) == 1
+    stats = store.snapshot()
+    assert (stats.prefetches, stats.predicted, stats.predicted_used) == (4, 4, 4)
+    # a full pool (its experts go first anyway) reads nothing ahead; nor does a pool
+    # with a slot for every expert, nor the path before it
+    assert look_ahead(pool, ids.size) == 0
+    whole = replay_store(pack, 32, "lfu").pool(0)
+    assert look_ahead(whole, ids.size) == 0
+    fresh = replay_store(pack, 8, "lfu").pool(0)
+    with patch.object(prefill_ahead, "LOOK_AHEAD", False):
+        assert look_ahead(fresh, ids.size) == 0
+    # the most used experts first (LFU), where the pool has seen calls
+    for e in (30, 30, 7):
+        fresh.policy.touch(e)
+    assert look_ahead(fresh, ids.size) == 4
+    assert sorted(fresh.expert_in[fresh.expert_in >= 0].tolist()) == [0, 1, 7, 30]
 
 
 

@@ -21,6 +21,7 @@ from mlx_lm.tuner.lora import LoRASwitchLinear
 from ..format.pack import PackError, PackLayer
 from ..routing.gates import BlockInput
 from ..streaming.calls import run_call
+from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
@@ -114,6 +115,8 @@ class StreamingExperts(nn.Module):
         routed = None
         if ids is None:  # the layer's one sync: its routing, any prediction, and the work
             # earlier layers left queued, whose slots it then releases
+            if routing is None and share is None:  # a long prefill's first pass reads
+                look_ahead(self.slots, indices.size)  # while the sync computes attention
             queued.sync(indices, *predicted.values())
             self.slots.stats.host_syncs += 1
             ids = np.array(indices)

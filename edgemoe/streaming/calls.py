@@ -32,13 +32,19 @@ T = TypeVar("T")
 READ_AHEAD = True  # False: passes of a whole pool, read one after another (benchmarks)
 
 
+def pass_size(num_slots: int) -> int:
+    """The experts of one pass of a call that needs more than `num_slots`: half the pool,
+    so that while one half computes a pass the other half reads the next
+    (`LayerSlots.read_ahead`); the whole pool without read-ahead."""
+    return max(1, num_slots // 2) if READ_AHEAD else num_slots
+
+
 def passes(experts: np.ndarray, num_slots: int) -> List[np.ndarray]:
     """Sorted distinct experts in groups that fit a pool of `num_slots`: one group if they
-    all fit, else groups of half the pool, so that while one half computes a pass the
-    other half reads the next (`LayerSlots.read_ahead`)."""
+    all fit, else groups of `pass_size`."""
     if len(experts) <= num_slots:
         return [experts]
-    size = max(1, num_slots // 2) if READ_AHEAD else num_slots
+    size = pass_size(num_slots)
     return [experts[start:start + size] for start in range(0, len(experts), size)]
 
 
@@ -63,10 +69,16 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
     groups = [sorted(set(chosen.tolist()))]
     if len(groups[0]) > slots.num_slots:  # (a verify window or a prefill over a small pool)
         distinct = np.array(groups[0], dtype=chosen.dtype)
-        # the experts already in slots go first, so no pass evicts one a later pass uses
+        # the experts already in slots go first (among them those a long prefill read
+        # ahead: edgemoe.streaming.prefill_ahead), so no pass evicts one a later pass uses
         # (outputs are per entry, so the order of passes changes no bit)
         distinct = distinct[np.argsort(slots.slot_of[distinct] < 0, kind="stable")]
         groups = passes(distinct, slots.num_slots)
+        # each chosen entry's pass, found once (not an `isin` over the entries a pass)
+        pass_of = np.empty(slots.layer.num_experts, dtype=np.int64)
+        for i, group in enumerate(groups):
+            pass_of[group] = i
+        entry_pass = pass_of[chosen]
     results = []
     held = hold and len(groups) == 1 and rows is None
     for i, group in enumerate(groups):
@@ -80,8 +92,11 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
             if len(groups) == 1 and rows is None:
                 results.append((None, compute(None, slot_of[ids])))
             else:
-                part = np.flatnonzero(np.isin(flat, group)) if rows is None else \
-                    rows[np.isin(chosen, group)]
+                if len(groups) == 1:  # (a host's rows, all of them in its one pass)
+                    part = rows
+                else:
+                    part = entry_pass == i
+                    part = np.flatnonzero(part) if rows is None else rows[part]
                 results.append((part, compute(part, slot_of[flat[part]])))
             done = True
         finally:

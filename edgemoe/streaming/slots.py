@@ -392,12 +392,13 @@ class LayerSlots:
         try:
             with self.lock:
                 pinned = set(experts.tolist())
+                room = _Room(self, pinned)  # (found once: a pass of a long prefill is many)
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
-                    if not self._has_room(pinned, e):
+                    if not room.fits(e):
                         break  # its own pass reads the rest
-                    new.append(self._start_fill(e, pinned=pinned))
+                    new.append(self._start_fill(e, pinned=pinned, room=room))
                     self.staged.add(e)
         finally:
             self._submit(new)

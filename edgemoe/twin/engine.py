@@ -3,6 +3,7 @@
 One forward call of the trace, layer by layer, as edgemoe.model.experts.StreamingExperts
 drives the store (module doc of edgemoe.twin):
 
+    look_ahead(pool, entries)                    a long prefill's first pass (native)
     wait(resident compute of the layer)          attention, router, shared expert
     wait(host sync)                              routing learned by the host (native,
                                                  advisory; not prerouted decode)
@@ -37,6 +38,7 @@ from ..format.records import aligned
 from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
+from ..streaming.prefill_ahead import look_ahead
 from ..streaming.reader import BLOCK, Reader
 from ..streaming.slots import UnorderedMemory
 from ..streaming.store import ExpertStore
@@ -337,6 +339,9 @@ class TwinConfig:
     read_whole: bool = True
     skip_decode_calls: int = 0  # decode figures from this decode call on (bench_stream's
     # counters start once the first token is out, when the next call has already run)
+    # a long prefill reads each layer's first pass while its attention computes
+    # (edgemoe.streaming.prefill_ahead); False: the path before it
+    look_ahead: bool = True
 
 
 @dataclass
@@ -539,6 +544,8 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
             else:
                 routing_sync = not known and syncs >= 1
                 experts_sync = syncs >= 2 or (known and syncs >= 1)
+            if cfg.look_ahead and not mode.predicts:  # as the model, before the sync
+                look_ahead(pool, routed[call, p].size)
             waiter.wait(compute.resident_layer_s(tokens))
             if mode.predicts and p + 1 < L:  # the predictor of the next layer runs here
                 waiter.wait(compute.heads_s(tokens))
@@ -553,7 +560,9 @@ def _replay(store, trace, routed, decode, calls, compute, profile, cfg, stretch,
 
             def compute_pass(rows, slot_ids, ids=ids):
                 entries = ids.size if rows is None else len(rows)
-                n = len(np.unique(slot_ids))
+                # (distinct slots by a count, not a sort: this is the twin's own Python,
+                # which a pass of a long prefill would otherwise charge to the model's)
+                n = int(np.count_nonzero(np.bincount(slot_ids.reshape(-1))))
                 waiter.wait(compute.experts_s(n, entries))
                 if experts_sync:
                     waiter.wait(compute.host_sync_s

@@ -121,6 +121,48 @@ def ttft_forecast(shape: Shape, profile: Profile, prompt: int, slots: int, chunk
     return total
 
 
+def ttft_passes(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: int = 2048,
+                readers: int = 2, look_ahead: bool = True, ahead: int = 1) -> dict:
+    """Seconds to the first token as the pass schedule runs it (edgemoe.streaming.calls),
+    from a cold start, analytically: per chunk and layer, attention, the routing sync, the
+    first pass's reads (overlapped by attention where a long chunk reads them ahead:
+    edgemoe.streaming.prefill_ahead; none where the pool kept the previous chunk's last
+    passes), then each pass's compute beside the next pass's reads, a sync a pass. `ahead`:
+    passes read ahead (1, as built; 2, a whole pool of half-pool passes). The terms, summed
+    over chunks and layers: {"total", "attention", "experts", "syncs", "first_pass_wait",
+    "pass_reads_beyond_compute"}."""
+    c = Compute.from_profile(profile, shape)
+    r = profile.read_s(shape.record_bytes, readers)
+    terms = dict.fromkeys(("attention", "experts", "syncs", "first_pass_wait",
+                           "pass_reads_beyond_compute"), 0.0)
+    for start in range(0, prompt, chunk):
+        t = min(chunk, prompt - start)
+        needed = min(shape.experts, t * shape.top_k)
+        kept = start > 0 and slots >= needed  # every expert still in its slot: no reads
+        size = needed if needed <= slots else max(1, slots // 2)
+        n_passes = -(-needed // size)
+        resident = 0 if start == 0 else min(slots, needed)  # the previous chunk's last
+        attention = c.resident_layer_s(t)
+        per_pass = c.experts_s(size, t * shape.top_k) / n_passes
+        first = 0.0 if kept or resident >= size else size * r
+        if look_ahead and start == 0 and slots < shape.experts \
+                and t * shape.top_k >= 2 * shape.experts:
+            resident = min(ahead * size, slots, needed)  # read while attention computes
+            first = max(0.0, resident * r - attention)
+        beyond = 0.0
+        for i in range(1, n_passes):  # pass i's reads beside pass i - 1's compute
+            read = 0.0 if kept or (i + 1) * size <= resident else \
+                min(size, needed - i * size) * r
+            beyond += max(0.0, read - per_pass)
+        syncs = (1 + (n_passes if n_passes > 1 else 0)) * c.host_sync_s + c.sync_idle_s
+        for name, value in (("attention", attention), ("experts", n_passes * per_pass),
+                            ("syncs", syncs), ("first_pass_wait", first),
+                            ("pass_reads_beyond_compute", beyond)):
+            terms[name] += shape.layers * value
+    terms["total"] = sum(terms.values())
+    return terms
+
+
 def report(model: str, machine: str, budgets: Optional[List[str]] = None,
            trace: Optional[str] = None, memory: Optional[int] = None):
     from ..streaming.trace import load_trace
