@@ -348,10 +348,11 @@ class LayerSlots:
                 self.on_demand += len(missing)
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
-                hits = used[hit]
+                hits = used[hit] if missing else used
                 self._use(hits)
         finally:  # (outside the lock: a fill served from a host tier ends at once)
-            self._submit(fills)  # a claimed slot is always read, or it stays filling
+            if fills:  # a claimed slot is always read, or it stays filling
+                self._submit(fills)
         self.memory.acquire(hits)
         return fills
 
