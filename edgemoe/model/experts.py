@@ -24,6 +24,7 @@ from ..streaming.calls import run_call
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
+from .slots import live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
 # misses are read, then the misses (#50 item 3). Off: on this CPU backend the reads of a warm
@@ -338,18 +339,6 @@ def install(model: nn.Module, streaming: Streaming) -> Dict[int, StreamingExpert
         setattr(parent, name, experts)
         installed[slots.layer.index] = experts
     return installed
-
-
-def live_table(slots: LayerSlots) -> mx.array:
-    """The layer's expert -> slot table on the device, live: the slot state machine's own
-    `slot_of` becomes a view of its memory, so that each claim and eviction is in it as it
-    is made, with no upload per call. A graph reads only the entries of the experts it
-    holds in use, which nothing changes before an evaluation has included it (the slots'
-    own rule: edgemoe.model.hostsync), as for the slots' bytes."""
-    table = mx.array(slots.slot_of.astype(np.int32))
-    mx.eval(table)
-    slots.slot_of = np.asarray(table)  # (shares the MLX buffer, writable)
-    return table
 
 
 class StreamingModel:
