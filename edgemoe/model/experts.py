@@ -25,6 +25,7 @@ from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
+from .slots import live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
 # misses are read, then the misses (#50 item 3). Off: on this CPU backend the reads of a warm
@@ -62,7 +63,7 @@ class SlotPool:
 
     slots: LayerSlots
     module: nn.Module
-    table: Optional[mx.array] = None  # expert -> slot on the device, once the layer is resident
+    table: Optional[mx.array] = None  # expert -> slot on the device, live (`live_table`)
 
 
 class StreamingExperts(nn.Module):
@@ -113,6 +114,7 @@ class StreamingExperts(nn.Module):
             # a decode step of next-token predicted routing: the host has the ids already
             ids = routing.known_routing(layer, indices.shape)
         routed = None
+        routed_natively = ids is None and self.pool.table is not None
         if ids is None:  # the layer's one sync: its routing, any prediction, and the work
             # earlier layers left queued, whose slots it then releases
             if routing is None and share is None:  # a long prefill's first pass reads
@@ -131,8 +133,11 @@ class StreamingExperts(nn.Module):
         def compute(rows, slot_ids):
             self._bind_deltas()
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots, left queued
-                # (its slots stay in use until a sync has evaluated it: `queued.hold`)
-                return self.pool.module(x, mx.array(slot_ids.astype(np.uint32)))
+                # (its slots stay in use until a sync has evaluated it: `queued.hold`);
+                # the router's own ids, where they are the call's, map to slots on the device
+                slot_ids = mx.take(self.pool.table, indices) if routed_natively else \
+                    mx.array(slot_ids.astype(np.uint32))
+                return self.pool.module(x, slot_ids)
             # (token, k) rows of this pass: evaluated, since the next pass refills slots
             tokens = x.reshape(-1, x.shape[-1])[mx.array(rows // ids.shape[-1])]
             out = self.pool.module(tokens, mx.array(slot_ids.astype(np.uint32)[:, None]))[:, 0]
@@ -197,10 +202,8 @@ class StreamingExperts(nn.Module):
 
     def _resident_call(self, x: mx.array, indices: mx.array) -> mx.array:
         """Every expert of the layer is in a slot: the router's ids become slot ids on the
-        device (one table, made once), so the call needs no host sync, as in mlx-lm; the
-        experts it requested are counted on the device too (`QueuedReads.tally`)."""
-        if self.pool.table is None:
-            self.pool.table = mx.array(self.slots.slot_of.astype(np.uint32))
+        device (`live_table`), so the call needs no host sync, as in mlx-lm; the experts it
+        requested are counted on the device too (`QueuedReads.tally`)."""
         self._bind_deltas()
         out = self.pool.module(x, mx.take(self.pool.table, indices))
         self.streaming.queued.tally(self.slots, indices, self.slots.layer.num_experts)
@@ -329,7 +332,8 @@ def install(model: nn.Module, streaming: Streaming) -> Dict[int, StreamingExpert
         slots = store.layers[path]
         slots.flush = queued.flush
         slots.read_whole = streaming.share is None  # (a host of several reads its share)
-        pool = SlotPool(slots, build_pool(module, slots.layer, slots.arrays))
+        pool = SlotPool(slots, build_pool(module, slots.layer, slots.arrays),
+                        table=live_table(slots))
         experts = StreamingExperts(pool, streaming)
         parent_path, name = path.rsplit(".", 1)
         parent = model

@@ -1,4 +1,5 @@
-"""The MLX backend's slot memory: a layer's slots as MLX arrays in unified memory.
+"""The MLX backend's slot memory: a layer's slots as MLX arrays in unified memory, and its
+expert -> slot table on the device (`live_table`).
 
 The loader hands it to the store (`ExpertStore(..., memory=MLXSlotMemory)`), as the CUDA
 loader hands its DeviceSlotMemory.
@@ -10,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format.pack import PackLayer
-from ..streaming.slots import UnorderedMemory
+from ..streaming.slots import LayerSlots, UnorderedMemory
 
 
 class MLXSlotMemory(UnorderedMemory):
@@ -43,3 +44,15 @@ def _slot_array(num_slots: int, shape, dtype: str):
     view = np.asarray(host)  # shares the MLX buffer: preadv into it fills the array
     array = host.view(mx.bfloat16) if dtype == "bfloat16" else host
     return array, view
+
+
+def live_table(slots: LayerSlots) -> mx.array:
+    """The layer's expert -> slot table on the device, live: the slot state machine's own
+    `slot_of` becomes a view of its memory, so that each claim and eviction is in it as it
+    is made, with no upload per call. A graph reads only the entries of the experts it
+    holds in use, which nothing changes before an evaluation has included it (the slots'
+    own rule: edgemoe.model.hostsync), as for the slots' bytes."""
+    table = mx.array(slots.slot_of.astype(np.int32))
+    mx.eval(table)
+    slots.slot_of = np.asarray(table)  # (shares the MLX buffer, writable)
+    return table

@@ -81,6 +81,19 @@ class LFUPolicy(Recency):
         uses = self._uses[expert] = self._uses.get(expert, 0) + 1
         self._key[expert] = uses << 40 | clock  # (a clock below 2**40 touches)
 
+    def touch_all(self, experts):
+        """`touch` each of `experts` in turn (a call's: its locals looked up once)."""
+        order, last, uses, key, clock = self._order, self._last, self._uses, self._key, \
+            self._clock
+        for expert in experts:
+            order[expert] = None
+            order.move_to_end(expert)
+            clock += 1
+            last[expert] = clock
+            n = uses[expert] = uses.get(expert, 0) + 1
+            key[expert] = n << 40 | clock
+        self._clock = clock
+
     def victim(self, pinned: Iterable[int]) -> Optional[int]:
         pinned = set(pinned)
         candidates = [e for e in self._order if e not in pinned]  # least recent first

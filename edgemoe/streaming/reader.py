@@ -21,7 +21,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -43,8 +43,10 @@ F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3
 class Fill:
     """One expert being read into one slot. `done` (None: not kept) is set on success and
     on error, by `on_done`; `ended`, the same without allocating an Event per fill, is
-    for `on_done` to set too (edgemoe.streaming.slots); `reported` once the reader has
-    called `on_done`.
+    for `on_done` to set too (edgemoe.streaming.slots), and to release `latch` (a lock
+    held while the fill is in flight, that a waiter blocks on: one C call, where an Event
+    or a Condition costs Python on both sides); `reported` once the reader has called
+    `on_done`.
 
     `before_read(slot)`, if given, runs on the reader thread before `buffers` are
     written: a device backend waits there until a buffer's previous copy has finished.
@@ -59,6 +61,7 @@ class Fill:
     done: Optional[threading.Event] = field(default_factory=threading.Event)
     error: Optional[Exception] = None
     ended: bool = False
+    latch: Optional[Any] = None
     reported: bool = False
     before_read: Optional[Callable[[int], None]] = None
     # a record of several segments (in place; or with deltas): the slices still to land,
@@ -107,7 +110,7 @@ class Reader:
         self.drop_cache = False
         if io == "direct":
             self._open_direct()
-        self.queue: "queue.Queue" = queue.Queue()
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (C: no Python to put)
         self.lock = threading.Lock()
         self.busy = 0  # reads in flight
         self.busy_since = 0.0

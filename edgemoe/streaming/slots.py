@@ -150,11 +150,13 @@ class LayerSlots:
         self.layer, self.num_slots, self.policy = layer, num_slots, policy
         self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
         self.expert_bytes = layer.expert_bytes  # (a sum over the tensors: asked per call)
-        # a fill's end is told to waiters here (no Event allocated per fill)
-        self.filled = threading.Condition(lock)
         # the policy's ranking of a call's victims, where it is its `victim_among`'s
+        self.victim_among = _victim_among(policy)  # (found once: it walks the classes)
         self.rank_victims = _defined_with(policy, "rank", "victim_among") \
-            if _victim_among(policy) is not None else None
+            if self.victim_among is not None else None
+        # the policy's touch of a call's experts at once, where its `touch` class has one
+        self.touch_all = _defined_with(policy, "touch_all", "touch") or \
+            (lambda experts: [policy.touch(e) for e in experts])
         self.in_use = np.zeros(0, dtype=np.int64)  # the slots the current call uses
         self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
         self.owned = layer.owned  # all experts, or one host's share (edgemoe.distributed)
@@ -331,15 +333,13 @@ class LayerSlots:
                 hit = used >= 0  # (nothing in flight: a slot that holds an expert is ready)
                 missing = [] if hit.all() else [e for e, h in zip(wanted, hit.tolist())
                                                 if not h]
-                room = _Room(self, wanted) if missing else None
+                room = _Room(self, wanted, needed=len(missing)) if missing else None
                 if missing and not room.fits_all(missing):
                     return None  # slots held by queued compute: the general path settles it
                 self.bytes_read *= WASTE_DECAY
                 self.wasted_bytes *= WASTE_DECAY
                 self.last_call = set(wanted)
-                touch = self.policy.touch
-                for e in wanted:
-                    touch(e)
+                self.touch_all(wanted)
                 n_hits = len(wanted) - len(missing)
                 self.stats.hits += n_hits
                 self.stats.bytes_hit += n_hits * self.expert_bytes
@@ -348,10 +348,11 @@ class LayerSlots:
                 self.on_demand += len(missing)
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
-                hits = used[hit]
+                hits = used[hit] if missing else used
                 self._use(hits)
         finally:  # (outside the lock: a fill served from a host tier ends at once)
-            self._submit(fills)  # a claimed slot is always read, or it stays filling
+            if fills:  # a claimed slot is always read, or it stays filling
+                self._submit(fills)
         self.memory.acquire(hits)
         return fills
 
@@ -474,25 +475,27 @@ class LayerSlots:
             self.stats.prefetch_cancelled += 1
 
     def _wait(self, fills, raise_errors=True):
-        """Until `fills` have ended (`_filled` tells `self.filled`); their first error."""
+        """Until `fills` have ended (each releases its latch: `_filled`); their first
+        error."""
         if not fills:
             return
         tic = time.perf_counter()
-        with self.lock:
-            try:
-                for f in fills:
-                    while not f.ended:
-                        if self.filled.wait(WAIT_POLL_S) or f.ended:
-                            continue
-                        if not self.reader.alive():
-                            raise RuntimeError("edgemoe: the expert reader thread died")
-                        waited = time.perf_counter() - tic
-                        if self.read_timeout_s is not None and waited > self.read_timeout_s:
-                            raise PackError(
-                                f"layer {self.layer.index} expert {f.expert}: the read did "
-                                f"not finish within {self.read_timeout_s:g} s "
-                                f"(--read-timeout); the disk may be stuck")
-            finally:
+        try:
+            for f in fills:
+                while not f.ended:
+                    if f.latch.acquire(timeout=WAIT_POLL_S):
+                        f.latch.release()  # (open for any other waiter)
+                        break
+                    if not self.reader.alive():
+                        raise RuntimeError("edgemoe: the expert reader thread died")
+                    waited = time.perf_counter() - tic
+                    if self.read_timeout_s is not None and waited > self.read_timeout_s:
+                        raise PackError(
+                            f"layer {self.layer.index} expert {f.expert}: the read did "
+                            f"not finish within {self.read_timeout_s:g} s "
+                            f"(--read-timeout); the disk may be stuck")
+        finally:
+            with self.lock:
                 self.stats.blocked_s += time.perf_counter() - tic
         for f in fills:
             if f.error is not None and raise_errors:
@@ -518,7 +521,7 @@ class LayerSlots:
         those experts, when the caller has them)."""
         if candidates is None:
             candidates = self._evictable(pinned)
-        among = _victim_among(self.policy)
+        among = self.victim_among
         if among is not None:
             victim = among(candidates)
         else:  # pinned: the experts this step needs, whether resident yet or not
@@ -571,8 +574,11 @@ class LayerSlots:
         buffers = self.memory.stage(slot, expert)
         if buffers is None:  # in the host tier: a copy, no read (see _submit)
             self.stats.host_hits += 1
+        latch = threading.Lock()
+        latch.acquire()  # (released as the fill ends: `_filled`)
         fill = Fill(self.layer.index, expert, slot, self.layer.records[expert],
-                    buffers, self._filled, done=None, before_read=self.memory.before_read)
+                    buffers, self._filled, done=None, latch=latch,
+                    before_read=self.memory.before_read)
         self.fills[expert] = fill
         self.policy.touch(expert)
         self.stats.loads += 1
@@ -592,7 +598,7 @@ class LayerSlots:
                 self.cancelled.remove(fill)
                 self.state[fill.slot] = FREE
                 fill.ended = True
-                self.filled.notify_all()
+                fill.latch.release()
                 return
             self.fills.pop(fill.expert, None)
             if error is None:
@@ -606,7 +612,7 @@ class LayerSlots:
                 self.policy.forget(fill.expert)
                 fill.error = error
             fill.ended = True
-            self.filled.notify_all()
+            fill.latch.release()
 
 
 class _Room:
@@ -614,13 +620,17 @@ class _Room:
     experts, found once under the lock and kept as the call's fills claim them (nothing
     else changes them while the lock is held), so that a miss costs no scan of the slots.
     The policy ranks the evictable experts once, where it can (`rank`): a call's touches
-    are of its own experts, never evictable, so the ranking holds for the whole call."""
+    are of its own experts, never evictable, so the ranking holds for the whole call; a call
+    that gives up one expert asks the policy for it alone (the ranking's first).
+    `needed`: how many fills the call claims, where known."""
 
-    def __init__(self, pool: LayerSlots, pinned):
+    def __init__(self, pool: LayerSlots, pinned, needed: Optional[int] = None):
         self.memory, self.policy, self.rank = pool.memory, pool.policy, pool.rank_victims
         self.free = np.flatnonzero(pool.state == FREE).tolist()
         self.candidates = pool._evictable(pinned)
         self._ranked: Optional[list] = None
+        if needed is not None and needed - len(self.free) <= 1:
+            self.rank = None  # (one victim at most)
 
     def fits(self, expert: int) -> bool:
         """As `LayerSlots._has_room`."""
