@@ -14,6 +14,11 @@ if not os.path.exists("/dev/nvidiactl"):
 # against MLX's threads and the other tests' processes: on two busy cores it cost 20x the
 # CPU. MLX and torch bring their own BLAS and are unaffected.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# torch's OpenMP likewise (read when torch first loads, here or in a tool's subprocess):
+# its models here are tiny, and each op's threads meet at a barrier, where on two busy
+# cores a descheduled second thread made each op wait ~30x longer (test_lora's torch
+# distillation: 15 ms a 32x64 matmul with two threads under load, 0.5 ms with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -202,7 +202,8 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
     `out` every --save-every steps, resumably; `batches(rng)` draws a step's windows and
     `before()` measures the student before training. Returns the run's state."""
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if "OMP_NUM_THREADS" not in os.environ:  # (a limit the user set stands)
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = model_path(args.model)
     config = json.loads((path / "config.json").read_text())
     source = open_source(path)
