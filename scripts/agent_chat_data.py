@@ -36,7 +36,7 @@ ASK_SIGNATURE = ("What arguments does `{name}` take?", "What is the signature of
                  "How do I call `{name}`?")
 ASK_MODULE = ("What is this Python module for?\n```python\n{head}\n```",
               "Summarise the module that starts with:\n```python\n{head}\n```")
-ASK_MAN = ("What does the `{name}` command do?", "What is `{name}`?",
+ASK_MAN = ("What does the `{name}` {kind} do?", "What is `{name}`?",
            "Explain `{name}` in one line.", "What is `{name}({section})` for?")
 
 
@@ -82,18 +82,19 @@ def python_turns(text, rng):
 
 def man_entries():
     """(name, section, description) of every manual page man's index knows."""
-    out = subprocess.run(["whatis", "-w", "*"], capture_output=True, text=True).stdout
+    out = subprocess.run(["whatis", "--long", "-w", "*"], capture_output=True, text=True).stdout
     entries = []
     for line in out.splitlines():
         found = re.match(r"^(\S+) \((\w+)\)\s+- (.+)$", line)
-        if found and 10 <= len(found[3]) <= MAX_ANSWER:
+        if found and 10 <= len(found[3]) <= MAX_ANSWER and "unknown subject" not in found[3]:
             entries.append(found.groups())
     return entries
 
 
 def man_turn(name, section, description, rng):
     answer = f"`{name}`: {description.rstrip('.')}."
-    return rng.choice(ASK_MAN).format(name=name, section=section), answer
+    kind = {"1": "command", "8": "command", "2": "function", "3": "function"}.get(section[:1], "page")
+    return rng.choice(ASK_MAN).format(name=name, section=section, kind=kind), answer
 
 
 def conversation(question, answer, rng):

@@ -4,7 +4,7 @@ share of held-out short chat turns that end with `stop`.
 Perplexity: the int4 pack dequantized to float32 in PyTorch (scripts/train_agent_stage.py's
 loader, the pack's own rope_theta), on the held-out files of the corpus tokenized and joined
 by <|endoftext|> as the first stage did; at each length, windows evenly spaced over that
-stream (512: 32 windows, the card's protocol; 2K: 8; 8K: 4; 32K: 1), fed in chunks of
+stream (512: 32 windows, the card's protocol; 2K: 4; 8K: 2; 32K: 1), fed in chunks of
 2,048 tokens with a KV cache. At 32K it also reports the perplexity of positions 0-2K,
 2K-8K and 8K-32K, so that a context that stops helping shows.
 Stop: the first N turns of chat_heldout.jsonl (never trained on), each rendered by the
@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-WINDOWS = {512: 32, 2048: 8, 8192: 4, 32768: 1}
+WINDOWS = {512: 32, 2048: 4, 8192: 2, 32768: 1}
 CHUNK = 2048
-MAX_TOKENS = 200
+MAX_TOKENS = 128
 SPANS = ((0, 2048), (2048, 8192), (8192, 32768))
 
 
@@ -103,7 +103,7 @@ def main():
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--turns", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)

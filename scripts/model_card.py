@@ -285,7 +285,7 @@ def agent_section(run: Path) -> str:
              f"on: it comes from the raised base, measured here.", "",
              f"Held-out perplexity of the int4 pack (PyTorch, float32 from int4) by context length, "
              f"on the held-out files of the stdlib and packages domains joined in order "
-             f"({after['perplexity']['heldout_tokens']:,} tokens; 512: 32 windows, 2K: 8, 8K: 4, 32K: 1):", "",
+             f"({after['perplexity']['heldout_tokens']:,} tokens; 512: 32 windows, 2K: 4, 8K: 2, 32K: 1):", "",
              "| pack | " + " | ".join(f"{n:,}" for n in lengths) + " |",
              "|---|" + "---|" * len(lengths)]
     for name, e in (("before the stage", before), ("**this pack**", after)):

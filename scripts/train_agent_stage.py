@@ -47,9 +47,9 @@ CHAT_WINDOW = 1024          # tokens of a window of packed chat turns
 CHAT_BATCH = 2              # chat windows per chat step
 CHAT_EVERY = 2              # every CHAT_EVERY-th step is a chat step
 MAX_CHAT_TURNS = 20000      # more than a stage sees
-LR = 1.5e-4
+LR = 2e-4
 MIN_LR_FRAC = 0.1
-WARMUP = 20
+WARMUP = 10
 SEED = 2355
 CKPT_EVERY_S = 300
 IM_END = "<|im_end|>"
@@ -64,6 +64,7 @@ def load_pack(pack: Path, rope_theta: float, context: int):
     from edgemoe.format.pack import Pack
 
     tok = PreTrainedTokenizerFast.from_pretrained(pack)
+    tok.model_max_length = context  # (the first stage's 512 warned on every long prompt)
     config = json.loads((pack / "config.json").read_text())
     hf_config = first.make_config(tok, first.SHAPES["fine"])
     hf_config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
@@ -139,7 +140,7 @@ def main():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--rope-theta", type=float, default=ROPE_THETA)
     ap.add_argument("--long", type=int, default=LONG, help="tokens of a long window")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="1 is faster when other work shares the cores")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
