@@ -2,14 +2,14 @@
 share of held-out short chat turns that end with `stop`.
 
 Perplexity: the int4 pack dequantized to float32 in PyTorch (scripts/train_agent_stage.py's
-loader, the pack's own rope_theta), on the held-out files of the corpus tokenized and joined
+loader, the pack's own rope_theta), or an unquantized checkpoint (RUN/hf) as it is, on the held-out files of the corpus tokenized and joined
 by <|endoftext|> as the first stage did; at each length, windows evenly spaced over that
 stream (512: 32 windows, the card's protocol; 2K: 4; 8K: 2; 32K: 1), fed in chunks of
 2,048 tokens with a KV cache. At 32K it also reports the perplexity of positions 0-2K,
 2K-8K and 8K-32K, so that a context that stops helping shows.
 Stop: the first N turns of chat_heldout.jsonl (never trained on), each rendered by the
 pack's chat template without its reply, generated greedily by edgemoe (the real stack,
-mlx-lm's loop, every expert resident) up to MAX_TOKENS; the share whose finish reason is
+mlx-lm's loop, every expert resident; mlx-lm's own load for a checkpoint) up to MAX_TOKENS; the share whose finish reason is
 `stop`.
 
     python scripts/eval_agent_model.py --pack edgemoe/models/fine --corpus CORPUS \
@@ -42,7 +42,12 @@ def perplexities(pack: Path, corpus: Path, lengths):
     import train_reference_moe as first
 
     config = json.loads((pack / "config.json").read_text())
-    model, tok = stage.load_pack(pack, config["rope_theta"], config["max_position_embeddings"])
+    if (pack / "manifest.json").exists():
+        model, tok = stage.load_pack(pack, config["rope_theta"], config["max_position_embeddings"])
+    else:  # an unquantized checkpoint (RUN/hf)
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+        model = AutoModelForCausalLM.from_pretrained(pack, dtype=torch.float32)
+        tok = PreTrainedTokenizerFast.from_pretrained(pack)
     model.eval()
     texts = [t for d in json.loads((corpus / "corpus.json").read_text()).values() for t in d["heldout"]]
     eot = tok.convert_tokens_to_ids(first.EOT)
@@ -78,7 +83,11 @@ def perplexities(pack: Path, corpus: Path, lengths):
 def stop_share(pack: Path, chat: Path, turns: int):
     import edgemoe
 
-    model, tokenizer = edgemoe.load(pack, expert_budget=1.0)
+    if (pack / "manifest.json").exists():
+        model, tokenizer = edgemoe.load(pack, expert_budget=1.0)
+    else:
+        from mlx_lm import load
+        model, tokenizer = load(str(pack))
     rows = []
     for line in open(chat).readlines()[:turns]:
         turn = json.loads(line)

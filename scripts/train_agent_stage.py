@@ -26,6 +26,7 @@ copied from the corpus for the heads and traces steps of rebuild_reference.sh.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -86,6 +87,55 @@ def load_pack(pack: Path, rope_theta: float, context: int):
     return model, tok
 
 
+def affine_quantized(w, bits: int, group: int = 64):
+    """`w` quantized and dequantized as MLX's affine quantization does (mx.quantize: the
+    group's edge of larger magnitude exact), so that training sees the int4 pack's weights."""
+    shape, n_bins = w.shape, 2 ** bits - 1
+    g = w.reshape(-1, group)
+    w_max, w_min = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
+    neg = w_min.abs() > w_max.abs()
+    scales = ((w_max - w_min) / n_bins).clamp_min(1e-7)
+    scales = torch.where(neg, scales, -scales)
+    edge = torch.where(neg, w_min, w_max)
+    q0 = torch.round(edge / scales)
+    scales = torch.where(q0 != 0, edge / torch.where(q0 != 0, q0, 1), scales)
+    biases = torch.where(q0 == 0, 0.0, edge)
+    q = torch.clamp(torch.round((g - biases) / scales), 0, n_bins)
+    return (q * scales + biases).reshape(shape)
+
+
+def quantized_params(model, config: dict):
+    """(parameter, bits) of every weight the pack stores quantized: its linears, embeddings
+    and experts at the pack's bits, the routers at theirs (8)."""
+    q = config["quantization"]
+    out = []
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue  # norms
+        module = name.rsplit(".", 1)[0].replace(".experts.gate_up_proj", ".switch_mlp") \
+            .replace(".experts.down_proj", ".switch_mlp")
+        out.append((p, q.get(module, q)["bits"]))
+    return out
+
+
+class FakeQuant:
+    """Quantization-aware steps (straight-through): the forward and backward run on the
+    weights as int4 stores them, the update goes to the float weights. Without it the
+    stage's updates, mostly under half a quantization step, round back away at convert."""
+
+    def __init__(self, params):
+        self.params, self.latent = params, None
+
+    def __enter__(self):
+        self.latent = [p.data for p, _ in self.params]
+        for p, bits in self.params:
+            p.data = affine_quantized(p.data, bits)
+
+    def __exit__(self, *exc):
+        for (p, _), latent in zip(self.params, self.latent):
+            p.data = latent
+
+
 def token_stream(tok, texts, cache: Path):
     """The texts tokenized and joined by <|endoftext|>, as the first stage did."""
     return first.tokenize_docs(tok, texts, cache)
@@ -140,6 +190,10 @@ def main():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--rope-theta", type=float, default=ROPE_THETA)
     ap.add_argument("--long", type=int, default=LONG, help="tokens of a long window")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this run's ckpt/last.pt weights (a QAT phase after a stage)")
+    ap.add_argument("--qat", action="store_true",
+                    help="train on the weights as the int4 pack will store them (straight-through)")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when other work shares the cores")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,6 +228,10 @@ def main():
         rng.bit_generator.state = state["np_rng"]
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed from {ckpt} at step {step}", flush=True)
+    elif args.init is not None:
+        model.load_state_dict(torch.load(args.init / "ckpt" / "last.pt", map_location="cpu",
+                                         weights_only=False)["model"])
+        print(f"weights from {args.init}", flush=True)
     logf = open(out / "train_log.jsonl", "a")
 
     def log(**kw):
@@ -181,19 +239,21 @@ def main():
         logf.write(json.dumps(kw) + "\n")
         logf.flush()
 
-    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long,
+    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long, qat=args.qat, init=str(args.init),
         chat_window=CHAT_WINDOW, lr=LR, chat_tokens=int(len(chat_ids)))
     model.train()
     shape = first.SHAPES["fine"]
+    fake_quant = FakeQuant(quantized_params(model, json.loads((args.pack / "config.json").read_text())))
     t0, last_save = time.time(), time.time()
     while step < args.steps:
         lr = lr_at(step, args.steps)
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch_at(step, rng, long_ids, chat_ids, args.long)
-        outp = model(input_ids=x, labels=x)
-        balance = first.balance_loss(outp, shape)
-        (outp.loss + balance).backward()
+        with fake_quant if args.qat else contextlib.nullcontext():
+            outp = model(input_ids=x, labels=x)
+            balance = first.balance_loss(outp, shape)
+            (outp.loss + balance).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), first.GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
