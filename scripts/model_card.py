@@ -270,17 +270,27 @@ def agent_section(run: Path) -> str:
     """The agent stage's section: what it trained, perplexity by context length and the
     share of held-out chat turns ending with stop, before and after."""
     before, after = (json.loads((run / f"eval_{w}.json").read_text()) for w in ("before", "after"))
-    start = next(json.loads(l) for l in open(run / "train_log.jsonl") if '"start"' in l)
-    steps = [json.loads(l) for l in open(run / "train_log.jsonl") if '"train"' in l]
+    phases, folder = [], run  # a --qat phase names the stage it started from (--init)
+    while folder is not None:
+        log = [json.loads(l) for l in open(folder / "train_log.jsonl")]
+        start = next(e for e in log if e["event"] == "start")
+        phases.insert(0, (start, sum(e["event"] == "train" for e in log)))
+        folder = Path(start["init"]) if start.get("init") not in (None, "None") else None
+    start, steps = phases[0]
+    qat = sum(n for s, n in phases if s.get("qat"))
+    last = "QAT" if qat else "RUN"  # the folder whose hf/ is converted
     ppl = lambda e, n: e["perplexity"][str(n)]["ppl"]
     lengths = sorted(int(n) for n in after["perplexity"] if n.isdigit())
     lines = [AGENT, f"A last stage, from this pack's first-stage weights (dequantized) with RoPE's base "
-             f"raised from {before['rope_theta']:,.0f} to {after['rope_theta']:,.0f}: {len(steps)} steps "
+             f"raised from {before['rope_theta']:,.0f} to {after['rope_theta']:,.0f}: {steps} steps "
              f"(`scripts/train_agent_stage.py`, learning rate {start['lr']:.1e}), alternating one "
              f"{start['long']:,}-token window of the training corpus and two {start['chat_window']:,}"
              f"-token windows of short chat turns in its ChatML template, each reply ended by "
              f"`<|im_end|>` (`scripts/agent_chat_data.py`: docstrings, signatures and man's NAME lines "
-             f"asked for by name; {start['chat_tokens']:,} tokens). Generation ends at `<|im_end|>` "
+             f"asked for by name; {start['chat_tokens']:,} tokens)"
+             + (f", then {qat} quantization-aware steps (`--qat`: trained on the weights as int4 "
+                f"stores them, which convert would otherwise round the stage's updates away from)"
+                if qat else "") + ". Generation ends at `<|im_end|>` "
              f"and `<|endoftext|>`; the context is {after['context']:,} tokens. 32K is not trained "
              f"on: it comes from the raised base, measured here.", "",
              f"Held-out perplexity of the int4 pack (PyTorch, float32 from int4) by context length, "
@@ -300,10 +310,12 @@ def agent_section(run: Path) -> str:
               f"tokens, greedy, through edgemoe.generate, on {a['turns']} held-out turns never "
               f"trained on: **{a['stop']}/{a['turns']}** (before the stage: {b['stop']}/{b['turns']}).",
               "", "```", "python scripts/agent_chat_data.py --corpus CORPUS --out RUN",
-              f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out RUN --steps {len(steps)}",
-              "scripts/rebuild_reference.sh RUN pack",
-              "python scripts/eval_agent_model.py --pack PACK --corpus CORPUS --chat RUN/chat_heldout.jsonl "
-              "--json RUN/eval_after.json", "python scripts/model_card.py --agent RUN --pack PACK", "```",
+              f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out RUN --steps {steps}",
+              *([f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out QAT --init RUN "
+                 f"--qat --steps {qat}"] if qat else []),
+              f"scripts/rebuild_reference.sh {last} pack",
+              f"python scripts/eval_agent_model.py --pack PACK --corpus CORPUS --chat RUN/chat_heldout.jsonl "
+              f"--json {last}/eval_after.json", f"python scripts/model_card.py --agent {last} --pack PACK", "```",
               "CORPUS: a first-stage run folder (its corpus.json); PACK: the pack before the stage, "
               "then this one (its eval_before.json is the same command on the pack before).", ""]
     return "\n".join(lines) + "\n"
