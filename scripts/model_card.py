@@ -11,6 +11,11 @@ without "-draft" (the share of greedy drafts the target keeps, token by token).
 heads, recovery LoRA and cache policy, from their reports), as rebuild_reference.sh does
 after it retrains one; no --run needed.
 
+--agent RUN: add (or rewrite) the card's section on the agent stage
+(scripts/train_agent_stage.py --out RUN): its context and chat-turn figures, from
+RUN/eval_before.json and RUN/eval_after.json (scripts/eval_agent_model.py, the pack before
+and after the stage), and the context and size the architecture line states.
+
 --run is the folder train_reference_moe.py wrote (hf/, heldout.txt, train_log.jsonl).
 Measures on the held-out text, with edgemoe.eval: perplexity of the unquantized model
 and of the int4 pack, their top-1 agreement and KL, and the pack's per-layer expert
@@ -258,6 +263,83 @@ def update_assets(pack: Path):
     (pack / "README.md").write_text(card[:start] + assets_section(pack) + card[end:])
 
 
+AGENT = "## Agent stage"
+
+
+def agent_section(run: Path) -> str:
+    """The agent stage's section: what it trained, perplexity by context length and the
+    share of held-out chat turns ending with stop, before and after."""
+    before, after = (json.loads((run / f"eval_{w}.json").read_text()) for w in ("before", "after"))
+    phases, folder = [], run  # a --qat phase names the stage it started from (--init)
+    while folder is not None:
+        log = [json.loads(l) for l in open(folder / "train_log.jsonl")]
+        start = next(e for e in log if e["event"] == "start")
+        phases.insert(0, (start, sum(e["event"] == "train" for e in log)))
+        folder = Path(start["init"]) if start.get("init") not in (None, "None") else None
+    start, steps = phases[0]
+    qat = sum(n for s, n in phases if s.get("qat"))
+    last = "QAT" if qat else "RUN"  # the folder whose hf/ is converted
+    ppl = lambda e, n: e["perplexity"][str(n)]["ppl"]
+    lengths = sorted(int(n) for n in after["perplexity"] if n.isdigit())
+    lines = [AGENT, f"A last stage, from this pack's first-stage weights (dequantized) with RoPE's base "
+             f"raised from {before['rope_theta']:,.0f} to {after['rope_theta']:,.0f}: {steps} steps "
+             f"(`scripts/train_agent_stage.py`, learning rate {start['lr']:.1e}), alternating one "
+             f"{start['long']:,}-token window of the training corpus and two {start['chat_window']:,}"
+             f"-token windows of short chat turns in its ChatML template, each reply ended by "
+             f"`<|im_end|>` (`scripts/agent_chat_data.py`: docstrings, signatures and man's NAME lines "
+             f"asked for by name; {start['chat_tokens']:,} tokens)"
+             + (f", then {qat} quantization-aware steps (`--qat`: trained on the weights as int4 "
+                f"stores them, which convert would otherwise round the stage's updates away from)"
+                if qat else "") + ". Generation ends at `<|im_end|>` "
+             f"and `<|endoftext|>`; the context is {after['context']:,} tokens. 32K is not trained "
+             f"on: it comes from the raised base, measured here.", "",
+             f"Held-out perplexity of the int4 pack (PyTorch, float32 from int4) by context length, "
+             f"on the held-out files of the stdlib and packages domains joined in order "
+             f"({after['perplexity']['heldout_tokens']:,} tokens; 512: 32 windows, 2K: 4, 8K: 2, 32K: 1):", "",
+             "| pack | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for name, e in (("before the stage", before), ("**this pack**", after)):
+        lines.append(f"| {name} | " + " | ".join(f"{ppl(e, n):.2f}" for n in lengths) + " |")
+    spans = after["perplexity"].get("32768", {}).get("spans")
+    if spans:
+        lines += ["", "Within the 32K window, by position: " + ", ".join(
+            f"{k}: {v:.2f} (before: {before['perplexity']['32768']['spans'][k]:.2f})"
+            for k, v in spans.items()) + "."]
+    b, a = before["chat"], after["chat"]
+    lines += ["", f"Short chat turns ending with `stop` (not `length`) within {a['max_tokens']} "
+              f"tokens, greedy, through edgemoe.generate, on {a['turns']} held-out turns never "
+              f"trained on: **{a['stop']}/{a['turns']}** (before the stage: {b['stop']}/{b['turns']}).",
+              "", "```", "python scripts/agent_chat_data.py --corpus CORPUS --out RUN",
+              f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out RUN --steps {steps}",
+              *([f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out QAT --init RUN "
+                 f"--qat --steps {qat}"] if qat else []),
+              f"scripts/rebuild_reference.sh {last} pack",
+              f"python scripts/eval_agent_model.py --pack PACK --corpus CORPUS --chat RUN/chat_heldout.jsonl "
+              f"--json {last}/eval_after.json", f"python scripts/model_card.py --agent {last} --pack PACK", "```",
+              "CORPUS: a first-stage run folder (its corpus.json); PACK: the pack before the stage, "
+              "then this one (its eval_before.json is the same command on the pack before).", ""]
+    return "\n".join(lines) + "\n"
+
+
+def update_agent(run: Path, pack: Path):
+    """Write the agent stage's section after the quality section, and the context and
+    size the architecture line states."""
+    import re
+
+    card = (pack / "README.md").read_text()
+    if AGENT in card:
+        start = card.index(AGENT)
+        card = card[:start] + card[card.index("\n## ", start + len(AGENT)) + 1:]
+    at = card.index("## Routing (")
+    card = card[:at] + agent_section(run) + "\n" + card[at:]
+    config = json.loads((pack / "config.json").read_text())
+    card = re.sub(r"positions up to \d+", f"positions up to {config['max_position_embeddings']}", card)
+    size = sum(f.stat().st_size for f in pack.iterdir() if f.is_file()) / 1e6
+    card = re.sub(r"\(group 64, as `mlx_lm.convert -q`\):\n[\d.]+ MB",
+                  f"(group 64, as `mlx_lm.convert -q`):\n{size:.1f} MB", card)
+    (pack / "README.md").write_text(card)
+
+
 def draft_card(args):
     """The draft's card: its quality and its agreement with its MoE (edgemoe/models/fine for
     edgemoe/models/fine-draft)."""
@@ -344,11 +426,14 @@ def main():
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
     p.add_argument("--draft", action="store_true", help="the speculative draft's card")
+    p.add_argument("--agent", type=Path, help="a train_agent_stage.py run: its section")
     p.add_argument("--assets", action="store_true",
                    help="rewrite only the section on the pack's heads, adapter, cache policy")
     args = p.parse_args()
     if args.assets:
         return update_assets(args.pack)
+    if args.agent:
+        return update_agent(args.agent, args.pack)
     if args.run is None:
         p.error("--run is required (or --assets)")
     if args.draft:

@@ -5,7 +5,11 @@
 # (hf/ is the unquantized model the pack converts). Each step keeps its output under RUN/
 # and copies what ships into the repository.
 #
-#   scripts/rebuild_reference.sh RUN [pack|card|heads|lora|traces|draft]...   (default: all)
+#   scripts/rebuild_reference.sh RUN [pack|card|agent|heads|lora|traces|draft]...   (default: all but agent)
+#
+# agent: the card's section on the agent stage, for a RUN of scripts/train_agent_stage.py
+# (a last stage from the pack: `RUN pack agent heads lora traces`, no card: its first stage
+# is the card's), from RUN/eval_{before,after}.json (scripts/eval_agent_model.py).
 #
 # MODEL names the model: fine (default; the bundled one, 128 experts, top-8:
 # train_reference_moe.py --shape fine) or reference (32 experts, top-2, the default --shape;
@@ -28,17 +32,18 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     pack)  # replaces the whole folder, its heads, adapter and cache policy too: run all steps
-      # the fine model trains on the bundled tokenizer: keep the tokenizer files of the pack
-      # replaced as they are (convert's, from RUN/hf, add mlx-lm's tool_parser_type)
-      TOKENIZER=$(mktemp -d)
+      # the fine model trains on the bundled tokenizer: convert writes the pack's own
+      # tokenizer.json and chat template (byte for byte the draft's); its tokenizer_config is
+      # RUN/hf's with mlx-lm's tool_parser_type, all checksummed in the manifest (files copied
+      # in after convert would fail the pack's checks)
       if [ "$MODEL" != reference ] && [ -f "$PACK/tokenizer.json" ]; then
-        cp "$PACK"/{chat_template.jinja,tokenizer.json,tokenizer_config.json} "$TOKENIZER/"
+        cp "$PACK"/{chat_template.jinja,tokenizer.json} "$RUN/hf/"
       fi
-      $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite
-      if [ -f "$TOKENIZER/tokenizer.json" ]; then cp "$TOKENIZER"/* "$PACK/"; fi
-      rm -rf "$TOKENIZER" ;;
+      $PY -m edgemoe.convert --hf-path "$RUN/hf" --mlx-path "$PACK" --overwrite ;;
     card)
       $PY scripts/model_card.py --run "$RUN" --pack "$PACK" ;;
+    agent)
+      $PY scripts/model_card.py --agent "$RUN" --pack "$PACK" ;;
     heads)  # next-token heads (the pack's, for the prerouted modes) and same-token heads
       # (PACK/prerouter-same-token, the near-exact option), distilled from the pack's routers
       for variant in prerouter prerouter-same-token; do
