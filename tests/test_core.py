@@ -21,7 +21,7 @@ from edgemoe.model.experts import StreamingExperts
 from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
 from edgemoe.streaming.replay import simulate
-from edgemoe.streaming.slots import IN_USE
+from edgemoe.streaming.fills import IN_USE
 
 TOKENS = mx.array(np.random.default_rng(4).integers(3, 500, (1, 9)))
 OTHER = mx.array(np.random.default_rng(5).integers(3, 500, (1, 9)))  # other experts
@@ -258,7 +258,7 @@ def test_a_stale_prefetch_is_dropped_unread_and_its_slot_freed(packs):
     request is kept (a late fill)."""
     import time
 
-    from edgemoe.streaming.slots import FILLING
+    from edgemoe.streaming.fills import FILLING
 
     path = packs["qwen3_moe"]["hf"]
     model, _ = edgemoe.load(path, expert_budget=0.5)

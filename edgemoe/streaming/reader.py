@@ -43,7 +43,7 @@ F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3
 class Fill:
     """One expert being read into one slot. `done` (None: not kept) is set on success and
     on error, by `on_done`; `ended`, the same without allocating an Event per fill, is
-    for `on_done` to set too (edgemoe.streaming.slots), and to release `latch` (a lock
+    for `on_done` to set too (edgemoe.streaming.fills), and to release `latch` (a lock
     held while the fill is in flight, that a waiter blocks on: one C call, where an Event
     or a Condition costs Python on both sides); `reported` once the reader has called
     `on_done`.

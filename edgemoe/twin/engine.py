@@ -40,7 +40,7 @@ from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
 from ..streaming.prefill_ahead import look_ahead
 from ..streaming.reader import BLOCK, Reader
-from ..streaming.slots import UnorderedMemory
+from ..streaming.memory import UnorderedMemory
 from ..streaming.store import ExpertStore
 from .profiles import Profile, measure_reads
 from .shapes import Shape
