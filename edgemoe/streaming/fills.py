@@ -1,6 +1,6 @@
 """A pool's fills, the half of the slot state machine that the reader drives: a slot is
 claimed for an expert (a free one, else the cache policy's victim), its fill handed to the
-reader (edgemoe.streaming.reader.Fill), waited for, and ended by the reader thread: the
+reader (edgemoe.streaming.reads.Fill), waited for, and ended by the reader thread: the
 slot ready, or free again. SlotFills is a part of LayerSlots (edgemoe.streaming.slots),
 which holds the state and runs the calls. This module needs neither MLX nor PyTorch.
 """
@@ -12,7 +12,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..format.pack import PackError
-from .reader import Fill
+from .reads import Fill
 
 FREE, FILLING, READY, IN_USE = range(4)  # a slot's states
 WAIT_POLL_S = 0.05  # how often a waiting compute checks the reader and its deadline

@@ -18,7 +18,7 @@ from ..format.pack import PackLayer
 from .fills import FILLING, FREE, IN_USE, READY, Room, defined_with
 from .memory import SlotMemory
 from .prefetch import WASTE_DECAY, Prefetching
-from .reader import Fill
+from .reads import Fill
 from .stats import ExpertStats
 
 
