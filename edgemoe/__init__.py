@@ -7,8 +7,8 @@ policy -> compute, and the module that holds each box:
     pack                 edgemoe.format (pack, inplace: an mlx-lm checkpoint in place, source)
     load                 edgemoe.model.loader
     router / prerouter   edgemoe.routing (gates, prerouter, predictors, state, modes)
-    slots                edgemoe.streaming.slots, .store, .budget
-    reader               edgemoe.streaming.reader
+    slots                edgemoe.streaming.slots (.fills, .prefetch, .memory), .store, .budget
+    reader               edgemoe.streaming.reader, .reads
     cache policy         edgemoe.streaming.cache
     compute              edgemoe.streaming.calls (the protocol), edgemoe.model.experts (MLX),
                          edgemoe.cuda (PyTorch)

@@ -31,7 +31,7 @@ from .hub import resolve as resolve_hub_id
 from .options import StreamOptions
 from .routing.modes import RoutingMode
 from .streaming.budget import Budget, fitting_budget, fmt_bytes, is_auto
-from .streaming.slots import MemoryFactory
+from .streaming.memory import MemoryFactory
 from .streaming.store import ExpertStore
 
 

@@ -44,7 +44,7 @@ MUTATIONS = [
              "return self.hits + self.late_fills + self.on_demand",
              "return self.hits + self.late_fills + self.on_demand + self.prefetches",
              ["tests/test_store.py", "-k", "by_value"]),
-    Mutation("record checksums not checked", "edgemoe/streaming/reader.py",
+    Mutation("record checksums not checked", "edgemoe/streaming/reads.py",
              "if crc is not None:", "if False:",
              ["tests/test_store.py", "-k", "corrupt"]),
     Mutation("a failed compute keeps its slots", "edgemoe/streaming/calls.py",

@@ -335,7 +335,7 @@ def test_advisory_prefetch_that_wastes_stops_within_its_waste_budget(monkeypatch
     bytes to at most 10% more than on demand reads: the waste budget (1.03x at 10%, 1.05x
     at 25%) and the rule that a guess never evicts what the policy ranks hotter (1.01x,
     1.03x); without both the same predictor reads a third more, or more (1.32x, 1.83x)."""
-    from edgemoe.streaming import slots
+    from edgemoe.streaming import prefetch
 
     trace = shipped_trace()
     routed = trace["routed"]
@@ -357,12 +357,12 @@ def test_advisory_prefetch_that_wastes_stops_within_its_waste_budget(monkeypatch
         assert both.prefetches > 0
         assert both.bytes_read <= 1.1 * native.bytes_read, (budget, both, native)
         with monkeypatch.context() as m:
-            m.setattr(slots.LayerSlots, "_worth_a_slot", ignores_rank)
+            m.setattr(prefetch.Prefetching, "_worth_a_slot", ignores_rank)
             budget_alone = replay_with(trace, budget, half_right, gated=True)
-            m.setattr(slots, "WASTE_BUDGET", float("inf"))
+            m.setattr(prefetch, "WASTE_BUDGET", float("inf"))
             neither = replay_with(trace, budget, half_right, gated=True)
         with monkeypatch.context() as m:
-            m.setattr(slots, "WASTE_BUDGET", float("inf"))
+            m.setattr(prefetch, "WASTE_BUDGET", float("inf"))
             rank_alone = replay_with(trace, budget, half_right, gated=True)
         assert budget_alone.bytes_read <= 1.1 * native.bytes_read, (budget, budget_alone)
         assert rank_alone.bytes_read <= 1.1 * native.bytes_read, (budget, rank_alone)

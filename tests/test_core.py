@@ -21,7 +21,7 @@ from edgemoe.model.experts import StreamingExperts
 from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
 from edgemoe.streaming.replay import simulate
-from edgemoe.streaming.slots import IN_USE
+from edgemoe.streaming.fills import IN_USE
 
 TOKENS = mx.array(np.random.default_rng(4).integers(3, 500, (1, 9)))
 OTHER = mx.array(np.random.default_rng(5).integers(3, 500, (1, 9)))  # other experts
@@ -207,7 +207,7 @@ def test_prefetch_replay_matches_the_store_in_advisory_mode(packs, policy):
 
 
 def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkeypatch):
-    from edgemoe.streaming import reader as reader_module
+    from edgemoe.streaming import reads as reads_module
 
     path = packs["qwen3_moe"]["hf"]
     model, _ = edgemoe.load(path, expert_budget=minimum_bytes(open_source(path)),
@@ -220,12 +220,12 @@ def test_a_stuck_read_fails_the_call_and_marks_the_store_unhealthy(packs, monkey
         unstuck.wait(30)
         return preadv(*args)
 
-    monkeypatch.setattr(reader_module.os, "preadv", stuck_preadv)
+    monkeypatch.setattr(reads_module.os, "preadv", stuck_preadv)
     with deadline(5.0), pytest.raises(PackError, match=r"did not finish within 0.3 s "
                                                          r"\(--read-timeout\)"):
         model(TOKENS)
     assert not store.healthy()  # a read has been in flight past the timeout
-    monkeypatch.setattr(reader_module.os, "preadv", preadv)
+    monkeypatch.setattr(reads_module.os, "preadv", preadv)
     unstuck.set()
     with deadline(5.0):
         again = model(OTHER)
@@ -258,7 +258,7 @@ def test_a_stale_prefetch_is_dropped_unread_and_its_slot_freed(packs):
     request is kept (a late fill)."""
     import time
 
-    from edgemoe.streaming.slots import FILLING
+    from edgemoe.streaming.fills import FILLING
 
     path = packs["qwen3_moe"]["hf"]
     model, _ = edgemoe.load(path, expert_budget=0.5)

@@ -35,7 +35,7 @@ from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
 from edgemoe.cuda.streams import HostStreams  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
 from edgemoe.model.slots import MLXSlotMemory  # noqa: E402
-from edgemoe.streaming.slots import FILLING, FREE, READY  # noqa: E402
+from edgemoe.streaming.fills import FILLING, FREE, READY  # noqa: E402
 from edgemoe.streaming.store import ExpertStore  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 

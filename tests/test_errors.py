@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from edgemoe.format.pack import EXPERTS_FILE, MANIFEST, Pack, PackError
-from edgemoe.streaming import reader as reader_module
+from edgemoe.streaming import reads as reads_module
 
 from conftest import corrupt_record, error_line, tool_module
 
@@ -105,14 +105,14 @@ def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(checkpoints, 
 
 
 def test_a_permission_error_names_the_file(pack, monkeypatch):
-    opened = reader_module.os.open
+    opened = reads_module.os.open
 
     def refuse(path, *args, **kwargs):
         if str(path).endswith(EXPERTS_FILE):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return opened(path, *args, **kwargs)
 
-    monkeypatch.setattr(reader_module.os, "open", refuse)
+    monkeypatch.setattr(reads_module.os, "open", refuse)
     message = error_line(generate.main, "--model", pack)
     assert message == f"edgemoe.generate: error: {pack / EXPERTS_FILE}: Permission denied"
 

@@ -161,7 +161,8 @@ def test_direct_io_in_place_leaves_the_page_cache_empty(checkpoints, tmp_path):
 
 def test_adjacent_records_are_merged_into_one_read_of_bounded_length(packs, monkeypatch):
     from edgemoe.streaming import reader as reader_module
-    from edgemoe.streaming.reader import Fill, Reader
+    from edgemoe.streaming.reader import Reader
+    from edgemoe.streaming.reads import Fill
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
     reader = Reader(pack, threads=1)
@@ -186,7 +187,8 @@ def test_adjacent_records_are_merged_into_one_read_of_bounded_length(packs, monk
 def test_a_merged_read_never_passes_preadvs_buffer_limit(packs):
     """preadv takes at most IOV_MAX buffers (else EINVAL): a layer of 128 fine-grained
     experts, 9 tensors each plus a gap, would pass it merged into one read."""
-    from edgemoe.streaming.reader import MAX_RUN_BUFFERS, Fill, Reader
+    from edgemoe.streaming.reader import MAX_RUN_BUFFERS, Reader
+    from edgemoe.streaming.reads import Fill
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
     reader = Reader(pack, threads=1)
@@ -207,7 +209,8 @@ def test_in_place_slices_are_read_concurrently_and_a_failed_slice_fails_its_fill
     """An expert read in place is one queued read per tensor slice, finished by the last
     to land; one slice failing fails its expert alone, once, with a clear error."""
     from edgemoe.format.inplace import open_mlx_lm
-    from edgemoe.streaming.reader import Fill, Reader, Slice
+    from edgemoe.streaming.reader import Reader
+    from edgemoe.streaming.reads import Fill, Slice
 
     pack = open_mlx_lm(checkpoints["qwen3_moe"][1])
     layer = pack.layers[0]
@@ -262,7 +265,7 @@ def test_read_time_counts_the_reads_alone(packs, monkeypatch):
     time is exactly the reads' and its verify time exactly the checks'."""
     import zlib
 
-    from edgemoe.streaming import reader as reader_module
+    from edgemoe.streaming import reads as reads_module
 
     pack = Pack.open(packs["qwen3_moe"]["hf"])
     store = ExpertStore(pack, 1.0, readers=1, memory=MLXSlotMemory)
@@ -280,8 +283,8 @@ def test_read_time_counts_the_reads_alone(packs, monkeypatch):
         clock.t += 100.0
         return crc32(*args)
 
-    monkeypatch.setattr(reader_module.os, "preadv", timed_preadv)
-    monkeypatch.setattr(reader_module.zlib, "crc32", timed_crc32)
+    monkeypatch.setattr(reads_module.os, "preadv", timed_preadv)
+    monkeypatch.setattr(reads_module.zlib, "crc32", timed_crc32)
     pool = store.pool(pack.layers[0].index)
     pool.ensure(np.array([0, 5, 9]))  # records apart in the file: separate reads
     pool.release()

@@ -660,7 +660,7 @@ def test_a_stuck_read_fails_its_request_and_health_says_so(packs, tmp_path, monk
     expert, and neither carries the server's folders."""
     from conftest import corrupt_record
     from edgemoe.format.pack import Pack
-    from edgemoe.streaming import reader as reader_module
+    from edgemoe.streaming import reads as reads_module
 
     pack = shutil.copytree(packs[FAMILY]["hf"], tmp_path / "secret-folder" / "pack")
     for e in range(Pack.open(pack).layers[0].num_experts):
@@ -674,7 +674,7 @@ def test_a_stuck_read_fails_its_request_and_health_says_so(packs, tmp_path, monk
     with serving_in_process("--model", str(pack), "--read-timeout", "0.5",
                             "--log-level", "ERROR") as url:
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
-        monkeypatch.setattr(reader_module.os, "preadv", stuck_preadv)
+        monkeypatch.setattr(reads_module.os, "preadv", stuck_preadv)
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(post, url, "/v1/completions",
                                   {"prompt": prompts(1)[0], "max_tokens": 4})
@@ -686,7 +686,7 @@ def test_a_stuck_read_fails_its_request_and_health_says_so(packs, tmp_path, monk
                 {"status": "unavailable"}
             r = pending.result(timeout=30)
         assert r.status_code == 500 and "--read-timeout" in r.json()["error"]["message"]
-        monkeypatch.setattr(reader_module.os, "preadv", preadv)
+        monkeypatch.setattr(reads_module.os, "preadv", preadv)
         unstuck.set()
         r = post(url, "/v1/completions", {"prompt": prompts(1)[0], "max_tokens": 4})
         message = r.json()["error"]["message"]

@@ -6,7 +6,7 @@ A LoRA in mlx-lm's format may adapt the routed experts: its keys
 delta in memory, which is what edgemoe exists to avoid. So the deltas are laid out as the
 experts are, one aligned record per (layer, expert), and a fill reads an expert's record
 and its delta's in the same request into the same slot (a record of two segments:
-edgemoe.streaming.reader); the pool adds the delta as mlx-lm's LoRASwitchLinear does.
+edgemoe.streaming.reads); the pool adds the delta as mlx-lm's LoRASwitchLinear does.
 
     ADAPTER/expert_deltas.bin    one record per (layer, expert): each adapted projection's
                                  lora_a then lora_b, in projection order

@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..format.pack import PackLayer
-from ..streaming.slots import LayerSlots, UnorderedMemory
+from ..streaming.memory import UnorderedMemory
+from ..streaming.slots import LayerSlots
 
 
 class MLXSlotMemory(UnorderedMemory):

@@ -9,7 +9,7 @@ not. Policies that need a clock count touches.
 
 A policy that can rank an expert it does not hold has `heat(expert)`: higher is kept
 longer, comparable across one layer's experts, resident or not. An advisory prefetch
-evicts only an expert colder than its prediction (`edgemoe.streaming.slots`).
+evicts only an expert colder than its prediction (`edgemoe.streaming.prefetch`).
 
 A policy is made by name from `POLICIES`: a factory given the model's folder, where a
 policy finds what was trained for it. LFU is the policy; another registers itself

@@ -25,7 +25,8 @@ same point of a layer's call.
 import numpy as np
 
 from .calls import pass_size
-from .slots import FREE, LayerSlots
+from .fills import FREE
+from .slots import LayerSlots
 
 LOOK_AHEAD = True  # False: every read waits for its routing (benchmarks, the twin's before)
 AHEAD_FACTOR = 2  # a call's (token, expert) entries per expert of the layer to look ahead

@@ -31,7 +31,7 @@ from .budget import SlotPlan
 from .cache import make_policy
 from .experimental.learned import LearnedPolicy, NextUseModel
 from .calls import passes
-from .slots import NoMemory
+from .memory import NoMemory
 from .stats import ExpertStats
 from .store import ExpertStore
 

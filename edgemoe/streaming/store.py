@@ -23,8 +23,9 @@ import numpy as np
 from ..format.pack import Pack
 from .budget import Budget, SlotPlan
 from .cache import DEFAULT_POLICY, make_policy
+from .memory import MemoryFactory
 from .reader import Reader
-from .slots import LayerSlots, MemoryFactory
+from .slots import LayerSlots
 from .stats import ExpertStats
 from .telemetry import page_cache_bytes
 from .trace import TraceRecorder
@@ -100,7 +101,7 @@ class ExpertStore:
 
     def gate_prefetches(self, gated: bool = True):
         """Prefetch for a layer only while its predictions prove right (advisory routing:
-        edgemoe.streaming.slots), or always (prerouted: the prediction is the routing)."""
+        edgemoe.streaming.prefetch), or always (prerouted: the prediction is the routing)."""
         self.gated = gated
         for pool in self._by_index.values():
             pool.gated = gated

@@ -39,8 +39,9 @@ from ..routing.modes import routing_mode
 from ..streaming.budget import SlotPlan
 from ..streaming.calls import run_call
 from ..streaming.prefill_ahead import look_ahead
-from ..streaming.reader import BLOCK, Reader
-from ..streaming.slots import UnorderedMemory
+from ..streaming.reader import Reader
+from ..streaming.reads import BLOCK
+from ..streaming.memory import UnorderedMemory
 from ..streaming.store import ExpertStore
 from .profiles import Profile, measure_reads
 from .shapes import Shape
