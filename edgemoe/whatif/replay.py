@@ -26,14 +26,14 @@ import numpy as np
 
 from ..format.pack import Pack, PackLayer
 from ..format.records import Record, TensorLayout
-from . import calls as calls_module
-from .budget import SlotPlan
-from .cache import make_policy
+from ..streaming import calls as calls_module
+from ..streaming.budget import SlotPlan
+from ..streaming.cache import make_policy
 from .experimental.learned import LearnedPolicy, NextUseModel
-from .calls import passes
-from .slots import NoMemory
-from .stats import ExpertStats
-from .store import ExpertStore
+from ..streaming.calls import passes
+from ..streaming.slots import NoMemory
+from ..streaming.stats import ExpertStats
+from ..streaming.store import ExpertStore
 
 PREFILL_CHUNK = 2048  # mlx-lm generate_step's prefill_step_size
 

@@ -1,7 +1,7 @@
 """The twin's run: the real store, readers, slots and policy; compute replaced by waits.
 
 One forward call of the trace, layer by layer, as edgemoe.model.experts.StreamingExperts
-drives the store (module doc of edgemoe.twin):
+drives the store (module doc of edgemoe.whatif.twin):
 
     look_ahead(pool, entries)                    a long prefill's first pass (native)
     wait(resident compute of the layer)          attention, router, shared expert
@@ -32,16 +32,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..streaming.replay import recorded_prefetches, trace_calls
-from ..format.pack import Pack, PackError, PackLayer
-from ..format.records import aligned
-from ..routing.modes import routing_mode
-from ..streaming.budget import SlotPlan
-from ..streaming.calls import run_call
-from ..streaming.prefill_ahead import look_ahead
-from ..streaming.reader import BLOCK, Reader
-from ..streaming.slots import UnorderedMemory
-from ..streaming.store import ExpertStore
+from ..replay import recorded_prefetches, trace_calls
+from ...format.pack import Pack, PackError, PackLayer
+from ...format.records import aligned
+from ...routing.modes import routing_mode
+from ...streaming.budget import SlotPlan
+from ...streaming.calls import run_call
+from ...streaming.prefill_ahead import look_ahead
+from ...streaming.reader import BLOCK, Reader
+from ...streaming.slots import UnorderedMemory
+from ...streaming.store import ExpertStore
 from .profiles import Profile, measure_reads
 from .shapes import Shape
 
@@ -290,7 +290,7 @@ def memory_factory(pack: Pack, slots: int, cap: float = SLOT_MEMORY_CAP):
 
 
 def without_checksums(pack: Pack) -> Pack:
-    from ..format.records import Record
+    from ...format.records import Record
     layers = [PackLayer(l.module, l.index, l.tensors, l.quantization,
                         [Record(r.segments, None) for r in l.records]) for l in pack.layers]
     return Pack(pack.path, pack.model_type, pack.top_k, layers, pack.experts_file_size,
@@ -437,7 +437,7 @@ def layer_syncs(pool, mode, known: bool, traced: bool) -> bool:
 def prerouted_layers(heads) -> dict:
     """TwinConfig's heads_layers and conditional_layers for the prerouter folder `heads`
     (its prerouter_config.json, what `--routing prerouted` runs)."""
-    from ..routing.heads_config import read_config
+    from ...routing.heads_config import read_config
     config = read_config(heads)
     predicted = tuple(config.predicted_layers)
     if config.conditional:
