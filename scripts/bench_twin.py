@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
-from edgemoe.whatif.twin.engine import Compute, TwinConfig, prerouted_layers, run_twin  # noqa: E402
+from edgemoe.whatif.twin.compute import Compute  # noqa: E402
+from edgemoe.whatif.twin.engine import TwinConfig, prerouted_layers, run_twin  # noqa: E402
 from edgemoe.whatif.twin.forecast import ttft_forecast, ttft_passes  # noqa: E402
 from edgemoe.whatif.twin.profiles import load_profile, measure_this_machine  # noqa: E402
 from edgemoe.whatif.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402

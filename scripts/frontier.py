@@ -282,7 +282,7 @@ class Forecast:
 
     def tok_s(self, budget, kind: str, top_k: int, bytes_ratio: float,
               native_share: float = 0.0) -> float:
-        from edgemoe.whatif.twin.engine import Compute
+        from edgemoe.whatif.twin.compute import Compute
 
         shape = replace(self.shape, top_k=top_k)
         c = Compute.from_profile(self.profile, shape)

@@ -49,7 +49,7 @@ def replay(run: dict, compute, profile, model: str) -> dict:
 
 def check(args, budgets):
     from edgemoe.format.pack import Pack
-    from edgemoe.whatif.twin.engine import Compute
+    from edgemoe.whatif.twin.compute import Compute
     from edgemoe.whatif.twin.profiles import load_profile
 
     out = Path(args.out)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from edgemoe.whatif.replay import simulate
-from edgemoe.whatif.twin.engine import Compute, TwinConfig, Waiter, run_twin
+from edgemoe.whatif.twin.compute import Compute, Waiter
+from edgemoe.whatif.twin.engine import TwinConfig, run_twin
 from edgemoe.whatif.twin.profiles import KINDS, Profile, all_profiles, load_profile
 from edgemoe.whatif.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
                                  write_shape_pack)
@@ -288,7 +289,7 @@ def test_this_machines_reader_counts_its_threads_cpu(tiny):
     included (CpuCountedReader), not only the copy and CRC32 time."""
     import time
     from edgemoe.streaming.store import ExpertStore
-    from edgemoe.whatif.twin.engine import CpuCountedReader, ScratchMemory
+    from edgemoe.whatif.twin.readers import CpuCountedReader, ScratchMemory
     _, pack = tiny
     reader = CpuCountedReader(pack, 2, "buffered")
     store = ExpertStore(pack, "25%", "lfu", io="buffered", readers=2, reader=reader,

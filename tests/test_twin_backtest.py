@@ -89,7 +89,7 @@ def test_a_compute_wait_makes_up_the_cpu_a_reader_took_meanwhile():
     """--validate's twin (compute on this CPU): CPU seconds the reader spent during a
     compute wait extend it; a wait with no reader work is as asked."""
     import time
-    from edgemoe.whatif.twin.engine import Waiter
+    from edgemoe.whatif.twin.compute import Waiter
     cpu = {"s": 0.0}
 
     def reader_cpu():  # 10 ms of reader CPU appear during each wait

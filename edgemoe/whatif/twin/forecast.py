@@ -1,7 +1,7 @@
 """doctor --machine PROFILE: whether a model fits a Mac, and a FORECAST of its speed there.
 
 The forecast is analytic, labelled so, and uses the twin's own parts: the profile's
-compute (edgemoe.whatif.twin.engine.Compute), the bytes a decode token reads at each budget from
+compute (edgemoe.whatif.twin.compute.Compute), the bytes a decode token reads at each budget from
 edgemoe.cache_sim's replay of a routing trace mapped onto the model's shape
 (edgemoe.whatif.twin.routing_gen.shape_routing: the bundled model's teacher-forced traces, or
 --trace, relabelled where the shape has their geometry, else routing generated per layer
@@ -32,7 +32,7 @@ from typing import List, Optional
 from ...streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
                                 fmt_bytes, parse_budget)
 from ...machines import DEFAULTS, GENERIC, machine_defaults
-from .engine import Compute
+from .compute import Compute
 from .profiles import Profile, load_profile
 from .routing_gen import native_geometry, shape_routing
 from .shapes import SHAPES, Shape, shape_from_config
