@@ -15,7 +15,8 @@ farthest in the future: no policy has fewer loads on the same requests (without 
     simulate(trace, "10%", "lfu")  # one trace as one generation: a Result
     run(traces, budgets, policies)  # every policy at every budget, summed over the traces
 
-edgemoe.cache_sim asks its questions (policies, a split, speculative windows) with these.
+edgemoe.cache_sim asks its questions with these (policies here; a split and speculative
+windows in edgemoe.whatif.questions).
 """
 
 from dataclasses import dataclass
