@@ -9,16 +9,12 @@
 Each subcommand has its own --help; `replay` is the default (`cache_sim TRACE --budget 0.1`).
 
 `replay` compares the cache policies with Belady's optimum: the traces replayed through
-the store's own slots (edgemoe.streaming.replay). `train-learned` fits the weights of the
-learned policy, which is experimental (edgemoe.streaming.experimental).
+the store's own slots (edgemoe.whatif.replay). `train-learned` fits the weights of the
+learned policy, which is experimental (edgemoe.whatif.experimental). `split` asks whether
+one budget shared across layers beats the even split the store uses; `windows`, what
+speculative decoding can save in reads at best (edgemoe.whatif.questions).
 
-`windows` asks what speculative decoding can save in reads at best: the decoded tokens
-verified in windows, every draft kept, each window one call over the union of its
-tokens' experts (a draft that is sometimes wrong reads more).
-
-`split` asks whether one budget shared across layers beats the even split the store uses:
-it fits a split of the same slot total to the first half of the traces (slots go one at a
-time to the layer whose loads they cut most) and replays the other half with both splits.
+This module is the command line of the what-if room (edgemoe.whatif): a tool, like doctor.
 """
 
 import argparse
@@ -26,119 +22,17 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List
-
-import numpy as np
+from typing import List
 
 from .cli import add_debug_flag, tool
 from .options import experimental_group
-from .streaming.cache import DEFAULT_POLICY, POLICIES, make_policy
-from .streaming.experimental.fit_learned import train_learned
-from .streaming.experimental.learned import DEFAULT_LEARNED, NextUseModel
-from .streaming.replay import (Result, layer_requests, replay, run, simulate, trace_calls,
-                               trace_experts, trace_plan)
+from .streaming.cache import DEFAULT_POLICY, POLICIES
 from .streaming.trace import load_trace
+from .whatif.experimental.fit_learned import train_learned
+from .whatif.experimental.learned import DEFAULT_LEARNED, NextUseModel
+from .whatif.questions import compare_split, compare_windows
+from .whatif.replay import Result, run, trace_experts
 
-
-# -- a budget shared across layers --
-
-def decode_bytes(traces: List[Dict[str, np.ndarray]], layer: int, slots: int,
-                 policy: str) -> int:
-    """Expert bytes one layer's pool of `slots` reads for decoded tokens, over the traces."""
-    total = 0
-    for trace in traces:
-        decode = trace["decode"].astype(bool)
-        requests = layer_requests(trace["routed"], decode, layer, slots, trace_calls(trace))
-        loads = replay(requests, slots, make_policy(policy))[:, 1]
-        total += int(loads[requests.decode].sum()) * int(trace["expert_bytes"][layer])
-    return total
-
-
-def fit_split(traces: List[Dict[str, np.ndarray]], total: int, policy: str) -> List[int]:
-    """Slots per layer, `total` in all (at least top-k each): each slot goes to the layer
-    whose decode bytes it cuts most on these traces."""
-    plan = trace_plan(traces[0])
-    layers = range(len(plan.num_experts))
-    split = [plan.top_k] * len(plan.num_experts)
-    cost = {}
-
-    def bytes_at(layer, slots):
-        if (layer, slots) not in cost:
-            cost[layer, slots] = decode_bytes(traces, layer, slots, policy)
-        return cost[layer, slots]
-
-    while sum(split) < total:
-        open_layers = [l for l in layers if split[l] < plan.num_experts[l]]
-        if not open_layers:
-            break
-        best = max(open_layers, key=lambda l: bytes_at(l, split[l]) - bytes_at(l, split[l] + 1))
-        split[best] += 1
-    return split
-
-
-def compare_split(traces: List[Dict[str, np.ndarray]], budget, policy: str) -> dict:
-    """The even split against one fitted to the first half of `traces`, replayed on the
-    second half (held out from the fit): decode bytes per token of each."""
-    if len(traces) < 2:
-        raise ValueError("split needs at least 2 traces: it fits on half and tests on the rest")
-    fit_on, held_out = traces[:len(traces) // 2], traces[len(traces) // 2:]
-    even = trace_plan(traces[0]).slots(budget)
-    layers = traces[0]["routed"].shape[1]
-    split = fit_split(fit_on, even * layers, policy)
-    tokens = sum(int(t["decode"].sum()) for t in held_out)
-    per_token = {name: sum(decode_bytes(held_out, l, slots[l], policy)
-                           for l in range(layers)) / max(tokens, 1)
-                 for name, slots in (("even", [even] * layers), ("fitted", split))}
-    return {"budget": str(budget), "policy": policy, "even_slots": even, "split": split,
-            "fit_traces": len(fit_on), "held_out_traces": len(held_out),
-            "even_bytes_per_token": per_token["even"],
-            "fitted_bytes_per_token": per_token["fitted"]}
-
-
-# -- speculative windows --
-
-def windowed(trace: Dict[str, np.ndarray], window: int) -> Dict[str, np.ndarray]:
-    """`trace` with its decoded tokens verified `window` at a time, every draft kept: each
-    window one forward call over the union of its tokens' experts (speculative decoding's
-    best case for reads); prompt calls as recorded."""
-    decode = trace["decode"].astype(bool)
-    sizes, run = [], 0
-    for call in trace_calls(trace):
-        if not decode[call.start]:
-            if run:
-                sizes.append(run)
-                run = 0
-            sizes.append(call.stop - call.start)
-            continue
-        run += call.stop - call.start
-        if run >= window:
-            sizes.append(run)
-            run = 0
-    if run:
-        sizes.append(run)
-    return dict(trace, calls=np.array(sizes))
-
-
-def compare_windows(traces: List[Dict[str, np.ndarray]], budget, windows: List[int],
-                    policy: str) -> List[dict]:
-    """Decode bytes per token with the tokens verified in windows of each size, against
-    one token a call (plain decode), at one budget."""
-    rows = []
-    for window in windows:
-        results = [simulate(windowed(t, window), budget, policy) for t in traces]
-        tokens = sum(r.decode_tokens for r in results)
-        rows.append({"budget": str(budget), "policy": policy, "window": window,
-                     "slots": results[0].slots,
-                     "bytes_per_token": sum(r.decode_bytes_read for r in results) / max(tokens, 1)})
-    plain = next((r["bytes_per_token"] for r in rows if r["window"] == 1), None)
-    if plain is None:
-        plain = compare_windows(traces, budget, [1], policy)[0]["bytes_per_token"]
-    for r in rows:
-        r["ratio_to_plain"] = r["bytes_per_token"] / plain if plain else 1.0
-    return rows
-
-
-# -- command line --
 
 def plot(results: List[Result], path):
     import matplotlib
@@ -209,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", default=None, help="Write the results here")
     add_debug_flag(replay)
     experimental_group(replay, "--policies learned: the learned policy "
-                               "(edgemoe.streaming.experimental).").add_argument(
+                               "(edgemoe.whatif.experimental).").add_argument(
         "--learned", default=str(DEFAULT_LEARNED), help="Learned policy weights")
     replay.set_defaults(run=main_replay)
 

@@ -13,7 +13,7 @@ import os
 import sys
 
 from .options import EXPERIMENTAL_TITLE
-from .streaming import experimental  # noqa: F401  (offers --cache-policy learned)
+from .whatif import experimental  # noqa: F401  (offers --cache-policy learned)
 
 EXPECTED = (ValueError, OSError)
 

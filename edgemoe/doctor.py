@@ -65,7 +65,7 @@ def predict(pack: Pack, step_s: float, disk_rate: float, hit_rate: float,
 
 
 def replay_hit_rate(trace: dict, pack: Pack, budget_bytes: int) -> float:
-    from .streaming.replay import simulate
+    from .whatif.replay import simulate
 
     return simulate(trace, budget_bytes, DEFAULT_POLICY, pack.layers[0].num_experts,
                     learned=pack_asset(pack.path, "cache_policy")).decode_hit_rate
@@ -113,7 +113,7 @@ def main(argv=None):
     p.add_argument("--trace", default=None,
                    help="A routing trace (.npz) of this model: hit rates from replaying it")
     p.add_argument("--machine", default=None, metavar="PROFILE",
-                   help="Forecast for another machine instead (edgemoe/twin/profiles.json: "
+                   help="Forecast for another machine instead (edgemoe/whatif/twin/profiles.json: "
                         "m4-pro-24gb, m4-max-128gb, m3-max-48gb, m4-air-24gb, ...): fit, auto "
                         "budget, decode tok/s and TTFT per routing mode, labelled a forecast; "
                         "--model may also name a twin shape (qwen3-30b-a3b, ...)")
@@ -126,16 +126,16 @@ def main(argv=None):
     args = tool_parser(p, "doctor").parse_args(argv)
     if args.memory:  # a bad one: one line, before any work
         parse_memory(args.memory)
-    if args.measure_machine:  # edgemoe.twin.measure
-        from .twin.measure import measure_machine
+    if args.measure_machine:  # edgemoe.whatif.twin.measure
+        from .whatif.twin.measure import measure_machine
         prof = measure_machine(Path(args.measure_machine), megabytes=args.measure_mb)
         for k, f in prof.figures.items():
             print(f"  {k:>15} {f['value']:>10} {f['unit']}")
         print(f"wrote {args.measure_machine}: forecast from it with python -m edgemoe.doctor "
               f"--machine {args.measure_machine} --model qwen3-30b-a3b")
         return prof
-    if args.machine:  # edgemoe.twin.forecast: analytic, from the twin's parts
-        from .twin.forecast import report as forecast
+    if args.machine:  # edgemoe.whatif.twin.forecast: analytic, from the twin's parts
+        from .whatif.twin.forecast import report as forecast
         budgets = [args.expert_budget] if args.expert_budget not in (None, AUTO) else None
         memory = parse_memory(args.memory) if args.memory else None
         return forecast(args.model, args.machine, budgets, args.trace, memory)

@@ -2,7 +2,7 @@
 machine": the figures behind each choice; tests/test_twin.py pins every row to its profile
 and to that table).
 
-A machine is named as the twin's profiles are (edgemoe/twin/profiles.json: `m4-pro-24gb`):
+A machine is named as the twin's profiles are (edgemoe/whatif/twin/profiles.json: `m4-pro-24gb`):
 `EDGEMOE_MACHINE` names one, else a Mac takes the profile of its chip and memory (an M4
 Air and an M4 mini report the same chip: `m4-24gb` takes `m4-air-24gb`). A Mac no profile
 describes gets `apple-silicon`, with a warning that says how to measure its profile; off

@@ -28,7 +28,7 @@ MAIN_POLICIES = (DEFAULT_POLICY,)
 EXPERIMENTAL_VALUES = {
     "cache_policy": "--cache-policy learned: evict the expert a small model predicts will "
                     "be needed farthest ahead (the pack's cache_policy.npz; "
-                    "edgemoe.streaming.experimental); within a point of lfu on the bundled "
+                    "edgemoe.whatif.experimental); within a point of lfu on the bundled "
                     "model (docs/cache.md).",
 }
 

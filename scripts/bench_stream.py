@@ -194,7 +194,7 @@ def belady_bytes(trace: Path, budget: float) -> float:
     on this run's own routing at this budget: the fewest any exact mode can read."""
     import numpy as np
 
-    from edgemoe.streaming.replay import simulate
+    from edgemoe.whatif.replay import simulate
 
     r = simulate(dict(np.load(trace)), budget, "belady")
     return r.decode_bytes_read / max(r.decode_tokens, 1)

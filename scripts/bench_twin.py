@@ -7,9 +7,9 @@
 
 The real ExpertStore, reader threads, slots and cache policy read real-size records from
 a shape pack on this disk (written once under --packs, a few physical layers: see
-edgemoe.twin.shapes), driven by the trace's routing mapped onto the shape; the model's
+edgemoe.whatif.twin.shapes), driven by the trace's routing mapped onto the shape; the model's
 compute is replaced by timed waits from the profile, stretched by this disk's speed over
-the profile's SSD (edgemoe.twin.engine). Every figure printed for a Mac profile is a
+the profile's SSD (edgemoe.whatif.twin.engine). Every figure printed for a Mac profile is a
 FORECAST of an unvalidated model until --validate has compared the twin with real runs.
 --trace takes teacher-forced traces (scripts/routing_stats.py record); switching models'
 traces is that one argument. Each trace runs in a fresh store (a cold start per passage)
@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgemoe.streaming.trace import load_trace  # noqa: E402
-from edgemoe.twin.engine import Compute, TwinConfig, prerouted_layers, run_twin  # noqa: E402
-from edgemoe.twin.forecast import ttft_forecast, ttft_passes  # noqa: E402
-from edgemoe.twin.profiles import load_profile, measure_this_machine  # noqa: E402
-from edgemoe.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
+from edgemoe.whatif.twin.compute import Compute  # noqa: E402
+from edgemoe.whatif.twin.engine import TwinConfig, prerouted_layers, run_twin  # noqa: E402
+from edgemoe.whatif.twin.forecast import ttft_forecast, ttft_passes  # noqa: E402
+from edgemoe.whatif.twin.profiles import load_profile, measure_this_machine  # noqa: E402
+from edgemoe.whatif.twin.shapes import (SHAPES, get_shape, map_trace, open_shape_pack,  # noqa: E402
                                  write_shape_pack)
 
 # shape packs are GBs of random records, written once and reused: a cache folder under the
@@ -57,7 +58,7 @@ def truncate(trace, max_decode):
     """The trace's first forward calls, up to `max_decode` decoded tokens (shorter runs)."""
     if not max_decode or int(trace["decode"].sum()) <= max_decode:
         return trace
-    from edgemoe.streaming.replay import trace_calls
+    from edgemoe.whatif.replay import trace_calls
     calls, kept, decoded = trace_calls(trace), [], 0
     for c in calls:
         if trace["decode"][c.start]:
@@ -93,7 +94,7 @@ def long_prompt(traces, tokens: int, chunk: int) -> dict:
 def prefill_rows(args, shape, pack, compute, profile, traces) -> list:
     """TTFT of long prompts (--prompt-tokens), cold: the twin's, and its limit (each
     chunk reads each expert it needs once, overlapped with its compute:
-    edgemoe.twin.forecast.ttft_forecast)."""
+    edgemoe.whatif.twin.forecast.ttft_forecast)."""
     rows = []
     for tokens in (int(t) for t in args.prompt_tokens.split(",")):
         mapped = map_trace(long_prompt(traces, tokens, args.prefill_chunk), shape,
@@ -155,7 +156,7 @@ def shape_pack(shape, packs: Path, physical=None):
 
 def exact_limit(mapped, budget, compute: Compute, shape, profile, readers) -> dict:
     """max(compute, Belady's decode bytes / the profile's read rate), per decode token."""
-    from edgemoe.streaming.replay import simulate
+    from edgemoe.whatif.replay import simulate
     r = simulate(mapped, budget, "belady")
     per_token = r.decode_bytes_read / max(r.decode_tokens, 1)
     rate = shape.record_bytes / profile.read_s(shape.record_bytes, readers)
@@ -271,7 +272,7 @@ def disk_probe_us(pack_path, args) -> float:
     run's readers, O_DIRECT as it reads): beside each real run and each twin, so that a
     row whose disk was slower on one side than the other says so (the VM's disk drifts)."""
     from edgemoe.format.pack import Pack
-    from edgemoe.twin.profiles import measure_reads
+    from edgemoe.whatif.twin.profiles import measure_reads
     pack = Pack.open(pack_path)
     m = measure_reads(pack.experts_path, pack.layers[0].expert_bytes, 256,
                       first_readers(args), direct=args.io == "direct")
@@ -492,7 +493,7 @@ def score(run, compute, profile, args) -> dict:
 
 def backtest(args):
     """The back-test (docs/mac.md, "Back-test"): FORECASTS of the peers' published figures."""
-    from edgemoe.twin import backtest as bt
+    from edgemoe.whatif.twin import backtest as bt
     traces = [truncate(load_trace(f), args.max_decode) for f in trace_files(args.trace)]
     designs = [d for d in bt.DESIGNS if not args.peers
                or any(p.lower() in d.peer.lower() for p in args.peers.split(","))]
@@ -551,7 +552,7 @@ def record_greedy(out: Path, model_path: Path):
 
 def routing_check(args):
     """docs/mac.md, "Shapes": the generator against held-out traces, and --shape's rates."""
-    from edgemoe.twin.routing_gen import check, hit_rates, shape_routing
+    from edgemoe.whatif.twin.routing_gen import check, hit_rates, shape_routing
     files = trace_files(args.trace)
     traces = [load_trace(f) for f in files]
     from edgemoe.streaming.cache import Recency
@@ -579,7 +580,7 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--profile", default="m4-pro-24gb",
-                   help="a profile of edgemoe/twin/profiles.json or a profile .json")
+                   help="a profile of edgemoe/whatif/twin/profiles.json or a profile .json")
     p.add_argument("--budget", default="10%,25%")
     p.add_argument("--mode", default="native", help="comma-separated: native,advisory,prerouted")
     p.add_argument("--trace", default=str(DEFAULT_TRACES),
@@ -619,7 +620,7 @@ def main(argv=None):
     p.add_argument("--validate", action="store_true")
     p.add_argument("--backtest", action="store_true",
                    help="Forecast every peer's published Mac figure from its design "
-                        "(edgemoe.twin.backtest) and print the table; --json writes it; "
+                        "(edgemoe.whatif.twin.backtest) and print the table; --json writes it; "
                         "--peers NAME[,..] and --max-decode shorten it; --rescore JSON takes "
                         "the misses an earlier --json replayed and reruns the timing model")
     p.add_argument("--at-peers", action="store_true",
@@ -705,7 +706,7 @@ def at_peers(args):
     """FORECAST: edgemoe beside each peer at the peer's setting (docs/mac.md, "At the
     peers' settings")."""
     from edgemoe.streaming.trace import load_trace
-    from edgemoe.twin.backtest import ours_at_peers
+    from edgemoe.whatif.twin.backtest import ours_at_peers
     files = [Path(t) for t in args.trace.split(",")]
     files = [f for p in files for f in (sorted(p.glob("*.npz")) if p.is_dir() else [p])]
     rows = ours_at_peers([load_trace(f) for f in files])

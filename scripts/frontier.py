@@ -9,10 +9,10 @@ to native and top-1 agreement with native (teacher-forced windows of --context t
 one forward call each, with every expert resident: the routing, not the cache, decides
 the quality; the prerouted modes carry predictions from position to position as decode
 does). Bytes read per token at 10% and 25%: the routing the mode used, replayed through
-the store's own slots (edgemoe.streaming.replay, LFU) as one teacher-forced decode per
+the store's own slots (edgemoe.whatif.replay, LFU) as one teacher-forced decode per
 text; cache-conditional routing reads its prediction and routes by the slots it
 simulates, so it is measured at each budget on its own. And a FORECAST of decode tok/s
-of qwen3-30b-a3b on m4-pro-24gb (edgemoe.twin.forecast's analytic model, the mode's
+of qwen3-30b-a3b on m4-pro-24gb (edgemoe.whatif.twin.forecast's analytic model, the mode's
 routing trace mapped onto the shape): exact modes wait for their reads; modes whose
 routing is the heads' read a token ahead; cache-conditional routing reads a token ahead
 but keeps native's routing syncs, its bytes scaled from native's by its replayed ratio;
@@ -45,7 +45,7 @@ from edgemoe.routing.between import (SlotSim, adapter_for_layers, install_condit
 from edgemoe.routing.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.cache import make_policy  # noqa: E402
-from edgemoe.streaming.replay import simulate  # noqa: E402
+from edgemoe.whatif.replay import simulate  # noqa: E402
 
 PACK = ROOT / "edgemoe" / "models" / "fine"
 BUDGETS = ("10%", "25%")
@@ -261,14 +261,14 @@ def bytes_per_token(trace, budget) -> float:
 
 
 class Forecast:
-    """Decode tok/s on SHAPE at MACHINE (analytic FORECAST, edgemoe.twin.forecast's model).
+    """Decode tok/s on SHAPE at MACHINE (analytic FORECAST, edgemoe.whatif.twin.forecast's model).
     Native's bytes per token on the shape come from its trace mapped onto the shape and
     replayed (LFU); a mode's are native's scaled by the ratio of the two on the bundled
     model (the map keeps each token's routing, so hit rates carry over)."""
 
     def __init__(self, native_trace: dict):
-        from edgemoe.twin.profiles import load_profile
-        from edgemoe.twin.shapes import SHAPES, map_trace
+        from edgemoe.whatif.twin.profiles import load_profile
+        from edgemoe.whatif.twin.shapes import SHAPES, map_trace
 
         self.shape, self.profile = SHAPES[SHAPE], load_profile(MACHINE)
         first = {k: v[:FORECAST_TOKENS] if k in ("routed", "decode", "calls") else v
@@ -282,7 +282,7 @@ class Forecast:
 
     def tok_s(self, budget, kind: str, top_k: int, bytes_ratio: float,
               native_share: float = 0.0) -> float:
-        from edgemoe.twin.engine import Compute
+        from edgemoe.whatif.twin.compute import Compute
 
         shape = replace(self.shape, top_k=top_k)
         c = Compute.from_profile(self.profile, shape)
@@ -501,7 +501,7 @@ def write(results, texts, out, args):
         rows.append(row)
     result = {"heads": args.heads, "context": args.context,
               "tokens": {k: len(v) - 1 for k, v in texts.items()},
-              "forecast": f"{SHAPE} on {MACHINE}: analytic FORECAST (edgemoe.twin.forecast)",
+              "forecast": f"{SHAPE} on {MACHINE}: analytic FORECAST (edgemoe.whatif.twin.forecast)",
               "configs": rows}
     (out / "frontier.json").write_text(json.dumps(result, indent=1))
     print_table(result)

@@ -38,7 +38,7 @@ def replay(run: dict, compute, profile, model: str) -> dict:
     """The twin of one real run, from its trace."""
     from edgemoe.format.pack import Pack
     from edgemoe.streaming.trace import load_trace
-    from edgemoe.twin.engine import TwinConfig, run_twin
+    from edgemoe.whatif.twin.engine import TwinConfig, run_twin
 
     cfg = TwinConfig(budget=str(run["budget"]), mode="native", io="direct", stretch=1.0,
                      mac_reads=False, reader_contends=True, look_ahead=run["look_ahead"])
@@ -49,8 +49,8 @@ def replay(run: dict, compute, profile, model: str) -> dict:
 
 def check(args, budgets):
     from edgemoe.format.pack import Pack
-    from edgemoe.twin.engine import Compute
-    from edgemoe.twin.profiles import load_profile
+    from edgemoe.whatif.twin.compute import Compute
+    from edgemoe.whatif.twin.profiles import load_profile
 
     out = Path(args.out)
     (out / "traces").mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,10 @@ from mlx_lm.generate import generate_step
 import edgemoe
 from edgemoe.streaming import cache
 from edgemoe.streaming.cache import POLICIES, make_policy
-from edgemoe.streaming.experimental import learned as learned_module
-from edgemoe.streaming.experimental.fit_learned import train_learned
-from edgemoe.streaming.experimental.learned import LearnedPolicy, NextUseModel
-from edgemoe.streaming.replay import (BeladyPolicy, Requests, forward_calls, layer_requests,
+from edgemoe.whatif.experimental import learned as learned_module
+from edgemoe.whatif.experimental.fit_learned import train_learned
+from edgemoe.whatif.experimental.learned import LearnedPolicy, NextUseModel
+from edgemoe.whatif.replay import (BeladyPolicy, Requests, forward_calls, layer_requests,
                                       replay, run, simulate)
 from edgemoe.format.pack import Pack
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
@@ -258,7 +258,7 @@ def shipped_trace(decoded=64):
 def replay_with(trace, budget, predict, gated):
     """The store's own slots over a trace's decode calls (cache_sim's replay), with
     `predict(call, position)` prefetched for each layer as the previous layer runs."""
-    from edgemoe.streaming.replay import replay_pack, replay_store, trace_calls, trace_plan
+    from edgemoe.whatif.replay import replay_pack, replay_store, trace_calls, trace_plan
     from edgemoe.streaming.calls import passes
 
     routed, decode = trace["routed"], trace["decode"].astype(bool)
@@ -313,7 +313,7 @@ def test_a_split_fitted_to_skewed_layers_reads_less_and_the_even_one_is_kept_oth
     """`cache_sim split`: a layer that always routes to the same two experts needs no more
     than two slots, so a fitted split gives the others its slots and reads fewer bytes
     on held-out traces; the total stays the even split's."""
-    from edgemoe.cache_sim import compare_split
+    from edgemoe.whatif.questions import compare_split
 
     rng = np.random.default_rng(3)
 
@@ -373,7 +373,7 @@ def test_an_advisory_guess_never_evicts_what_the_policy_ranks_hotter():
     """LFU, 4 slots: a guess takes the slot of an expert used less often than itself, and
     never that of one used as often or more (nor reads at all for a never-used guess);
     a prerouted prediction (the routing itself) takes the victim's slot regardless."""
-    from edgemoe.streaming.replay import replay_pack, replay_store
+    from edgemoe.whatif.replay import replay_pack, replay_store
 
     def pool_after(history, gated=True):
         store = replay_store(replay_pack([100], [16], 2), 4, "lfu")
@@ -410,8 +410,9 @@ def test_windows_replay_decode_in_speculative_windows(tmp_path, capsys):
     the command prints and writes a row per budget and window."""
     import json
 
-    from edgemoe.cache_sim import compare_windows, main, windowed
-    from edgemoe.streaming.replay import simulate
+    from edgemoe.cache_sim import main
+    from edgemoe.whatif.questions import compare_windows, windowed
+    from edgemoe.whatif.replay import simulate
 
     trace = shipped_trace()
     shipped = tmp_path / "stdlib_64.npz"

@@ -20,7 +20,7 @@ from edgemoe.format.source import open_source
 from edgemoe.model.experts import StreamingExperts
 from edgemoe.model.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
-from edgemoe.streaming.replay import simulate
+from edgemoe.whatif.replay import simulate
 from edgemoe.streaming.fills import IN_USE
 
 TOKENS = mx.array(np.random.default_rng(4).integers(3, 500, (1, 9)))

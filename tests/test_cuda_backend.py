@@ -26,7 +26,7 @@ pytest.importorskip("transformers", reason="the CUDA backend needs transformers"
 import mlx.core as mx  # noqa: E402
 
 import edgemoe  # noqa: E402
-from edgemoe.streaming import experimental  # noqa: E402,F401  (registers "learned")
+from edgemoe.whatif import experimental  # noqa: E402,F401  (registers "learned")
 from edgemoe.streaming.cache import POLICIES  # noqa: E402
 from edgemoe.cuda import int4  # noqa: E402
 from edgemoe.cuda.model import DEFAULT_MODEL, greedy, load  # noqa: E402

@@ -18,7 +18,8 @@ ROOT = Path(edgemoe.__file__).parent
 REPO = ROOT.parent
 
 # the layers, lowest first; a module imports its own package and lower layers only (every
-# other module, the entry points, serving and twin included, is a tool: the top layer)
+# other module, the entry points, serving and the what-if room included, is a tool: the top
+# layer)
 LAYERS = ({"format", "kernels", "machines"}, {"streaming", "routing"},
           {"hub", "distributed", "options", "load_plan"}, {"model", "cuda"})
 APART = {("streaming", "routing"), ("routing", "streaming")}  # same layer, no imports
@@ -27,7 +28,8 @@ BACKENDS = {"mlx", "mlx_lm", "torch", "transformers", "triton"}  # the framework
 # what no backend owns: it imports no framework, and nothing that does
 BACKEND_FREE = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing.modes",
                 "edgemoe.routing.heads_config", "edgemoe.hub", "edgemoe.options",
-                "edgemoe.load_plan", "edgemoe.machines")
+                "edgemoe.load_plan", "edgemoe.machines", "edgemoe.whatif.replay",
+                "edgemoe.whatif.questions", "edgemoe.whatif.experimental")
 NOT_YET_BACKEND_FREE = {
     # a family is what mlx-lm's own model computes with its switch layers (imported lazily)
     ("edgemoe.format.families", "mlx"): "#54 item 1",
@@ -45,18 +47,18 @@ ENGINE = tuple(f"edgemoe.serving.{name}" for name in (
 DIALECTS = tuple(f"edgemoe.serving.{name}" for name in (
     "openai", "openai_view", "anthropic", "ollama", "responses", "responses_view"))
 
-# what decodes and serves, and the room for what-if questions, which imports it
+# what decodes and serves, and the room for what-if questions (replays, cache simulation,
+# the learned policy, the twin: one package, and cache_sim, its command line), which
+# imports it
 RUNTIME = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgemoe.model",
            "edgemoe.cuda", "edgemoe.serving", "edgemoe.kernels", "edgemoe.load_plan",
            "edgemoe.options", "edgemoe.hub", "edgemoe.distributed", "edgemoe.machines",
            "edgemoe.sampling_params", "edgemoe.generate", "edgemoe.server")
-WHAT_IF = ("edgemoe.twin", "edgemoe.streaming.replay", "edgemoe.streaming.experimental",
-           "edgemoe.cache_sim")
+WHAT_IF = ("edgemoe.whatif", "edgemoe.cache_sim")
 NOT_YET_APART = {}
 
 MAX_LINES = 400  # a product module's; a longer one is split by job
 NOT_YET_SHORT = {  # module: the issue that splits it
-    "twin/engine.py": "#51",
 }
 
 
@@ -146,9 +148,10 @@ def test_the_layers_import_downwards_only():
 
 
 def test_backend_free_modules_import_no_framework():
-    """format, streaming, the routing modes and heads config, hub, options, load_plan and
-    machines import neither MLX nor PyTorch (nor mlx-lm, transformers, Triton), not even
-    lazily, nor a module of the package that is not backend-free itself."""
+    """format, streaming, the routing modes and heads config, hub, options, load_plan,
+    machines, and the what-if room's replays, cache questions and learned policy import
+    neither MLX nor PyTorch (nor mlx-lm, transformers, Triton), not even lazily, nor a
+    module of the package that is not backend-free itself."""
     graph, outside = imports()
     free = [m for m in graph if within(m, BACKEND_FREE)]
     assert "edgemoe.format.pack" in free and "edgemoe.load_plan" in free
@@ -180,7 +183,9 @@ def test_the_runtime_never_imports_the_what_if_room():
     may import both)."""
     graph = package_imports()
     runtime = [m for m in graph if within(m, RUNTIME) and not within(m, WHAT_IF)]
-    assert "edgemoe.streaming.store" in runtime and "edgemoe.streaming.replay" not in runtime
+    assert "edgemoe.streaming.store" in runtime and {
+        "edgemoe.whatif.replay", "edgemoe.whatif.experimental.learned",
+        "edgemoe.whatif.twin.engine", "edgemoe.cache_sim"} <= set(graph) - set(runtime)
     found = {(m, target) for m in runtime for target in graph[m] if within(target, WHAT_IF)}
     check(found, NOT_YET_APART, "the runtime imports the what-if room")
 

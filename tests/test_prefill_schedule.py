@@ -24,7 +24,7 @@ from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
 from edgemoe.streaming import prefill_ahead
 from edgemoe.streaming.calls import run_call
 from edgemoe.streaming.prefill_ahead import look_ahead
-from edgemoe.streaming.replay import replay_pack, replay_store
+from edgemoe.whatif.replay import replay_pack, replay_store
 
 from unpack import unpack
 

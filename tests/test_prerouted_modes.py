@@ -15,7 +15,7 @@ from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditiona
 from edgemoe.routing.gates import moe_blocks
 from edgemoe.routing.heads_config import read_config
 from edgemoe.streaming.cache import make_policy
-from edgemoe.streaming.replay import simulate
+from edgemoe.whatif.replay import simulate
 from edgemoe.streaming.trace import load_trace
 
 # the shipped default (docs/routing.md, the frontier): heads recalling less keep the router

@@ -38,7 +38,7 @@ TESTS = block("pytest")
 HUB = block("edgemoe.doctor --model")
 MAC = block("edgemoe.doctor --machine")
 AGENTS = block("OPENAI_BASE_URL")
-# Qwen3-30B-A3B's config.json, the fields a forecast reads (its shape: edgemoe.twin.shapes)
+# Qwen3-30B-A3B's config.json, the fields a forecast reads (its shape: edgemoe.whatif.twin.shapes)
 A3B_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
               "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,

@@ -277,6 +277,12 @@ def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
                   "fine/traces/stdlib.npz"):
         assert (installed / asset).exists(), asset
     assert not (installed / "reference").exists()
+    # every package of the tree, the what-if room's included (this environment's editable
+    # install of the project would otherwise stand in for a package pyproject.toml forgot)
+    packages = {f.parent.relative_to(ROOT) for f in (ROOT / "edgemoe").rglob("__init__.py")}
+    missing = {p for p in packages if not (target / p / "__init__.py").exists()}
+    assert not missing, f"pyproject.toml's packages lack {sorted(map(str, missing))}"
+    assert (target / "edgemoe" / "whatif" / "twin" / "profiles.json").exists()
     # doctor --machine forecasts from the shipped traces (README, "On a Mac")
     code = "import sys; from edgemoe.doctor import main; main(sys.argv[1:])"
     r = subprocess.run([sys.executable, "-c", code, "--machine", "m4-pro-24gb", "--model",

@@ -1,4 +1,4 @@
-"""The twin (edgemoe.twin): profiles are cited data, a replay reads what cache_sim says, and
+"""The twin (edgemoe.whatif.twin): profiles are cited data, a replay reads what cache_sim says, and
 the wait model scales as the profile says. Tiny shapes: the whole file runs in seconds."""
 
 import json
@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemoe.streaming.replay import simulate
-from edgemoe.twin.engine import Compute, TwinConfig, Waiter, run_twin
-from edgemoe.twin.profiles import KINDS, Profile, all_profiles, load_profile
-from edgemoe.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
+from edgemoe.whatif.replay import simulate
+from edgemoe.whatif.twin.compute import Compute, Waiter
+from edgemoe.whatif.twin.engine import TwinConfig, run_twin
+from edgemoe.whatif.twin.profiles import KINDS, Profile, all_profiles, load_profile
+from edgemoe.whatif.twin.shapes import (SHAPES, map_trace, open_shape_pack, tiny_shape,
                                  write_shape_pack)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +229,7 @@ def test_a_validation_run_reports_what_other_processes_took():
 
 def test_the_bundled_heads_route_cache_conditionally():
     from edgemoe.routing.heads_config import read_config
-    from edgemoe.twin.engine import prerouted_layers
+    from edgemoe.whatif.twin.engine import prerouted_layers
     heads = ROOT / "edgemoe" / "models" / "fine" / "prerouter"
     config = read_config(heads)
     layers = prerouted_layers(heads)
@@ -259,7 +260,7 @@ def test_doctor_machine_prints_a_labelled_forecast(capsys, tmp_path):
 
 
 def test_shape_from_config_matches_the_named_a3b_shape():
-    from edgemoe.twin.shapes import shape_from_config
+    from edgemoe.whatif.twin.shapes import shape_from_config
     config = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
               "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
               "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
@@ -288,7 +289,7 @@ def test_this_machines_reader_counts_its_threads_cpu(tiny):
     included (CpuCountedReader), not only the copy and CRC32 time."""
     import time
     from edgemoe.streaming.store import ExpertStore
-    from edgemoe.twin.engine import CpuCountedReader, ScratchMemory
+    from edgemoe.whatif.twin.readers import CpuCountedReader, ScratchMemory
     _, pack = tiny
     reader = CpuCountedReader(pack, 2, "buffered")
     store = ExpertStore(pack, "25%", "lfu", io="buffered", readers=2, reader=reader,
@@ -346,7 +347,7 @@ def test_a_long_prompt_prefills_in_chunks_and_each_chunk_reads_its_experts(tiny)
 
 
 def test_the_twin_decides_by_its_rules():
-    from edgemoe.twin.decide import decide_prefill_step, decide_readers, decide_routing
+    from edgemoe.whatif.twin.decide import decide_prefill_step, decide_readers, decide_routing
     rows = [{"profile": "p", "mode": "native", "budget": b, "readers": n,
              "forecast_decode_tok_s": tps}
             for b, n, tps in (("10%", 1, 5.0), ("10%", 2, 6.0), ("10%", 4, 6.1),
@@ -361,10 +362,10 @@ def test_the_twin_decides_by_its_rules():
 
 
 def test_each_machine_default_is_what_the_twin_decided():
-    """edgemoe.machines (what the code uses) against edgemoe.twin.decide over the twin's
+    """edgemoe.machines (what the code uses) against edgemoe.whatif.twin.decide over the twin's
     rows (tests/data/twin_defaults.json) and the TTFT limits, profile by profile."""
     from edgemoe.machines import machine_defaults
-    from edgemoe.twin.decide import decide
+    from edgemoe.whatif.twin.decide import decide
     rows = json.loads((ROOT / "tests" / "data" / "twin_defaults.json").read_text())["rows"]
     profiles = sorted({r["profile"] for r in rows})
     assert len(profiles) >= 3

@@ -1,4 +1,4 @@
-"""The back-test (scripts/bench_twin.py --backtest, edgemoe.twin.backtest): each peer's
+"""The back-test (scripts/bench_twin.py --backtest, edgemoe.whatif.twin.backtest): each peer's
 design forecast on its profile, short (one trace, 24 decoded tokens), and the host sync as
 the model says: a synced layer costs the read and the GPU's idle."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edgemoe.twin import backtest as bt
-from edgemoe.twin.profiles import all_profiles, load_profile
+from edgemoe.whatif.twin import backtest as bt
+from edgemoe.whatif.twin.profiles import all_profiles, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "edgemoe" / "models" / "fine" / "traces" / "stdlib.npz"
@@ -71,7 +71,7 @@ def test_the_defaults_hold_under_the_host_sync_model():
     before it (two a layer, prerouted one); on the latter every row got slower by the syncs
     it pays, and today's prerouted rows are faster than the latter's."""
     from edgemoe.machines import machine_defaults
-    from edgemoe.twin.decide import decide, with_sync_model
+    from edgemoe.whatif.twin.decide import decide, with_sync_model
     rows = json.loads((ROOT / "tests" / "data" / "twin_defaults.json").read_text())["rows"]
     today, before = with_sync_model(rows), with_sync_model(rows, syncs_per_layer=(2, 1))
     for new in (today, before):
@@ -89,7 +89,7 @@ def test_a_compute_wait_makes_up_the_cpu_a_reader_took_meanwhile():
     """--validate's twin (compute on this CPU): CPU seconds the reader spent during a
     compute wait extend it; a wait with no reader work is as asked."""
     import time
-    from edgemoe.twin.engine import Waiter
+    from edgemoe.whatif.twin.compute import Waiter
     cpu = {"s": 0.0}
 
     def reader_cpu():  # 10 ms of reader CPU appear during each wait

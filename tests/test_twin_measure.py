@@ -1,12 +1,12 @@
-"""A profile measured on this machine (edgemoe.twin.measure, doctor --measure-machine), small
+"""A profile measured on this machine (edgemoe.whatif.twin.measure, doctor --measure-machine), small
 sizes, and the forecast doctor --machine makes from it."""
 
 import json
 from pathlib import Path
 
 from edgemoe import doctor
-from edgemoe.twin.measure import measure_machine
-from edgemoe.twin.profiles import FIGURES, all_profiles, load_profile
+from edgemoe.whatif.twin.measure import measure_machine
+from edgemoe.whatif.twin.profiles import FIGURES, all_profiles, load_profile
 
 FINE = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "fine"
 TRACE = FINE / "traces" / "stdlib.npz"
@@ -22,7 +22,7 @@ def test_this_machine_measured_and_forecast_from(tmp_path, capsys):
         {(65536, 1), (65536, 2), (262144, 1), (262144, 2)}
     assert not (tmp_path / ".edgemoe-measure.bin").exists()  # the scratch file is gone
     profile = load_profile(str(out))
-    # contributed as edgemoe/twin/profiles/NAME.json, it is a named profile
+    # contributed as edgemoe/whatif/twin/profiles/NAME.json, it is a named profile
     folder = tmp_path / "profiles"
     folder.mkdir()
     (folder / "mine-measured.json").write_text(out.read_text())

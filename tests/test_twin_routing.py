@@ -1,4 +1,4 @@
-"""Generated routing (edgemoe.twin.routing_gen): a 256-expert, 40-layer shape uses all of its
+"""Generated routing (edgemoe.whatif.twin.routing_gen): a 256-expert, 40-layer shape uses all of its
 experts in distinct layers, and routing generated from three of the bundled model's traces
 caches like the fourth, held out."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from edgemoe.streaming.trace import load_trace
-from edgemoe.twin.routing_gen import fit, generate, hit_rates, shape_routing
-from edgemoe.twin.shapes import SHAPES, map_trace
+from edgemoe.whatif.twin.routing_gen import fit, generate, hit_rates, shape_routing
+from edgemoe.whatif.twin.shapes import SHAPES, map_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "edgemoe" / "models" / "fine" / "traces"
 

@@ -30,7 +30,7 @@ from .slots import live_table
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
 # misses are read, then the misses (#50 item 3). Off: on this CPU backend the reads of a warm
 # page cache are shorter than the extra evaluation costs the host; a forecast for a Mac
-# (edgemoe.twin) must show it pays before it is turned on there.
+# (edgemoe.whatif.twin) must show it pays before it is turned on there.
 HITS_FIRST = False
 
 

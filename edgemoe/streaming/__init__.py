@@ -9,11 +9,11 @@
     cache      eviction policies: LFU (the default); others register by name
     stats      the counters and the one definition of a hit
     trace      routing and prefetch traces, for edgemoe.cache_sim
-    replay     traces replayed through the store's own slots; Belady's optimum
-    experimental  the learned cache policy and its fitting to replays (not a default)
     telemetry  peak RSS, page cache held by a file
 
 Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
 (edgemoe.cuda), and hand the store their slot memory (`ExpertStore(..., memory=)`:
-edgemoe.model.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch.
+edgemoe.model.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch. This is
+what decodes; traces replayed through these slots, cache simulation, the learned policy
+and the twin are edgemoe.whatif's, which imports this package and is never imported by it.
 """

@@ -13,11 +13,11 @@ evicts only an expert colder than its prediction (`edgemoe.streaming.prefetch`).
 
 A policy is made by name from `POLICIES`: a factory given the model's folder, where a
 policy finds what was trained for it. LFU is the policy; another registers itself
-(`register_policy`): the learned one, experimental, from edgemoe.streaming.experimental,
+(`register_policy`): the learned one, experimental, from edgemoe.whatif.experimental,
 which the tools' command line imports (edgemoe.cli) and this runtime never does.
 LRU, LFU-DA and S3-FIFO were removed in #44: each was below LFU at every budget on both
 bundled models (docs/benchmarks.md, "Variants"). Belady's optimum needs the future; it
-lives in `edgemoe.streaming.replay`, which replays recorded routing traces through these
+lives in `edgemoe.whatif.replay`, which replays recorded routing traces through these
 policies and measures them against it.
 """
 
@@ -126,6 +126,6 @@ def make_policy(name, folder: Optional[Path] = None):
         return name()
     if name not in POLICIES:
         raise ValueError(f"cache policy {name!r}: choose one of {', '.join(POLICIES)} (an "
-                         f"experimental one is offered once edgemoe.streaming.experimental "
+                         f"experimental one is offered once edgemoe.whatif.experimental "
                          f"is imported, as the command-line tools do)")
     return POLICIES[name](folder)

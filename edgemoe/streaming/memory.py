@@ -2,7 +2,7 @@
 slot state machine (edgemoe.streaming.slots) and the hardware.
 
 MLX arrays in unified memory (edgemoe.model.slots), device tensors filled from pinned
-host rows (edgemoe.cuda.slots), or nothing at all (NoMemory: edgemoe.streaming.replay
+host rows (edgemoe.cuda.slots), or nothing at all (NoMemory: edgemoe.whatif.replay
 runs traces through the state machine alone). This module needs neither MLX nor PyTorch.
 """
 

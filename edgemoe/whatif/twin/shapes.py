@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..format.pack import ALIGNMENT, EXPERTS_FILE, Pack, PackLayer
-from ..format.records import Record, TensorLayout, aligned
-from ..format.writer import ExpertsWriter
+from ...format.pack import ALIGNMENT, EXPERTS_FILE, Pack, PackLayer
+from ...format.records import Record, TensorLayout, aligned
+from ...format.writer import ExpertsWriter
 
 INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # affine 4-bit, groups of 64, bf16 scales and biases
 SHAPE_PACK_CAP = 4 * 10**9  # physical layers written: as many as fit this (at least one)

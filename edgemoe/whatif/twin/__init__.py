@@ -4,6 +4,8 @@
     shapes     named model shapes, their expert records on disk, routing traces mapped onto them
     engine     the run: the real ExpertStore, readers, slots and policy over real-size
                records; the model's compute replaced by timed waits from the profile
+    compute    the model's compute per piece of a forward call, and the waits for it
+    readers    the readers (as macOS reads, or this machine's, CPU counted), scratch slots
 
 Reads and compute keep the profile's ratio: every wait is stretched by this disk's time
 per record over the profile's SSD's, and the forecast is the twin's time over that stretch.

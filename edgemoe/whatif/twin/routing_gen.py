@@ -1,7 +1,7 @@
 """Routing for shapes the shipped traces cannot relabel: fitted per layer, generated per layer.
 
 The bundled model's traces have 128 experts, top-8, 8 layers. Relabelled onto a 256-expert,
-40-layer shape (edgemoe.twin.shapes.map_trace) they use only 128 of the 256 experts and
+40-layer shape (edgemoe.whatif.twin.shapes.map_trace) they use only 128 of the 256 experts and
 repeat every 8 layers, which flatters every cache. This module fits, per trace layer, the
 two statistics that decide what a cache keeps, and generates routing of any width and depth
 from them:
@@ -133,9 +133,9 @@ def generate(stats: List[LayerStats], like: Dict[str, np.ndarray], experts: int,
 
 def hit_rates(trace: Dict[str, np.ndarray], budgets: Sequence[str] = ("10%", "25%", "50%"),
               policies: Sequence[str] = ("lfu", "belady")) -> Dict[str, float]:
-    """{"lfu@10%": decode hit rate, ...} of one trace replayed by edgemoe.streaming.replay
+    """{"lfu@10%": decode hit rate, ...} of one trace replayed by edgemoe.whatif.replay
     (a policy by name, or a policy class: LRU is edgemoe.streaming.cache.Recency)."""
-    from ..streaming.replay import simulate
+    from ..replay import simulate
     return {f"{getattr(pol, '__name__', pol).lower()}@{b}": simulate(trace, b, pol).decode_hit_rate
             for pol in policies for b in budgets}
 

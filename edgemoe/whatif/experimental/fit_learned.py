@@ -1,15 +1,15 @@
-"""Fitting the learned cache policy (edgemoe.streaming.experimental.learned) to replays.
+"""Fitting the learned cache policy (edgemoe.whatif.experimental.learned) to replays.
 
 The features are those LearnedPolicy computes from the stream of uses at an eviction;
 the target is each resident expert's (log) distance to its next use, which a replay of a
-trace knows (edgemoe.streaming.replay). `python -m edgemoe.cache_sim train-learned` runs it.
+trace knows (edgemoe.whatif.replay). `python -m edgemoe.cache_sim train-learned` runs it.
 """
 
 from typing import Dict, List
 
 import numpy as np
 
-from ..cache import Recency
+from ...streaming.cache import Recency
 from ..replay import Requests, layer_requests, next_steps, replay, trace_experts
 from .learned import LearnedPolicy, NextUseModel
 

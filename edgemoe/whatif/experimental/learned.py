@@ -4,7 +4,7 @@ needed farthest in the future (FlashMoE's approach).
 Measured against LFU, the default, on both bundled models (docs/benchmarks.md,
 "Variants"): +1.0 point of decode hit rate on the earlier model at a 10% budget, a tie at
 25%; -0.3, -0.5 and 0.0 points on the bundled one. It stays for research, chosen only by
-name (`--cache-policy learned`); edgemoe.streaming.experimental.fit_learned fits its
+name (`--cache-policy learned`); edgemoe.whatif.experimental.fit_learned fits its
 weights (`python -m edgemoe.cache_sim train-learned`).
 """
 
@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from ...format.source import pack_asset
-from ..cache import register_policy
+from ...streaming.cache import register_policy
 
 # fitted on the bundled model's traces; a pack may carry its own (cache_policy.npz)
 DEFAULT_LEARNED = Path(__file__).resolve().parents[2] / "models" / "fine" / "cache_policy.npz"

@@ -1,7 +1,7 @@
 """The twin's run: the real store, readers, slots and policy; compute replaced by waits.
 
 One forward call of the trace, layer by layer, as edgemoe.model.experts.StreamingExperts
-drives the store (module doc of edgemoe.twin):
+drives the store (module doc of edgemoe.whatif.twin):
 
     look_ahead(pool, entries)                    a long prefill's first pass (native)
     wait(resident compute of the layer)          attention, router, shared expert
@@ -24,279 +24,22 @@ per record, call by call (`track_disk`); each call's seconds are divided by the 
 ran under.
 """
 
-import threading
 import time
-import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..streaming.replay import recorded_prefetches, trace_calls
-from ..format.pack import Pack, PackError, PackLayer
-from ..format.records import aligned
-from ..routing.modes import routing_mode
-from ..streaming.budget import SlotPlan
-from ..streaming.calls import run_call
-from ..streaming.prefill_ahead import look_ahead
-from ..streaming.reader import Reader
-from ..streaming.reads import BLOCK
-from ..streaming.memory import UnorderedMemory
-from ..streaming.store import ExpertStore
+from ...format.pack import Pack
+from ...routing.modes import routing_mode
+from ...streaming.budget import SlotPlan
+from ...streaming.calls import run_call
+from ...streaming.prefill_ahead import look_ahead
+from ...streaming.store import ExpertStore
+from ..replay import recorded_prefetches, trace_calls
+from .compute import Compute, Waiter
 from .profiles import Profile, measure_reads
-from .shapes import Shape
-
-SLOT_MEMORY_CAP = 4.5e9
-CRC_SLEEP_MIN_S = 0.002  # reader threads sleep their CRC32 waits in pieces of at least this  # real per-layer slot memory up to this; above, layers share rows
-
-
-@dataclass
-class Compute:
-    """Seconds of GPU (or CPU) work per piece of a forward call, on the profile's machine."""
-
-    resident_layer_s: Callable[[int], float]  # tokens -> s
-    experts_s: Callable[[int, int], float]  # (distinct experts, token-expert entries) -> s
-    head_s: float
-    host_sync_s: float
-    method: str
-    # the predictor at each MoE layer but the last (a prerouter head; advisory's next
-    # router): tokens -> s
-    heads_s: Callable[[int], float] = lambda t: 0.0
-    # the GPU idles this long after a layer's first host sync while the host decides and
-    # builds the layer's next work (profiles.json sync_idle_us); a layer without a sync
-    # keeps the GPU queue full and pays nothing
-    sync_idle_s: float = 0.0
-
-    @classmethod
-    def from_profile(cls, profile: Profile, shape: Shape) -> "Compute":
-        """Bytes over the profile's int4 rate, or FLOPs over its prefill rate if more."""
-        rate = profile.value("int4_gbps") * 1e9
-        flops = profile.value("prefill_tflops") * 1e12
-        heads = shape.prerouter_head_params
-        return cls(
-            lambda t: max(shape.resident_compute_bytes / rate,
-                          2 * shape.resident_params_per_layer * t / flops),
-            lambda n, entries: max(n * shape.record_bytes / rate,
-                                   2 * shape.expert_params / 3 * 3 * entries / flops),
-            shape.head_bytes / rate, profile.value("host_sync_us") * 1e-6,
-            f"profile {profile.name}: weights / int4_gbps, or 2 x params x tokens / "
-            f"prefill_tflops if longer",
-            lambda t: max(4 * heads / rate, 2 * heads * t / flops),  # float32 heads
-            profile.value("sync_idle_us") * 1e-6 if "sync_idle_us" in profile.figures else 0.0)
-
-    @classmethod
-    def calibrated(cls, decode_s: float, prefill_s_per_token: float, layers: int, top_k: int,
-                   host_sync_s: float, expert_share: float = 0.5) -> "Compute":
-        """From a measured resident run of the same model (this machine): `decode_s` per
-        decode step and `prefill_s_per_token` less the twin's own overhead, spread evenly
-        over layers, `expert_share` of each layer's to its experts."""
-        per_layer = decode_s / layers
-        per_layer_pre = prefill_s_per_token / layers
-        return cls(
-            lambda t: max(per_layer * (1 - expert_share), per_layer_pre * (1 - expert_share) * t),
-            lambda n, entries: max(per_layer * expert_share * n / top_k,
-                                   per_layer_pre * expert_share * entries / top_k),
-            0.0, host_sync_s, "calibrated on a resident run of the same model")
-
-    def with_heads(self, decode_s: float, prefill_s_per_token: float) -> "Compute":
-        """The predictor's cost per layer, measured (this machine): what a resident run of
-        its mode took per decode step and per prompt token beyond this compute's twin,
-        spread over the layers that run one."""
-        return replace(self, heads_s=lambda t: max(decode_s, prefill_s_per_token * t),
-                       method=self.method + "; the predictor calibrated on a resident run")
-
-    def scaled(self, factor: float) -> "Compute":
-        return Compute(lambda t: self.resident_layer_s(t) * factor,
-                       lambda n, e: self.experts_s(n, e) * factor, self.head_s * factor,
-                       self.host_sync_s * factor, self.method + f" x{factor:g}",
-                       lambda t: self.heads_s(t) * factor, self.sync_idle_s * factor)
-
-
-_SPIN = bytes(16384)  # zlib.crc32 of it: ~5 us of one core, the GIL released
-
-
-def spin(seconds: float):
-    """Keep one core busy for `seconds` (wall), as compute on this CPU does; other threads
-    (the readers) may take the GIL meanwhile, and must find a core."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        zlib.crc32(_SPIN)
-
-
-class Waiter:
-    """Timed waits that stand for compute, and the Python between them dilated. `busy`:
-    a wait keeps a core busy (`spin`) instead of sleeping, as compute does where it runs on
-    this CPU (a validation here), so that the readers find the cores as taken as they
-    were beside the real compute."""
-
-    def __init__(self, stretch: float, python_factor: float = 1.0, blocked=lambda: 0.0,
-                 contending=None, busy: bool = False):
-        self.stretch, self.python_factor, self.blocked = stretch, python_factor, blocked
-        self.sleep = spin if busy else time.sleep
-        # CPU seconds other threads spend (the reader's CRC32s and copies) that a compute
-        # wait must make up for: where compute runs on this CPU (a validation here), a
-        # read that overlaps compute slows it; a sleep does not feel it
-        self.contending = contending
-        self.contended = 0.0
-        self.debt = 0.0  # slept beyond what was asked, paid back by later waits
-        self.asked = self.slept = self.python_s = self.python_pad = 0.0
-        self.compute = 0.0  # of `asked`, the profile's compute and syncs (x stretch)
-        self._mark = None
-        self._blocked_at = blocked()
-
-    def _python_since_mark(self) -> float:
-        now = time.perf_counter()
-        blocked = self.blocked()
-        p = 0.0
-        if self._mark is not None:
-            p = max(0.0, now - self._mark - (blocked - self._blocked_at))
-        self._blocked_at = blocked
-        return p
-
-    def wait(self, seconds: float):
-        """Wait `seconds` of the profile's machine (x stretch here)."""
-        python = self._python_since_mark()
-        self.python_s += python
-        pad = python * (self.python_factor - 1) if self.python_factor > 1 else 0.0
-        self.python_pad += pad
-        want = seconds * self.stretch + pad
-        self.asked += want
-        self.compute += seconds * self.stretch
-        sleep = want - self.debt
-        tic = time.perf_counter()
-        cpu_before = self.contending() if self.contending else 0.0
-        if sleep > 0:
-            self.sleep(sleep)
-        if self.contending and seconds > 0:
-            stolen = self.contending() - cpu_before
-            if stolen > 0:
-                self.sleep(stolen)
-                self.contended += stolen
-                want += stolen
-                self.asked += stolen
-                self.compute += stolen
-        took = time.perf_counter() - tic
-        self.slept += took
-        self.debt = max(0.0, self.debt + took - want)
-        self._mark = time.perf_counter()
-
-
-class TwinReader(Reader):
-    """The real reader threads, queue, merging and preadv, reading as macOS does with
-    F_NOCACHE: straight into the slot rows, one preadv per run of adjacent records (here
-    with O_DIRECT, into 4 KiB aligned rows padded to the records' 16 KiB alignment, so the
-    alignment gaps land in the padding), no copy out of a staging buffer. The CRC32 of each
-    record is not computed here (this VM's zlib takes ~2-3 ms for 2.65 MB, a Mac's ~0.08
-    ms); it is a wait of record bytes / the profile's crc32_gbps, x stretch."""
-
-    crc_s_per_byte = 0.0
-    stretch = 1.0
-
-    def __init__(self, *args, **kwargs):
-        self._local = threading.local()
-        super().__init__(*args, **kwargs)
-
-    def _read_direct(self, run, staging):
-        file_index, start, _ = run[0].record.segments[0]
-        end = run[-1].record.offset + run[-1].record.length
-        views = []
-        for i, f in enumerate(run):
-            row = f.buffers[0]
-            nxt = run[i + 1].record.offset if i + 1 < len(run) else None
-            span = (nxt - f.record.offset) if nxt is not None else \
-                -(-f.record.length // BLOCK) * BLOCK
-            views.append(np.lib.stride_tricks.as_strided(row, shape=(span,), strides=(1,)))
-        n = self._pread(self.direct_fds[file_index], views, start)
-        if n < end - start:
-            raise PackError(f"short read (expected {end - start} bytes, got {n})")
-        for f in run:
-            self._finish(f)
-        return staging
-
-    def _finish(self, f):
-        # a short sleep overshoots (by ~1 ms on a busy VM): each thread sleeps once it owes
-        # a few ms, and pays back what a sleep overran from what it owes next
-        owed = getattr(self._local, "owed", 0.0) + f.record.length * self.crc_s_per_byte * self.stretch
-        if owed > CRC_SLEEP_MIN_S:
-            tic = self.clock()
-            time.sleep(owed)
-            self._verified(tic)
-            owed -= self.clock() - tic
-        self._local.owed = owed
-        super()._finish(f)
-
-
-class CpuCountedReader(Reader):
-    """This machine's reader, counting its threads' CPU seconds (`time.thread_time`): the
-    preadv (the kernel's O_DIRECT work), the copy out of staging, the CRC32s and the fill's
-    bookkeeping. Where compute runs on this CPU (a validation here), that is what a read
-    overlapping compute takes from it; `verify_s` (copy and CRC32 alone, wall time) missed
-    the preadv's share, measured at 1.1 ms a decoded token of a prerouted run at 15%
-    against 2.0 for the copies and CRC32s (docs/mac.md, "Validation")."""
-
-    def __init__(self, *args, **kwargs):
-        self._cpu_lock = threading.Lock()
-        self._cpu_s = 0.0
-        super().__init__(*args, **kwargs)
-
-    @property
-    def cpu_s(self) -> float:
-        with self._cpu_lock:
-            return self._cpu_s
-
-    def _counted(self, read, *args):
-        tic = time.thread_time()
-        try:
-            return read(*args)
-        finally:
-            with self._cpu_lock:
-                self._cpu_s += time.thread_time() - tic
-
-    def _read_run(self, run, staging):
-        return self._counted(super()._read_run, run, staging)
-
-    def _read_slice(self, s, staging):
-        return self._counted(super()._read_slice, s, staging)
-
-
-class ScratchMemory(UnorderedMemory):
-    """A layer's slots as host rows the reader fills (never computed on): each row 4 KiB
-    aligned and padded to the records' alignment, handed to the reader as one buffer.
-    Layers may share one set of rows (`rows`), to hold large pools in less memory."""
-
-    arrays: Dict[str, object] = {}
-
-    def __init__(self, layer: PackLayer, num_slots: int, rows=None):
-        self.nbytes = layer.expert_bytes
-        self.buf = rows if rows is not None else padded_rows(num_slots, layer.expert_bytes)
-
-    def rows(self, slot: int):
-        return [self.buf[slot][:self.nbytes]]
-
-
-def padded_rows(num_slots: int, nbytes: int) -> np.ndarray:
-    width = aligned(nbytes)
-    raw = np.zeros(num_slots * width + BLOCK, dtype=np.uint8)
-    skip = (-raw.ctypes.data) % BLOCK
-    return raw[skip:skip + num_slots * width].reshape(num_slots, width)
-
-
-def memory_factory(pack: Pack, slots: int, cap: float = SLOT_MEMORY_CAP):
-    """Per-layer rows if all layers' pools fit `cap`, else one set shared by all layers."""
-    per_layer = slots * max(l.expert_bytes for l in pack.layers)
-    if per_layer * len(pack.layers) <= cap:
-        return (lambda layer, n: ScratchMemory(layer, n)), False
-    shared = padded_rows(slots, max(l.expert_bytes for l in pack.layers))
-    return (lambda layer, n: ScratchMemory(layer, n, shared)), True
-
-
-def without_checksums(pack: Pack) -> Pack:
-    from ..format.records import Record
-    layers = [PackLayer(l.module, l.index, l.tensors, l.quantization,
-                        [Record(r.segments, None) for r in l.records]) for l in pack.layers]
-    return Pack(pack.path, pack.model_type, pack.top_k, layers, pack.experts_file_size,
-                list(pack.files))
-
+from .readers import CpuCountedReader, TwinReader, memory_factory, without_checksums
 
 @dataclass
 class TwinConfig:
@@ -438,7 +181,7 @@ def layer_syncs(pool, mode, known: bool, traced: bool) -> bool:
 def prerouted_layers(heads) -> dict:
     """TwinConfig's heads_layers and conditional_layers for the prerouter folder `heads`
     (its prerouter_config.json, what `--routing prerouted` runs)."""
-    from ..routing.heads_config import read_config
+    from ...routing.heads_config import read_config
     config = read_config(heads)
     predicted = tuple(config.predicted_layers)
     if config.conditional:

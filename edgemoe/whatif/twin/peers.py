@@ -1,5 +1,5 @@
 """The peers' designs as they published them, each term cited or marked assumed: what the
-back-test (edgemoe.twin.backtest) configures the twin as, and the figure it forecasts."""
+back-test (edgemoe.whatif.twin.backtest) configures the twin as, and the figure it forecasts."""
 
 from dataclasses import dataclass, field
 from typing import List, Optional

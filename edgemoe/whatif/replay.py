@@ -15,7 +15,8 @@ farthest in the future: no policy has fewer loads on the same requests (without 
     simulate(trace, "10%", "lfu")  # one trace as one generation: a Result
     run(traces, budgets, policies)  # every policy at every budget, summed over the traces
 
-edgemoe.cache_sim asks its questions (policies, a split, speculative windows) with these.
+edgemoe.cache_sim asks its questions with these (policies here; a split and speculative
+windows in edgemoe.whatif.questions).
 """
 
 from dataclasses import dataclass
@@ -26,14 +27,14 @@ import numpy as np
 
 from ..format.pack import Pack, PackLayer
 from ..format.records import Record, TensorLayout
-from . import calls as calls_module
-from .budget import SlotPlan
-from .cache import make_policy
+from ..streaming import calls as calls_module
+from ..streaming.budget import SlotPlan
+from ..streaming.cache import make_policy
 from .experimental.learned import LearnedPolicy, NextUseModel
-from .calls import passes
-from .memory import NoMemory
-from .stats import ExpertStats
-from .store import ExpertStore
+from ..streaming.calls import passes
+from ..streaming.memory import NoMemory
+from ..streaming.stats import ExpertStats
+from ..streaming.store import ExpertStore
 
 PREFILL_CHUNK = 2048  # mlx-lm generate_step's prefill_step_size
 

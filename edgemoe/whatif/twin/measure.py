@@ -12,7 +12,7 @@ profile"):
     host sync    the read-back of a result (a one-element graph: the read itself), and the
                  host's time to build a layer's graph (the device waits for it)
     our Python   the store's own bookkeeping (a replay of a bundled trace through
-                 edgemoe.streaming.replay), timed against the project's VM: cpu_vs_here
+                 edgemoe.whatif.replay), timed against the project's VM: cpu_vs_here
 """
 
 import os
@@ -32,14 +32,14 @@ QUEUE_DEPTHS = (1, 2, 4, 8)
 # 5, best of 3, 2026-12-04, under a load of ~12: a quiet VM is faster, so a cpu_vs_here
 # measured against it reads up to ~2x high): cpu_vs_here = this / the machine's own
 REFERENCE_PYTHON_S = 0.44
-TRACE = Path(__file__).resolve().parents[1] / "models" / "fine" / "traces" / "stdlib.npz"
+TRACE = Path(__file__).resolve().parents[2] / "models" / "fine" / "traces" / "stdlib.npz"
 
 
 def python_seconds(repeats: int = 5, decode: int = 64) -> float:
     """Median seconds of the store's Python: a replay of a bundled trace's prompt and first
     `decode` decoded tokens at 25%."""
-    from ..streaming.replay import simulate, trace_calls
-    from ..streaming.trace import load_trace
+    from ..replay import simulate, trace_calls
+    from ...streaming.trace import load_trace
     trace = load_trace(TRACE)
     calls = trace_calls(trace)
     decoded = np.cumsum([bool(trace["decode"][c.start]) for c in calls])

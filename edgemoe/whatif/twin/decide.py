@@ -20,8 +20,8 @@ bytes of a replay do not depend on the machine; docs/cache.md).
 
 from typing import Dict, List, Optional
 
-from ..routing.modes import routing_mode
-from ..streaming.budget import SlotPlan, parse_budget
+from ...routing.modes import routing_mode
+from ...streaming.budget import SlotPlan, parse_budget
 from .forecast import ttft_forecast
 from .profiles import load_profile
 from .shapes import SHAPES

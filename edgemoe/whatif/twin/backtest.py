@@ -24,14 +24,14 @@ A peer's design is what decides its speed on a Mac, each term cited or marked as
                       profile's, which are BigRig's Python MLX figures
     ssd_gbps          the peer's own measured SSD, where it published one for its machine
 
-A decode token then takes (edgemoe.twin.forecast's terms, the host sync as a model of what
+A decode token then takes (edgemoe.whatif.twin.forecast's terms, the host sync as a model of what
 happens: the queue drains, the read's round trip, the GPU idle while the host builds):
 
     compute + layers x (syncs_per_layer x host_sync + sync_idle if syncs_per_layer)
             + page-cache copies + SSD reads x (1 - hidden)
 
 The misses come from replaying routing for the peer's shape at its top-k
-(edgemoe.twin.routing_gen: the bundled model's traces, fitted per layer; a 256- or
+(edgemoe.whatif.twin.routing_gen: the bundled model's traces, fitted per layer; a 256- or
 512-expert shape uses all of its experts) through its cache policy and size. Every figure
 the forecast takes from a profile with a cited range (host sync, the GPU idle, an SSD, an
 int4 rate) is also run at both ends: the sensitivity column.
@@ -42,8 +42,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..streaming.cache import Recency
-from ..streaming.replay import simulate
+from ...streaming.cache import Recency
+from ..replay import simulate
 from .profiles import Profile, load_profile
 from .routing_gen import shape_routing
 from .shapes import Shape
@@ -210,7 +210,7 @@ BEFORE_HOTPATH = (2, 1)  # (native, prerouted) syncs a layer before edgemoe.mode
 
 
 def ours_at_peers(traces, peers: Sequence[str] = AT_PEERS) -> List[dict]:
-    """edgemoe's analytic forecast (edgemoe.twin.forecast) at each peer's own model, machine
+    """edgemoe's analytic forecast (edgemoe.whatif.twin.forecast) at each peer's own model, machine
     and expert memory (its first design in DESIGNS: the cold or plain figure where it has
     one), and at 100% on the same machine: native and prerouted, on today's decode path and
     on the path before it (two syncs a streamed layer)."""

@@ -1,9 +1,9 @@
 """doctor --machine PROFILE: whether a model fits a Mac, and a FORECAST of its speed there.
 
 The forecast is analytic, labelled so, and uses the twin's own parts: the profile's
-compute (edgemoe.twin.engine.Compute), the bytes a decode token reads at each budget from
+compute (edgemoe.whatif.twin.compute.Compute), the bytes a decode token reads at each budget from
 edgemoe.cache_sim's replay of a routing trace mapped onto the model's shape
-(edgemoe.twin.routing_gen.shape_routing: the bundled model's teacher-forced traces, or
+(edgemoe.whatif.twin.routing_gen.shape_routing: the bundled model's teacher-forced traces, or
 --trace, relabelled where the shape has their geometry, else routing generated per layer
 from their fitted statistics, so a 256-expert shape uses all of its experts and a 48-layer
 one has distinct layers), and the profile's SSD. Per decode token:
@@ -29,15 +29,15 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-from ..streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
+from ...streaming.budget import (AUTO_KV_TOKENS, BudgetError, SlotPlan, auto_budget_bytes,
                                 fmt_bytes, parse_budget)
-from ..machines import DEFAULTS, GENERIC, machine_defaults
-from .engine import Compute
+from ...machines import DEFAULTS, GENERIC, machine_defaults
+from .compute import Compute
 from .profiles import Profile, load_profile
 from .routing_gen import native_geometry, shape_routing
 from .shapes import SHAPES, Shape, shape_from_config
 
-DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "models" / "fine" / "traces"  # shipped
+DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "models" / "fine" / "traces"  # shipped
 METHOD = ("FORECAST (analytic, unvalidated on a Mac): profile compute + cache_sim's bytes of "
           "a routing trace's (relabelled or generated for the shape) / the profile's SSD rate")
 
@@ -46,11 +46,11 @@ def shape_for(model: str) -> Shape:
     """A twin shape by name, or the shape of a folder's (or a hub id's) config.json."""
     if model in SHAPES:
         return SHAPES[model]
-    from ..hub import parse_hub_id
+    from ...hub import parse_hub_id
     hub_id = parse_hub_id(model)
     if hub_id is not None:
         import tempfile
-        from ..hub import remote_headers
+        from ...hub import remote_headers
         with tempfile.TemporaryDirectory(prefix="edgemoe-forecast-") as tmp:
             remote = remote_headers(hub_id, Path(tmp) / "model")
             config = json.loads((remote.folder / "config.json").read_text())
@@ -70,7 +70,7 @@ def decode_forecast(shape: Shape, profile: Profile, budget, traces: List[dict],
     """`mapped`: the traces' routing for the shape already (shape_routing), reused across
     budgets: generating it is the slow part. `syncs_per_layer`: (native, prerouted) host
     syncs per MoE layer; None: today's decode path's."""
-    from ..streaming.replay import simulate
+    from ..replay import simulate
     mapped = mapped if mapped is not None else shape_routing(shape, traces)
     tokens = sum(int(m["decode"].sum()) for m in mapped)
     if not tokens:
@@ -165,7 +165,7 @@ def ttft_passes(shape: Shape, profile: Profile, prompt: int, slots: int, chunk: 
 
 def report(model: str, machine: str, budgets: Optional[List[str]] = None,
            trace: Optional[str] = None, memory: Optional[int] = None):
-    from ..streaming.trace import load_trace
+    from ...streaming.trace import load_trace
     profile = load_profile(machine)
     defaults = machine_defaults(profile.name if profile.name in DEFAULTS else GENERIC)
     shape = shape_for(model)

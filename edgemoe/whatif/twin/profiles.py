@@ -232,7 +232,7 @@ def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: 
     lat = max(0.0, (small["s_per_record"] - 256 * 1024 * slope) * threads)
     c = measure_compute()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    how = f"edgemoe.twin.profiles.measure_this_machine on {os.uname().nodename}, {when}"
+    how = f"edgemoe.whatif.twin.profiles.measure_this_machine on {os.uname().nodename}, {when}"
     fig = lambda v, unit, what: {"value": round(v, 4), "unit": unit, "kind": "measured",  # noqa
                                  "source": f"{how}: {what}"}
     figures = {
