@@ -1,5 +1,5 @@
 """The load plan: what both backends' `load()` settle before building a model, in one
-order, from the same StreamOptions (edgemoe.model.loader for MLX, edgemoe.cuda.model for
+order, from the same StreamOptions (edgemoe.mlx_backend.loader for MLX, edgemoe.cuda.model for
 PyTorch build theirs over it):
 
     1. the model folder   a path or a hub id (default: the bundled model)

@@ -100,7 +100,7 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
             apply_adapter(model, backend.adapter, RENAMES.get(plan.config["model_type"], ()))
         if plan.routing.advisory:
             _advise(model, plan.store)
-        if backend.heads is not None:
+        if plan.routing.routes:  # (the heads check() read: the mode needs them)
             try:
                 prerouted.install(model, plan.store, backend.heads)
             except UnsupportedModelError as e:  # a router it cannot route by given logits

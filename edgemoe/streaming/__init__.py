@@ -13,7 +13,7 @@
     experimental  the learned cache policy and its fitting to replays (not a default)
     telemetry  peak RSS, page cache held by a file
 
-Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
+Backends bring only their slot memory and compute: MLX (edgemoe.mlx_backend.experts) and CUDA
 (edgemoe.cuda), and hand the store their slot memory (`ExpertStore(..., memory=)`:
-edgemoe.model.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch.
+edgemoe.mlx_backend.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch.
 """

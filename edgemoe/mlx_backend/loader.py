@@ -11,8 +11,9 @@ from ..distributed import connect, share_for
 from ..format.families import routed_experts
 from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
-from ..routing.driver import PredictedRouting
-from ..routing.gates import hand_input, moe_blocks
+from .driver import PredictedRouting
+from .gates import hand_input, moe_blocks
+from .predictors import predictor_for
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
@@ -138,11 +139,11 @@ def _build(plan: LoadPlan, lazy: bool, model_config):
 def _install_routing(model, plan: LoadPlan, experts: dict):
     """A predicting mode's predictor, reading ahead through the store."""
     routing, store = plan.routing, plan.store
-    if not routing.predicts:
+    if not (routing.advisory or routing.routes):  # native: the router alone
         return
     blocks = moe_blocks(model)
-    predictor = routing.predictor(plan.heads, blocks, store.info().slots_per_layer,
-                                  store.new_policy)
+    predictor = predictor_for(routing, plan.heads, blocks, store.info().slots_per_layer,
+                              store.new_policy)
     store.gate_prefetches(routing.gates_prefetches)
     model.streaming.routing = PredictedRouting(predictor, store.prefetch)
     for layer, block in blocks.items():
