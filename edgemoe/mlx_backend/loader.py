@@ -72,15 +72,17 @@ def load(
     options = StreamOptions.of(options, **overrides)
     if group is None and options.distributed:
         group = connect(options.group_timeout)
-    plan = plan_load(path_or_hf_repo, options, MLXBackend(group))
+    backend = MLXBackend(group, lazy, model_config)
+    plan = plan_load(path_or_hf_repo, options, backend)
     with plan.building():
-        model, config, experts = _build(plan, lazy, model_config)
-        _install_routing(model, plan, experts)
+        model = backend.build(plan)
+        backend.install_routing(model, plan)
         if plan.adapter is not None:
             model = load_adapter(model, plan.adapter, streamed_experts=plan.deltas is not None)
             model.eval()
         if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
-            use_blas(model, experts)
+            use_blas(model, backend.experts)
+    config = backend.config
     tokenizer = load_tokenizer(plan.path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
     # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:
@@ -92,10 +94,13 @@ def load(
 
 
 class MLXBackend(Backend):
-    """The plan's MLX side: slots in unified memory; a group of hosts shares the experts."""
+    """The plan's MLX side: slots in unified memory; a group of hosts shares the experts.
+    `lazy` and `model_config` are mlx-lm's; the build leaves mlx-lm's `config` and the
+    streaming expert modules by layer (`experts`) here."""
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, group=None, lazy: bool = False, model_config=None):
+        self.group, self.lazy, self.model_config = group, lazy, model_config
+        self.config, self.experts = None, {}
 
     def share(self, plan: LoadPlan):
         if self.group is None or self.group.size() == 1:
@@ -105,6 +110,13 @@ class MLXBackend(Backend):
 
     def slot_memory(self, plan: LoadPlan):
         return MLXSlotMemory
+
+    def build(self, plan: LoadPlan):
+        model, self.config, self.experts = _build(plan, self.lazy, self.model_config)
+        return model
+
+    def install_routing(self, model, plan: LoadPlan) -> None:
+        _install_routing(model, plan, self.experts)
 
 
 def _build(plan: LoadPlan, lazy: bool, model_config):
