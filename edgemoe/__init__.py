@@ -5,12 +5,12 @@ policy -> compute, and the module that holds each box:
 
     convert              edgemoe.convert
     pack                 edgemoe.format (pack, inplace: an mlx-lm checkpoint in place, source)
-    load                 edgemoe.model.loader
-    router / prerouter   edgemoe.routing (gates, prerouter, predictors, state, modes)
+    load                 edgemoe.mlx_backend.loader
+    router / prerouter   edgemoe.routing (modes), edgemoe.mlx_backend (gates, prerouter, ...)
     slots                edgemoe.streaming.slots (.fills, .prefetch, .memory), .store, .budget
     reader               edgemoe.streaming.reader, .reads
     cache policy         edgemoe.streaming.cache
-    compute              edgemoe.streaming.calls (the protocol), edgemoe.model.experts (MLX),
+    compute              edgemoe.streaming.calls (the protocol), edgemoe.mlx_backend.experts (MLX),
                          edgemoe.cuda (PyTorch)
     several hosts        edgemoe.distributed (each owns a share of the experts; all_sum)
 
@@ -31,15 +31,15 @@ def __getattr__(name):
     """Import the MLX entry points on first use, so that the MLX-free parts (the
     pack, reader, store, cache policies, and the CUDA backend) import without MLX."""
     if name == "load":
-        from .model.loader import load
+        from .mlx_backend.loader import load
 
         return load
     if name in ("generate", "stream_generate"):
-        from .model import generation
+        from .mlx_backend import generation
 
         return getattr(generation, name)
     if name == "streaming_of":  # what a loaded model streams by: store, host share, routing
-        from .model.experts import streaming_of
+        from .mlx_backend.experts import streaming_of
 
         return streaming_of
     raise AttributeError(f"module 'edgemoe' has no attribute {name!r}")

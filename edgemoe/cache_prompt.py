@@ -19,7 +19,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from .cli import tool, tool_parser
-from .model.experts import streaming_of
+from .mlx_backend.experts import streaming_of
 from .options import StreamOptions, number
 
 
@@ -44,7 +44,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 @tool("cache_prompt")
 def main(argv=None):
-    from .model.loader import load
+    from .mlx_backend.loader import load
 
     args = setup_arg_parser().parse_args(argv)
     model, tokenizer = load(args.model, StreamOptions.from_args(args))

@@ -102,7 +102,7 @@ def expert_compute_seconds(layer: PackLayer, repeats: int = COMPUTE_REPEATS) -> 
 def layer_overhead_seconds(pack: Pack, repeats: int = COMPUTE_REPEATS) -> float:
     """The host round trip edgemoe makes at each streamed MoE layer of a decode step, on
     the pack's router shape: routing synced to the host (its one sync,
-    edgemoe.model.hostsync), the slot table looked up and sent back, with negligible
+    edgemoe.mlx_backend.hostsync), the slot table looked up and sent back, with negligible
     compute."""
     experts = pack.layers[0].num_experts
     dim = pack.layers[0].tensors[0].shape[-1]  # an input width; only the shape matters

@@ -37,7 +37,7 @@ from .format.source import SHARD_INDEX, model_path
 from .format.destination import (OURS, DestinationLock, check_destination, is_pack,
                                  keep_theirs, remove_ours, replace_with)
 from .format.families import check_supported, layer_index, routed_experts, skeleton
-from .model.experts import expert_modules
+from .mlx_backend.experts import expert_modules
 from .format.pack import ALIGNMENT, EXPERTS_FILE, PackError, PackLayer, RESIDENT_FILE
 from .format.writer import (ExpertsWriter, record_layout, record_written_files,
                             write_manifest)

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from .cli import tool, tool_parser
 from .format.source import BUNDLED_MODEL, source_kind
-from .model.experts import streaming_of
+from .mlx_backend.experts import streaming_of
 from .options import StreamOptions
 from .streaming.trace import routing_stats as trace_routing_stats
 
@@ -74,7 +74,7 @@ class ModelConfig:
         path = str(resolve(self.path))  # a hub id: its folder in the hub cache
         kind = source_kind(path)
         if kind == "pack" or (kind == "mlx-lm" and set(self.options) - {"adapter"}):
-            from .model.loader import load
+            from .mlx_backend.loader import load
 
             return load(path, self.stream_options(defaults))
         if set(self.options) - {"adapter"}:

@@ -15,8 +15,8 @@ from mlx_lm.generate import DEFAULT_MIN_P, DEFAULT_QUANTIZED_KV_START, DEFAULT_T
 from .cli import tool, tool_parser
 from .hub import resolve as resolve_hub_id
 from .machines import machine_defaults
-from .model.experts import streaming_of
-from .model.generation import generate
+from .mlx_backend.experts import streaming_of
+from .mlx_backend.generation import generate
 from .options import StreamOptions, number
 from .sampling_params import MAX_TEMPERATURE, cli_sampler
 
@@ -120,8 +120,8 @@ def draft_error(args) -> Optional[str]:
 
 def load_draft(args, tokenizer):
     """The draft of --draft-model / --prompt-lookup for our own loops."""
-    from .model.drafts import DraftModel
-    from .model.lookup import PromptLookup
+    from .mlx_backend.drafts import DraftModel
+    from .mlx_backend.lookup import PromptLookup
 
     if args.prompt_lookup:
         return PromptLookup(args.num_draft_tokens)
@@ -135,7 +135,7 @@ def load_draft(args, tokenizer):
 
 def draft_options(args, tokenizer) -> dict:
     """The draft of --draft-model / --prompt-lookup, verified in our own loop (its length
-    adapted to what windows measure: edgemoe.model.drafts)."""
+    adapted to what windows measure: edgemoe.mlx_backend.drafts)."""
     if not (args.draft_model or args.prompt_lookup):
         return {}
     return {"draft_model": load_draft(args, tokenizer)}
@@ -187,7 +187,7 @@ def render_chat(tokenizer, messages, args) -> str:
 
 @tool("generate")
 def main(argv=None):
-    from .model.loader import load
+    from .mlx_backend.loader import load
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """The load plan: what both backends' `load()` settle before building a model, in one
-order, from the same StreamOptions (edgemoe.model.loader for MLX, edgemoe.cuda.model for
+order, from the same StreamOptions (edgemoe.mlx_backend.loader for MLX, edgemoe.cuda.model for
 PyTorch build theirs over it):
 
     1. the model folder   a path or a hub id (default: the bundled model)
@@ -14,7 +14,8 @@ PyTorch build theirs over it):
     8. the store          the expert store over the backend's slot memory
 
 Neither MLX nor PyTorch here: a backend adds only what its framework knows (a `Backend`:
-its checks, its share of a group, its memory and its slot memory).
+its checks, its share of a group, its memory and its slot memory; then it builds the model
+over the plan and installs its routing).
 """
 
 import contextlib
@@ -96,6 +97,18 @@ class Backend:
         return None
 
     def slot_memory(self, plan: LoadPlan) -> MemoryFactory:
+        """The slots' memory on this backend's device (the store's `memory`)."""
+        raise NotImplementedError
+
+    def build(self, plan: LoadPlan):
+        """The model over the plan: the family's own class, its routed experts streaming
+        from the plan's store."""
+        raise NotImplementedError
+
+    def install_routing(self, model, plan: LoadPlan) -> None:
+        """The plan's routing mode on `model`, as every backend asks a mode: `advisory`
+        (the next layer's router prefetches) or `routes` (the heads route); native is
+        neither and installs nothing."""
         raise NotImplementedError
 
 

@@ -20,7 +20,7 @@ from .streaming.budget import Budget
 from .streaming.cache import DEFAULT_POLICY, POLICIES
 
 IO_MODES = ("buffered", "direct")
-PREFILL_ARITHMETIC = ("native", "blas")  # edgemoe.model.prefill
+PREFILL_ARITHMETIC = ("native", "blas")  # edgemoe.mlx_backend.prefill
 DEFAULT_TIMEOUT_S = 60.0  # --group-timeout: a collective waiting longer means a host is gone
 # what --help offers first; the other values are accepted, and named in the help's
 # "experimental" group (docs/benchmarks.md, "Variants")

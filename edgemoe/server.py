@@ -144,7 +144,7 @@ def byte_size(text: str) -> int:
 
 def build(args) -> Tuple[Engine, Server]:
     """Load the model on the engine thread; the HTTP-side server over it."""
-    from .model.loader import load
+    from .mlx_backend.loader import load
 
     options = StreamOptions.from_args(args)
     template = chat_template(args.chat_template)

@@ -10,7 +10,7 @@ an edgemoe pack (the student's own, say), all experts resident, native routing.
 Student: the int4 pack (`edgemoe.load`) with the chosen routing, prerouted by default;
 its prerouter heads stay frozen (they belong to the expert store, not to the model's
 parameters). The student gets zero-initialised LoRA deltas on its resident linear
-layers (edgemoe.model.lora) and learns them by minimising KL(teacher || student) between the
+layers (edgemoe.mlx_backend.lora) and learns them by minimising KL(teacher || student) between the
 next-token distributions, with AdamW on windows drawn by a seeded generator.
 
 With --experts the routed experts get a delta each too (mlx-lm's LoRASwitchLinear keys);
@@ -20,7 +20,7 @@ DIR holds the adapter in mlx-lm's format (adapters.safetensors, adapter_config.j
 it serves unmerged with `edgemoe.load(PACK, adapter_path=DIR)` or `--adapter-path DIR`,
 and DIR/train_state/ (optimizer, step, generator) every --save-every steps: a rerun with
 the same DIR resumes. DIR/report.json holds held-out perplexity, top-1 agreement and KL
-to the teacher before and after training, and the merging experiment (edgemoe.model.lora):
+to the teacher before and after training, and the merging experiment (edgemoe.mlx_backend.lora):
 how much of the adapter's effect survives merging into the weights and re-quantizing.
 """
 
@@ -40,10 +40,10 @@ from .cli import tool, tool_parser
 from .eval import compare
 from .format.deltas import expert_deltas
 from .format.source import open_source
-from .model.loader import load
+from .mlx_backend.loader import load
 from .options import StreamOptions
 from .routing.modes import PREROUTED
-from .model.lora import (ADAPTER_CONFIG, apply_lora, default_targets, expert_targets,
+from .mlx_backend.lora import (ADAPTER_CONFIG, apply_lora, default_targets, expert_targets,
                          merge_adapter, merge_survival, save_adapter)
 
 STATE = "train_state"

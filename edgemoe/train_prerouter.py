@@ -8,13 +8,13 @@
    block's input x, the router's logits and its expert ids: DIR/features/{train,eval}/,
    one .npy memmap per layer and quantity, written window by window (bounded memory).
    Features that exist are reused.
-2. Train every head (edgemoe.routing.prerouter) on them: KL to the native router's distribution
+2. Train every head (edgemoe.mlx_backend.prerouter) on them: KL to the native router's distribution
    plus BCE on its top-k set; AdamW. A checkpoint per epoch in DIR/checkpoints/ lets an
    interrupted run resume.
 3. Report per-layer top-k recall (|predicted & native| / k) and exact-set accuracy on
    the held-out windows, beside the free baseline (the next layer's router applied to
    the current input) for the next-token and same-token targets: DIR/report.json.
-   The heads are in DIR/prerouter/ (load with edgemoe.routing.prerouter.load_prerouter).
+   The heads are in DIR/prerouter/ (load with edgemoe.mlx_backend.prerouter.load_prerouter).
 
 PATH is an mlx-lm checkpoint (loaded fully resident) or an edgemoe pack.
 """
@@ -37,10 +37,10 @@ from .cli import tool, tool_parser
 from .format.source import source_kind
 from .options import StreamOptions
 from .streaming.budget import is_auto
-from .routing.gates import (BlockInput, gate_logits, handing, hidden_size,
+from .mlx_backend.gates import (BlockInput, gate_logits, handing, hidden_size,
                             indices_from_logits, moe_blocks, tapped, uses_sigmoid)
 from .routing.heads_config import HEAD_HIDDEN
-from .routing.prerouter import (Prerouter, PrerouterConfig, config_for_model, load_prerouter,
+from .mlx_backend.prerouter import (Prerouter, PrerouterConfig, config_for_model, load_prerouter,
                                 save_prerouter)
 
 # knobs
@@ -62,7 +62,7 @@ def load_base(path: str, options: Optional[StreamOptions] = None):
     kind = source_kind(path)
     given = not is_auto(options.expert_budget) and options.expert_budget not in ("1.0", 1.0)
     if kind == "pack" or (kind == "mlx-lm" and given):
-        from .model.loader import load
+        from .mlx_backend.loader import load
 
         return load(path, options)
     from mlx_lm import load

@@ -11,7 +11,7 @@ warmed by a first run (the page cache holds the experts: "warm"; an edgemoe stor
 slots between rounds, as a server does between requests).
 
 - evaluations per token: every `mx.eval` and `mx.async_eval` during decode (both are
-  patched here; edgemoe's own host syncs go through edgemoe.model.hostsync, which calls
+  patched here; edgemoe's own host syncs go through edgemoe.mlx_backend.hostsync, which calls
   them), over the tokens decoded. mlx-lm's loop is one a token (`async_eval` of the next
   token; `.item()` then waits on that same evaluation).
 - main-thread CPU: `time.thread_time()` of the decoding thread over the same span; MLX
@@ -197,7 +197,7 @@ def host_path(args) -> dict:
     held slots released, then `run_call` holding its own). Main-thread CPU per call, us,
     for each budget; the same hits and loads whatever the code's speed."""
     from edgemoe.format.pack import Pack
-    from edgemoe.model.slots import MLXSlotMemory
+    from edgemoe.mlx_backend.slots import MLXSlotMemory
     from edgemoe.streaming.calls import run_call
     from edgemoe.streaming.store import ExpertStore
 

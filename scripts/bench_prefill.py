@@ -12,7 +12,7 @@ and a PNG: prefill seconds, expert bytes read, read rate achieved, seconds block
                                     [--read-bps 20M] [--rounds 3] [--out bench_prefill]
 
 `--profile`: where a prefill's time goes, in one process, warm: mlx-lm, then edgemoe at
-each budget with native and BLAS arithmetic (edgemoe.model.prefill), in alternating
+each budget with native and BLAS arithmetic (edgemoe.mlx_backend.prefill), in alternating
 rounds. Each op is timed with its inputs evaluated before and its output after (so the
 ops run one after another, as MLX's CPU backend runs them anyway): attention's
 projections, the rest of attention (scaled dot-product, RoPE, norms), the routers, the

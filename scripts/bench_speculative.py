@@ -16,7 +16,7 @@ slots, so greedy figures flatter speculation. `--temp 0` measures greedy decode 
 
 Sources (--sources): plain (no draft); lookup (prompt lookup, our loop, adaptive length);
 with --draft-model: mlx-draft (mlx-lm's own speculative loop, a fixed length), draft (our
-loop, DraftModel, length adapted: edgemoe.model.drafts.DraftLength) and draft-fixed (our
+loop, DraftModel, length adapted: edgemoe.mlx_backend.drafts.DraftLength) and draft-fixed (our
 loop, a fixed length).
 
     python scripts/bench_speculative.py [--model PACK] [--draft-model MLX_DIR]
@@ -58,9 +58,9 @@ def worker(args) -> dict:
     import mlx.core as mx
 
     import edgemoe
-    from edgemoe.model.drafts import DraftModel
-    from edgemoe.model.generation import stream_generate
-    from edgemoe.model.lookup import PromptLookup
+    from edgemoe.mlx_backend.drafts import DraftModel
+    from edgemoe.mlx_backend.generation import stream_generate
+    from edgemoe.mlx_backend.lookup import PromptLookup
 
     from mlx_lm.sample_utils import make_sampler
 

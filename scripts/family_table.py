@@ -68,7 +68,7 @@ def routing_is_the_blocks_own(model) -> bool:
     """Native logits as a prediction give each block's native output bit for bit."""
     import mlx.core as mx
 
-    from edgemoe.routing.gates import hidden_size, install_tap, moe_blocks, tapped
+    from edgemoe.mlx_backend.gates import hidden_size, install_tap, moe_blocks, tapped
 
     def output(block, x):  # a block may be a whole decoder layer (gemma4): (h, kv, offset)
         out = block(x)
@@ -108,7 +108,7 @@ def prerouted_never_loads_on_demand(path: Path, heads: Path, budget, tokens) -> 
     from mlx_lm.models.cache import make_prompt_cache
 
     import edgemoe
-    from edgemoe.routing.prerouter import load_prerouter
+    from edgemoe.mlx_backend.prerouter import load_prerouter
 
     model, _ = edgemoe.load(path, expert_budget=budget, routing="prerouted",
                             prerouter_path=heads)
@@ -241,7 +241,7 @@ def check_quantization(name: str, work: Path) -> dict:
     import edgemoe
     from edgemoe.convert import convert
     from edgemoe.format.source import open_source
-    from edgemoe.model.experts import expert_modules
+    from edgemoe.mlx_backend.experts import expert_modules
     from edgemoe.streaming.budget import minimum_bytes
 
     options = dict(QUANT_SPECS)[name]
@@ -273,7 +273,7 @@ def check_quantization(name: str, work: Path) -> dict:
 
 
 def _streaming_modules(model):
-    from edgemoe.model.experts import StreamingExperts
+    from edgemoe.mlx_backend.experts import StreamingExperts
 
     return {p: m for p, m in model.named_modules() if isinstance(m, StreamingExperts)}
 

@@ -37,12 +37,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgemoe.model.experts import streaming_of  # noqa: E402
-from edgemoe.model.loader import load  # noqa: E402
+from edgemoe.mlx_backend.experts import streaming_of  # noqa: E402
+from edgemoe.mlx_backend.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.routing.between import (SlotSim, adapter_for_layers, install_conditional,  # noqa: E402
-                                     plain_heads, set_top_k, with_native_layers)
-from edgemoe.routing.gates import moe_blocks  # noqa: E402
+from edgemoe.mlx_backend.conditional import (SlotSim, adapter_for_layers,  # noqa: E402
+                                             install_conditional, set_top_k)
+from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
+from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.cache import make_policy  # noqa: E402
 from edgemoe.whatif.replay import simulate  # noqa: E402

@@ -43,7 +43,7 @@ class Clock:
 
 
 def instrumented(model) -> Clock:
-    from edgemoe.model.experts import StreamingExperts
+    from edgemoe.mlx_backend.experts import StreamingExperts
 
     clock = Clock()
     if hasattr(model, "lm_head"):

@@ -17,8 +17,8 @@ from mlx_lm.sample_utils import make_sampler
 import edgemoe
 from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
-from edgemoe.model.experts import StreamingExperts
-from edgemoe.model.slots import MLXSlotMemory
+from edgemoe.mlx_backend.experts import StreamingExperts
+from edgemoe.mlx_backend.slots import MLXSlotMemory
 from edgemoe.streaming.budget import minimum_bytes
 from edgemoe.whatif.replay import simulate
 from edgemoe.streaming.fills import IN_USE
@@ -77,7 +77,7 @@ def test_an_exception_in_compute_leaves_the_store_usable(small):
 
 def test_an_exception_in_a_held_call_releases_its_slots_at_once(small):
     """A call asked to keep its slots in use past its return (the one-sync decode path,
-    edgemoe.model.hostsync) keeps none when its compute fails."""
+    edgemoe.mlx_backend.hostsync) keeps none when its compute fails."""
     from edgemoe.streaming.calls import run_call
 
     model, _ = small

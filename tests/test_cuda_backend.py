@@ -34,7 +34,7 @@ from edgemoe.cuda.host import HostTier  # noqa: E402
 from edgemoe.cuda.slots import DeviceSlotMemory  # noqa: E402
 from edgemoe.cuda.streams import HostStreams  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
-from edgemoe.model.slots import MLXSlotMemory  # noqa: E402
+from edgemoe.mlx_backend.slots import MLXSlotMemory  # noqa: E402
 from edgemoe.streaming.fills import FILLING, FREE, READY  # noqa: E402
 from edgemoe.streaming.store import ExpertStore  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
@@ -739,7 +739,7 @@ def test_heads_of_a_removed_variant_are_refused_in_one_line(tmp_path, field, val
     import json
 
     from edgemoe.cuda.prerouted import load_heads
-    from edgemoe.routing.prerouter import CONFIG, WEIGHTS
+    from edgemoe.mlx_backend.prerouter import CONFIG, WEIGHTS
 
     (tmp_path / CONFIG).write_text(json.dumps({
         "model_type": "qwen3_moe", "hidden_size": 8, "num_experts": 4, "top_k": 2,

@@ -23,8 +23,8 @@ from edgemoe.cuda import families  # noqa: E402
 from edgemoe.cuda.model import greedy, load  # noqa: E402
 from edgemoe.cuda.prerouted import MODES  # noqa: E402
 from edgemoe.format.pack import Pack, PackError  # noqa: E402
-from edgemoe.routing.gates import hidden_size, moe_blocks  # noqa: E402
-from edgemoe.routing.prerouter import Prerouter, config_for_model, save_prerouter  # noqa: E402
+from edgemoe.mlx_backend.gates import hidden_size, moe_blocks  # noqa: E402
+from edgemoe.mlx_backend.prerouter import Prerouter, config_for_model, save_prerouter  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from make_hf_family_checkpoints import HF_FAMILIES, make_hf_family  # noqa: E402
 

@@ -22,7 +22,7 @@ GOOD_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    from edgemoe.model.loader import load
+    from edgemoe.mlx_backend.loader import load
 
     e = Engine(lambda: load(None, return_config=True, expert_budget="100%"),
                max_batch=8, prompt_cache_size=0)

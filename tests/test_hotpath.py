@@ -2,7 +2,7 @@
 the device, per path, and that the paths that wait less stay bit-identical to mlx-lm.
 
 Evaluations are counted as scripts/bench_hotpath.py counts them: every mx.eval and
-mx.async_eval during decode (edgemoe's own host syncs go through edgemoe.model.hostsync,
+mx.async_eval during decode (edgemoe's own host syncs go through edgemoe.mlx_backend.hostsync,
 which calls mx.eval), with mlx-lm's own decode loop (one a token).
 """
 
@@ -16,7 +16,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe.format.pack import Pack
-from edgemoe.model.hostsync import QueuedReads
+from edgemoe.mlx_backend.hostsync import QueuedReads
 from edgemoe.streaming.budget import minimum_bytes
 
 from bench_hotpath import EvalCounter, decode
@@ -157,7 +157,7 @@ def test_a_resident_layers_hits_are_counted_whether_or_not_its_tallies_were_comp
         reference, monkeypatch):
     """A resident call's requests are counted on the device, many calls at a time: the
     store's hits are the same however many calls are counted together."""
-    from edgemoe.model import hostsync
+    from edgemoe.mlx_backend import hostsync
 
     _, prompt = reference
     model, _ = edgemoe.load(BUNDLED, expert_budget="100%")
@@ -184,7 +184,7 @@ def test_hits_first_gives_mlx_lms_logits_with_one_evaluation_started_per_missing
     call) a call's hits are started while its misses are read, then the misses; the rows
     go back in mlx-lm's order, so the logits are mlx-lm's, and a layer that misses adds
     one evaluation started (`async_eval`), never a wait."""
-    from edgemoe.model import experts
+    from edgemoe.mlx_backend import experts
 
     monkeypatch.setattr(experts, "HITS_FIRST", True)
     ref, prompt = reference

@@ -21,22 +21,19 @@ REPO = ROOT.parent
 # other module, the entry points, serving and the what-if room included, is a tool: the top
 # layer)
 LAYERS = ({"format", "kernels", "machines"}, {"streaming", "routing"},
-          {"hub", "distributed", "options", "load_plan"}, {"model", "cuda"})
+          {"hub", "distributed", "options", "load_plan"}, {"mlx_backend", "cuda"})
 APART = {("streaming", "routing"), ("routing", "streaming")}  # same layer, no imports
 
 BACKENDS = {"mlx", "mlx_lm", "torch", "transformers", "triton"}  # the frameworks
 # what no backend owns: it imports no framework, and nothing that does
-BACKEND_FREE = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing.modes",
-                "edgemoe.routing.heads_config", "edgemoe.hub", "edgemoe.options",
-                "edgemoe.load_plan", "edgemoe.machines", "edgemoe.whatif.replay",
-                "edgemoe.whatif.questions", "edgemoe.whatif.experimental")
+BACKEND_FREE = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgemoe.hub",
+                "edgemoe.options", "edgemoe.load_plan", "edgemoe.machines",
+                "edgemoe.whatif.replay", "edgemoe.whatif.questions",
+                "edgemoe.whatif.experimental")
 NOT_YET_BACKEND_FREE = {
     # a family is what mlx-lm's own model computes with its switch layers (imported lazily)
     ("edgemoe.format.families", "mlx"): "#54 item 1",
     ("edgemoe.format.families", "mlx_lm"): "#54 item 1",
-    # the modes hand out the MLX predictors: the backends side by side take them over
-    ("edgemoe.routing.modes", "edgemoe.routing.predictors"): "#54 item 1",
-    ("edgemoe.routing.modes", "edgemoe.routing.prerouter"): "#54 item 1",
 }
 
 # serving's engine side: it runs requests, whatever API they came in by (http runs one
@@ -50,7 +47,7 @@ DIALECTS = tuple(f"edgemoe.serving.{name}" for name in (
 # what decodes and serves, and the room for what-if questions (replays, cache simulation,
 # the learned policy, the twin: one package, and cache_sim, its command line), which
 # imports it
-RUNTIME = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgemoe.model",
+RUNTIME = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgemoe.mlx_backend",
            "edgemoe.cuda", "edgemoe.serving", "edgemoe.kernels", "edgemoe.load_plan",
            "edgemoe.options", "edgemoe.hub", "edgemoe.distributed", "edgemoe.machines",
            "edgemoe.sampling_params", "edgemoe.generate", "edgemoe.server")
@@ -132,8 +129,8 @@ def check(found: set, known: dict, rule: str):
 
 
 def test_the_layers_import_downwards_only():
-    """format -> streaming / routing -> hub / distributed / options / load_plan -> model /
-    cuda -> tools: no import goes up a layer (nor between streaming and routing), and no
+    """format -> streaming / routing -> hub / distributed / options / load_plan ->
+    mlx_backend / cuda -> tools: no import goes up a layer (nor between streaming and routing), and no
     module imports one that imports it back, through any chain."""
     graph = package_imports()
     assert len(graph) > 60 and "edgemoe.serving.openai" in graph["edgemoe.serving.app"]
@@ -148,10 +145,10 @@ def test_the_layers_import_downwards_only():
 
 
 def test_backend_free_modules_import_no_framework():
-    """format, streaming, the routing modes and heads config, hub, options, load_plan,
-    machines, and the what-if room's replays, cache questions and learned policy import
-    neither MLX nor PyTorch (nor mlx-lm, transformers, Triton), not even lazily, nor a
-    module of the package that is not backend-free itself."""
+    """format, streaming, routing, hub, options, load_plan, machines, and the what-if
+    room's replays, cache questions and learned policy import neither MLX nor PyTorch (nor
+    mlx-lm, transformers, Triton), not even lazily, nor a module of the package that is not
+    backend-free itself."""
     graph, outside = imports()
     free = [m for m in graph if within(m, BACKEND_FREE)]
     assert "edgemoe.format.pack" in free and "edgemoe.load_plan" in free

@@ -16,9 +16,9 @@ import edgemoe
 from edgemoe import train_lora
 from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
-from edgemoe.model.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
-from edgemoe.routing.gates import moe_blocks
-from edgemoe.routing.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
+from edgemoe.mlx_backend.lora import apply_lora, default_targets, lora_layers, save_adapter, survival
+from edgemoe.mlx_backend.gates import moe_blocks
+from edgemoe.mlx_backend.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
 
 TOKENS = mx.array(np.random.default_rng(2).integers(3, 500, (1, 12)))
 

@@ -11,6 +11,7 @@ import pytest
 import edgemoe
 from edgemoe.options import StreamOptions
 from edgemoe.routing.modes import ADVISORY, MODE_NAMES, NATIVE, PREROUTED, routing_mode
+from edgemoe.mlx_backend.predictors import predictor_for
 
 MLX_LM_KEYWORDS = {"tokenizer_config", "model_config", "lazy", "return_config"}
 
@@ -49,7 +50,7 @@ def test_a_routing_mode_knows_what_it_needs_and_allows():
     assert ADVISORY.gates_prefetches and not PREROUTED.gates_prefetches
     assert NATIVE.allows_drafts and not PREROUTED.allows_drafts
     assert ADVISORY.allows_prompt_cache and not PREROUTED.allows_prompt_cache
-    assert NATIVE.predictor(None, {}) is None
+    assert predictor_for(NATIVE, None, {}) is None  # (the MLX backend's: native is neither)
     with pytest.raises(ValueError, match="advisory routing prefetches by the next layer"):
         ADVISORY.check_heads("HEADS")
     NATIVE.check_heads("HEADS")  # (native ignores them)
@@ -110,7 +111,7 @@ def test_one_load_plan_asks_the_backend_in_one_order(capsys):
     checks once the heads and adapter are found, then its share, its memory for an auto
     budget and its slot memory; the plan's store is open over that memory."""
     from edgemoe.load_plan import Backend, plan_load
-    from edgemoe.model.slots import MLXSlotMemory
+    from edgemoe.mlx_backend.slots import MLXSlotMemory
 
     asked = []
 

@@ -1,7 +1,7 @@
 """Prefill by expert (issue #55, item 4): a prompt chunk reads each expert it needs once,
 also when it needs more experts than the layer has slots and when a layer's first pass
 is read ahead of its routing (edgemoe.streaming.prefill_ahead), and its logits stay mlx-lm's;
-the explicit BLAS arithmetic (edgemoe.model.prefill) stays within its stated tolerance.
+the explicit BLAS arithmetic (edgemoe.mlx_backend.prefill) stays within its stated tolerance.
 
 Reads are counted where the slot state machine claims a slot for a read
 (`LayerSlots._start_fill`), per (layer, expert), chunk by chunk.
@@ -18,9 +18,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
-import edgemoe.model.prefill as prefill_module
-from edgemoe.model.experts import StreamingExperts
-from edgemoe.model.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
+import edgemoe.mlx_backend.prefill as prefill_module
+from edgemoe.mlx_backend.experts import StreamingExperts
+from edgemoe.mlx_backend.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
 from edgemoe.streaming import prefill_ahead
 from edgemoe.streaming.calls import run_call
 from edgemoe.streaming.prefill_ahead import look_ahead

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
-from edgemoe.routing.gates import moe_blocks
-from edgemoe.routing.prerouter import load_prerouter
+from edgemoe.mlx_backend.gates import moe_blocks
+from edgemoe.mlx_backend.prerouter import load_prerouter
 from edgemoe.train_prerouter import Features, evaluate, record, text_windows
 
 HEADS = BUNDLED_MODEL / "prerouter"

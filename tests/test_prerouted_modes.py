@@ -1,4 +1,5 @@
-"""The modes between exact and predicted routing (edgemoe.routing.between, issue #52)."""
+"""The modes between exact and predicted routing (edgemoe.mlx_backend.conditional and
+edgemoe.routing.between, issue #52)."""
 
 import json
 
@@ -8,11 +9,12 @@ import pytest
 
 import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
-from edgemoe.model.experts import streaming_of
-from edgemoe.routing.between import (ConditionalTap, SlotSim, install_conditional,
-                                     layer_recall, plain_heads, route_by_recall,
-                                     set_top_k, with_native_layers)
-from edgemoe.routing.gates import moe_blocks
+from edgemoe.mlx_backend.experts import streaming_of
+from edgemoe.mlx_backend.conditional import (ConditionalTap, SlotSim, install_conditional,
+                                             set_top_k)
+from edgemoe.routing.between import (layer_recall, plain_heads, route_by_recall,
+                                     with_native_layers)
+from edgemoe.mlx_backend.gates import moe_blocks
 from edgemoe.routing.heads_config import read_config
 from edgemoe.streaming.cache import make_policy
 from edgemoe.whatif.replay import simulate

@@ -13,10 +13,10 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe import train_prerouter
-from edgemoe.routing.gates import gate_logits, indices_from_logits, install_tap, moe_blocks, top_k
-from edgemoe.routing.predictors import PreroutedPredictor
-from edgemoe.routing.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
-from edgemoe.routing.state import RoutingState
+from edgemoe.mlx_backend.gates import gate_logits, indices_from_logits, install_tap, moe_blocks, top_k
+from edgemoe.mlx_backend.predictors import PreroutedPredictor
+from edgemoe.mlx_backend.prerouter import Prerouter, config_for_model, load_prerouter, save_prerouter
+from edgemoe.mlx_backend.state import RoutingState
 from edgemoe.streaming.budget import minimum_bytes
 
 from conftest import FAMILIES
@@ -320,7 +320,7 @@ def test_a_decode_step_of_next_token_routing_skips_the_routing_sync(packs, train
     """A predicted layer's decode routing is on the host a token early (its next-token
     prediction): the step skips that layer's routing sync, and computes exactly what the step with the sync computes."""
     from edgemoe.format.pack import Pack
-    from edgemoe.routing.driver import PredictedRouting
+    from edgemoe.mlx_backend.driver import PredictedRouting
 
     folder = trained[0] / "prerouter"
     path = packs["qwen3_moe"]["hf"]

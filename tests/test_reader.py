@@ -13,7 +13,7 @@ from mlx_lm import load as mlx_lm_load
 import edgemoe
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import minimum_bytes
-from edgemoe.model.slots import MLXSlotMemory
+from edgemoe.mlx_backend.slots import MLXSlotMemory
 from edgemoe.streaming.store import ExpertStore
 
 

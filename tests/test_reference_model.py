@@ -84,7 +84,7 @@ def test_shipped_lora_serves_the_prerouted_bundled_model_unmerged():
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from edgemoe.model.lora import lora_layers
+    from edgemoe.mlx_backend.lora import lora_layers
 
     tokens = mx.array([[3, 17, 250, 4000, 12, 99]])
     outputs = []

@@ -11,9 +11,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 import edgemoe
 from edgemoe.format.source import open_source
-from edgemoe.model.generation import generate
-from edgemoe.model.drafts import draft_generate_step
-from edgemoe.model.lookup import PromptLookup
+from edgemoe.mlx_backend.generation import generate
+from edgemoe.mlx_backend.drafts import draft_generate_step
+from edgemoe.mlx_backend.lookup import PromptLookup
 from edgemoe.streaming.budget import minimum_bytes
 
 PROMPT = np.random.default_rng(5).integers(3, 500, 24).tolist()
@@ -72,7 +72,7 @@ def test_a_draft_model_in_our_loop_gives_greedy_decodes_tokens(checkpoints, pack
                                                                adaptive):
     """A DraftModel (our loop: a length that adapts, or a fixed one) right every time
     (its own weights) or never (another family's random weights): greedy decode's tokens."""
-    from edgemoe.model.drafts import DraftModel
+    from edgemoe.mlx_backend.drafts import DraftModel
 
     model, tokenizer = edgemoe.load(packs["qwen3_moe"]["mlx"], expert_budget=0.25)
     draft = DraftModel(mlx_lm_load(str(checkpoints[source][1]))[0], 3)
@@ -161,7 +161,7 @@ def test_the_server_engine_speculates_with_a_lone_requests_own_tokens(checkpoint
                                                                      draft):
     """Greedy and seeded: with a draft, a request alone gets the tokens it gets without
     one, and the drafts were verified in windows (kept where right, dropped where not)."""
-    from edgemoe.model.drafts import DraftModel
+    from edgemoe.mlx_backend.drafts import DraftModel
 
     target = packs["qwen3_moe"]["mlx"]  # the draft "same weights" is its source
     source = {"same weights": "qwen3_moe", "other family": "mixtral"}.get(draft)
@@ -188,7 +188,7 @@ def test_a_requests_num_draft_tokens_fixes_its_windows(checkpoints, packs):
     """A request's num_draft_tokens (6, over the draft's 2) is its windows' length: a draft
     of the target's own weights, kept whole, makes 20 greedy tokens in windows of 7, 7, 6
     (the last one short of max_tokens); without it DraftLength keeps to at most 2."""
-    from edgemoe.model.drafts import DraftModel
+    from edgemoe.mlx_backend.drafts import DraftModel
 
     target = packs["qwen3_moe"]["mlx"]
     load_draft = lambda tok: DraftModel(mlx_lm_load(str(checkpoints["qwen3_moe"][1]))[0], 2)
@@ -204,7 +204,7 @@ def test_a_request_left_alone_in_the_batch_speculates_from_where_it_is(checkpoin
     """Two requests decode as a batch (one token per row), the shorter one ends, and
     the other speculates from there, its draft first fed the tokens it decoded in the
     batch: each gets the tokens it gets alone without a draft."""
-    from edgemoe.model.drafts import DraftModel
+    from edgemoe.mlx_backend.drafts import DraftModel
 
     target = packs["qwen3_moe"]["hf"]
     requests = [(PROMPT, 4, None), (PROMPT[3:], 20, None)]
@@ -219,7 +219,7 @@ def test_a_request_left_alone_in_the_batch_speculates_from_where_it_is(checkpoin
 def test_draft_length_follows_what_windows_keep_and_cost():
     """Drafts that are kept and windows that cost little: the most; drafts never kept:
     none, but for a probe now and then; windows whose reads grow with their length: fewer."""
-    from edgemoe.model.drafts import PROBE_EVERY, DraftLength
+    from edgemoe.mlx_backend.drafts import PROBE_EVERY, DraftLength
 
     def settle(chance, seconds, rounds=400):
         """The lengths chosen over the last 2 * PROBE_EVERY windows, each draft kept

@@ -13,7 +13,7 @@ from edgemoe.format.families import UnsupportedModelError
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import BudgetError, parse_budget
 from edgemoe.streaming.calls import passes, run_call
-from edgemoe.model.slots import MLXSlotMemory
+from edgemoe.mlx_backend.slots import MLXSlotMemory
 from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 

@@ -306,7 +306,7 @@ def test_importing_the_generate_cli_keeps_the_package_generate_the_function():
     package's attribute stays the function, as in mlx_lm, whatever was imported first."""
     code = ("import edgemoe, edgemoe.generate\nfrom edgemoe.generate import main\n"
             "import importlib; importlib.import_module('edgemoe.server')\n"
-            "from edgemoe.model.generation import generate, stream_generate\n"
+            "from edgemoe.mlx_backend.generation import generate, stream_generate\n"
             "assert edgemoe.generate is generate, edgemoe.generate\n"
             "assert edgemoe.stream_generate is stream_generate\n"
             "assert callable(main) and edgemoe.load.__name__ == 'load'\n")

@@ -157,7 +157,7 @@ def test_prerouted_skips_the_routing_sync_and_advisory_keeps_it(tiny):
                         TwinConfig(budget=budget, mode=mode, io="buffered", stretch=1.0,
                                    syncs_per_layer=per_layer)).host_syncs_per_token
 
-    # today's path (edgemoe.model.hostsync): a streamed layer reads its routing back once,
+    # today's path (edgemoe.mlx_backend.hostsync): a streamed layer reads its routing back once,
     # a layer held whole none, prerouted decode syncs once a token
     assert syncs("native") == pytest.approx(3)
     assert syncs("advisory") == pytest.approx(3)

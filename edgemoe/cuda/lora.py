@@ -8,7 +8,7 @@ edgemoe.train_lora writes); its tensors are named by mlx-lm module paths,
 and `lora_parameters.scale` is the scale. The math is mlx-lm's `LoRALinear` at
 inference (dropout is off): the low-rank product in the adapter's dtype, added in the
 activations' dtype. The base weights stay frozen and unmerged: merging into the int4
-weights and re-quantizing would lose most of the delta (edgemoe.model.lora).
+weights and re-quantizing would lose most of the delta (edgemoe.mlx_backend.lora).
 
 The modules adapted are those the weights file names (a module mlx-lm wraps but the file
 omits has B = 0: no delta). Each must be a resident linear layer of the transformers

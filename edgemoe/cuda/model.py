@@ -89,22 +89,11 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = CudaBackend(device, dtype, streams or make_streams(device, copy_streams),
-                          host_budget, host_policy)
+                          host_budget, host_policy, kernel)
     plan = plan_load(path_or_hf_repo, options, backend)
     with plan.building():  # the store's reader threads end with a failed load
-        model = _build(plan.config, dtype)
-        _install(model, plan.store, _kernel(device, kernel))
-        _load_resident(model, plan.path, plan.config, dtype, device,
-                       skip=streamed_prefixes(plan.source))
-        if backend.adapter is not None:
-            apply_adapter(model, backend.adapter, RENAMES.get(plan.config["model_type"], ()))
-        if plan.routing.advisory:
-            _advise(model, plan.store)
-        if backend.heads is not None:
-            try:
-                prerouted.install(model, plan.store, backend.heads)
-            except UnsupportedModelError as e:  # a router it cannot route by given logits
-                raise UnsupportedModelError(f"{plan.config_path}: {e}") from None
+        model = backend.build(plan)
+        backend.install_routing(model, plan)
     model.expert_store = plan.store
     model.eval()
     return model, (AutoTokenizer.from_pretrained(plan.path) if tokenizer else None)
@@ -114,9 +103,10 @@ class CudaBackend(Backend):
     """The plan's PyTorch side: slots in device memory over a host tier; the family, the
     adapter and the heads checked (and read) before the store starts."""
 
-    def __init__(self, device: torch.device, dtype, streams, host_budget, host_policy: str):
+    def __init__(self, device: torch.device, dtype, streams, host_budget, host_policy: str,
+                 kernel: Optional[bool] = None):
         self.device, self.dtype, self.streams = device, dtype, streams
-        self.host_budget, self.host_policy = host_budget, host_policy
+        self.host_budget, self.host_policy, self.kernel = host_budget, host_policy, kernel
         self.where = f"{device.type} "
         self.adapter = self.heads = None  # read by check()
 
@@ -143,6 +133,24 @@ class CudaBackend(Backend):
         return lambda layer, n: DeviceSlotMemory(
             layer, n, self.device, self.streams,
             HostTier(layer, rows, self.streams, self.host_policy))
+
+    def build(self, plan: LoadPlan):
+        model = _build(plan.config, self.dtype)
+        _install(model, plan.store, _kernel(self.device, self.kernel))
+        _load_resident(model, plan.path, plan.config, self.dtype, self.device,
+                       skip=streamed_prefixes(plan.source))
+        if self.adapter is not None:
+            apply_adapter(model, self.adapter, RENAMES.get(plan.config["model_type"], ()))
+        return model
+
+    def install_routing(self, model, plan: LoadPlan) -> None:
+        if plan.routing.advisory:
+            _advise(model, plan.store)
+        if plan.routing.routes:  # (the heads check() read: the mode needs them)
+            try:
+                prerouted.install(model, plan.store, self.heads)
+            except UnsupportedModelError as e:  # a router it cannot route by given logits
+                raise UnsupportedModelError(f"{plan.config_path}: {e}") from None
 
 
 def streamed_prefixes(source) -> tuple:

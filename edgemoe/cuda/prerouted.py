@@ -1,11 +1,11 @@
 """Prerouted routing on the CUDA backend: the prerouter heads' prediction is the routing.
 
-The MLX path's semantics (edgemoe.routing.predictors.PreroutedPredictor, .modes, .state),
+The MLX path's semantics (edgemoe.mlx_backend.predictors.PreroutedPredictor, .modes, .state),
 in PyTorch, with the heads read from their folder (prerouter.safetensors +
-prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
+prerouter_config.json, as edgemoe.mlx_backend.prerouter saves them) without MLX:
 
 - At MoE layer l, a call of L tokens: the head of each target t whose source is l reads
-  the MoE block's input (what edgemoe.routing.gates.hand_input gives the MLX path's heads;
+  the MoE block's input (what edgemoe.mlx_backend.gates.hand_input gives the MLX path's heads;
   gemma4's block is its decoder layer) and the experts l routed to at every position p and
   p-1 (the previous call's last token's for p = 0; none at a sequence's start), and
   gives t's router logits for position p+1.
@@ -18,7 +18,7 @@ prerouter_config.json, as edgemoe.routing.prerouter saves them) without MLX:
   those experts are read while layer l computes (a layer ahead).
 - The heads' config's native_layers (the first MoE layer) keep the native router.
 
-The routing is the family's own code, as edgemoe.routing.gates makes it for the MLX
+The routing is the family's own code, as edgemoe.mlx_backend.gates makes it for the MLX
 blocks: a RouterTap stands in for the linear map that computes a block's router logits
 (the router's own `weight`, as transformers 5's TopKRouters hold it, or the one Linear
 inside the router: afmoe's `gate`, gemma4's `proj`) and replaces its output by the chosen
@@ -27,7 +27,7 @@ top-k, renormalisation) routes by them. Where the map is the router's own weight
 router runs on the logits through an identity map (x @ I.T is x, exactly). Every tap is
 checked at install: a router that does not route its own logits as it routes its input
 is refused in one line (model_type and why). The routing state of a sequence lives
-beside its KV cache (keyed by the cache object, as edgemoe.routing.state does with
+beside its KV cache (keyed by the cache object, as edgemoe.mlx_backend.state does with
 mlx-lm's cache), so two decodes never see each other's predictions; a forward call with
 no cache is a whole sequence.
 """
@@ -247,7 +247,7 @@ def returned_cache(output):
 
 class RouterTap:
     """Stands in for the linear map computing a MoE block's router logits, as the MLX
-    path's RouterTap does (edgemoe.routing.gates): the map's next call returns, once,
+    path's RouterTap does (edgemoe.mlx_backend.gates): the map's next call returns, once,
     `prediction` instead of its own logits: (..., E), rows of NaN keeping the native ones.
     `route(logits)` is the experts the block's router picks from router logits, by its
     own code."""

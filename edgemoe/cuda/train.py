@@ -214,10 +214,10 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
     if len(keys) < len(params["keys"]):
         keys.append("experts")
     student = build(path, config, experts, params["rank"], params["scale"], keys)
-    if args.routing.predicts:
-        if not args.routing.routes:
-            raise ValueError(f"--backend torch trains --routing native or prerouted, not "
-                             f"{args.routing}")
+    if args.routing.advisory:
+        raise ValueError(f"--backend torch trains --routing native or prerouted, not "
+                         f"{args.routing}")
+    if args.routing.routes:
         heads = prerouted.load_heads(heads_folder(path, args.routing, args.prerouter_path),
                                      "cpu")
         prerouted.install(student, None, heads, moe_layers=[l.index for l in source.layers])

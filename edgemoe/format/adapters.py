@@ -1,5 +1,5 @@
 """LoRA adapters in mlx-lm's format, as every reader of them sees one: the MLX path
-(edgemoe.model.lora), the CUDA backend (edgemoe.cuda.lora) and the routed experts' delta
+(edgemoe.mlx_backend.lora), the CUDA backend (edgemoe.cuda.lora) and the routed experts' delta
 records (edgemoe.format.deltas).
 
     ADAPTER/adapters.safetensors   `<module>.lora_a` (input, rank), `<module>.lora_b`

@@ -2,7 +2,7 @@
 
 A family is supported by capability, not by name: its MoE blocks call an mlx-lm switch
 layer (`SwitchGLU` / `SwitchMLP`) with the indices their own routing chose, so swapping
-that module for a streaming one (edgemoe.model.experts) keeps the family's routing math
+that module for a streaming one (edgemoe.mlx_backend.experts) keeps the family's routing math
 exact. The experts are found in mlx-lm's own model, built from the config with its weights
 left unmaterialised (`skeleton`). `UNSUPPORTED` lists what is known not to work, and why.
 """

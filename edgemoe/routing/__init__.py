@@ -1,11 +1,10 @@
-"""Routing: who decides which experts a token uses, and what is read ahead.
+"""Routing, backend-free: who decides which experts a token uses, and what is read ahead.
 
-    gates       a block's routing by its own code from logits; RouterTap (prerouted modes)
-    prerouter   the heads that predict the next layer's routing a token ahead
-    predictors  next-router baseline, heads (advisory), prerouted
-    state       routing state of a sequence, kept beside its KV cache
-    modes       the routing modes: what each needs and allows, its predictor
-    driver      runs a mode's predictor: the model calls it at each MoE layer
+    modes         the routing modes: what each needs and allows; what a backend asks
+    heads_config  the prerouter heads' folder and config, as both backends read them
+    between       per-layer fallback written into a heads folder's config (a tool)
 
-The model side decides; the store is only told "prefetch these experts for layer l".
+What runs a mode lives in its backend: edgemoe.mlx_backend (gates, prerouter, predictors,
+conditional, state, driver) and edgemoe.cuda (prerouted). The model side decides; the
+store is only told "prefetch these experts for layer l".
 """

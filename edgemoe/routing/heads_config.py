@@ -1,5 +1,5 @@
 """The prerouter heads' folder and config, as both backends read them: the MLX path
-(edgemoe.routing.prerouter, .predictors) and the CUDA backend (edgemoe.cuda.prerouted).
+(edgemoe.mlx_backend.prerouter, .predictors) and the CUDA backend (edgemoe.cuda.prerouted).
 Neither MLX nor PyTorch here.
 
     PREROUTER/prerouter.safetensors   the heads' weights (`heads.layer_<target>.*`)
@@ -34,7 +34,7 @@ class PrerouterConfig:
     sources: Dict[int, int]  # target MoE layer -> the MoE layer its head runs at
     same_token: bool = False  # predict layer l+1 of token t, not of token t+1
     native_layers: List[int] = field(default_factory=list)  # keep the native router here
-    # modes between exact and predicted (edgemoe.routing.between; MLX only):
+    # modes between exact and predicted (edgemoe.mlx_backend.conditional; MLX only):
     route_top_k: int = 0  # > 0: every MoE layer routes to its k most likely (reduced top-k)
     conditional: int = 0  # > 0: the router chooses among the experts in slots and the heads'
     #                       m most likely, which are read a token ahead (cache-conditional)

@@ -5,15 +5,15 @@
     prerouted      the prerouter heads' prediction is the routing, read a token ahead
 
 A mode is a `RoutingMode`: the tools ask it what it needs and allows, not its name
-(`routing_mode("prerouted").exact` is False), and it builds the predictor that the
-driver (edgemoe.routing.driver) runs. The names are the --routing values. This module
-imports neither MLX nor PyTorch: the CUDA backend reads the same modes.
+(`routing_mode("prerouted").exact` is False). Each backend installs a mode's routing by
+asking it the same two questions: `advisory` (the next layer's router prefetches; the
+router decides) and `routes` (the heads' prediction is the routing); native is neither.
+The names are the --routing values. This module imports neither MLX nor PyTorch.
 """
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 
 @dataclass(frozen=True)
@@ -66,21 +66,6 @@ class RoutingMode:
         """A cached prefix would need the routing its heads predicted kept with it, so only
         an exact mode reuses one."""
         return self.exact
-
-    def predictor(self, heads: Optional[Path], blocks, slots: Optional[int] = None,
-                  new_policy=None):
-        """The MLX predictor of this mode over the model's MoE `blocks`
-        (edgemoe.routing.gates.moe_blocks) with the heads folder `heads` and `slots` per
-        layer (what cache-conditional heads route among, simulated with `new_policy()`:
-        the store's cache policy); None in native."""
-        if not self.predicts:
-            return None
-        from .predictors import NextRouterPredictor, PreroutedPredictor
-        from .prerouter import load_prerouter
-
-        if self.routes:
-            return PreroutedPredictor(load_prerouter(heads), blocks, slots, new_policy)
-        return NextRouterPredictor(blocks)
 
 
 NATIVE = RoutingMode("native", predicts=False, routes=False)

@@ -35,8 +35,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..distributed import GroupError
-from ..model.experts import streaming_of
-from ..routing.state import RoutingState, bind, sequence_state
+from ..mlx_backend.experts import streaming_of
+from ..mlx_backend.state import RoutingState, bind, sequence_state
 from . import sampling
 from .job import Job
 from .limits import IdleTrim

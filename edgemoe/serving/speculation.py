@@ -7,7 +7,7 @@ accept rule, each position sampled with the request's own sampler and key, so gr
 seeded output are the request's without a draft). A batch of two or more decodes one
 token per row, as without a draft: speculation pays where a step is dear, and a batch
 already shares each step's reads. The draft length adapts per request
-(edgemoe.model.drafts.DraftLength).
+(edgemoe.mlx_backend.drafts.DraftLength).
 """
 
 import time

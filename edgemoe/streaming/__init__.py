@@ -11,9 +11,9 @@
     trace      routing and prefetch traces, for edgemoe.cache_sim
     telemetry  peak RSS, page cache held by a file
 
-Backends bring only their slot memory and compute: MLX (edgemoe.model.experts) and CUDA
+Backends bring only their slot memory and compute: MLX (edgemoe.mlx_backend.experts) and CUDA
 (edgemoe.cuda), and hand the store their slot memory (`ExpertStore(..., memory=)`:
-edgemoe.model.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch. This is
+edgemoe.mlx_backend.slots, edgemoe.cuda.slots). Nothing here imports MLX or PyTorch. This is
 what decodes; traces replayed through these slots, cache simulation, the learned policy
 and the twin are edgemoe.whatif's, which imports this package and is never imported by it.
 """

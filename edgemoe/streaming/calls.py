@@ -17,7 +17,7 @@ experts: `rows` given to `run_call` are those, and every pass gets its share of 
 `compute` must not return before the slots' reads are done or ordered on the device
 (MLX: evaluated; CUDA: an event recorded), since a released slot may be refilled; or, with
 `hold`, a call of one pass keeps its slots in use when it returns, and the caller releases
-them once the device is done with them (edgemoe.model.hostsync.QueuedReads).
+them once the device is done with them (edgemoe.mlx_backend.hostsync.QueuedReads).
 """
 
 from typing import Callable, List, Optional, Tuple, TypeVar

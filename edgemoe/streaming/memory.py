@@ -1,7 +1,7 @@
 """Where a layer's slots keep their bytes: a backend's SlotMemory, the seam between the
 slot state machine (edgemoe.streaming.slots) and the hardware.
 
-MLX arrays in unified memory (edgemoe.model.slots), device tensors filled from pinned
+MLX arrays in unified memory (edgemoe.mlx_backend.slots), device tensors filled from pinned
 host rows (edgemoe.cuda.slots), or nothing at all (NoMemory: edgemoe.whatif.replay
 runs traces through the state machine alone). This module needs neither MLX nor PyTorch.
 """

@@ -18,8 +18,8 @@ first pass; one the call does not want is dropped unread if its read has not beg
 kept in its slot like any other (a prefetch of `lead` 0: counted in the store's stats as
 prefetches, their use as `predicted_used`). Native routing only: a routing mode's own
 predictions use the same prefetch, and advisory pools read only predictions that earned it.
-Both the model (edgemoe.model.experts) and the twin (edgemoe.whatif.twin.engine) call it, at the
-same point of a layer's call.
+Both the model (edgemoe.mlx_backend.experts) and the twin (edgemoe.whatif.twin.engine)
+call it, at the same point of a layer's call.
 """
 
 import numpy as np

@@ -88,7 +88,7 @@ class LayerSlots(Prefetching):
         self.bytes_read = 0.0  # by this layer's fills, lately (WASTE_DECAY)
         self.wasted_bytes = 0.0  # by its prefetches: read unused, or re-reads they caused
         # settles the device work that still reads this layer's held slots (and other
-        # layers'): the model side's (edgemoe.model.hostsync); False when there is none
+        # layers'): the model side's (edgemoe.mlx_backend.hostsync); False when there is none
         self.flush: Optional[Callable[[], bool]] = None
         self._resident = False  # once every expert is ready in a slot, for good
         self.read_whole = False  # with a slot for every expert, read them all (`release`)
@@ -112,7 +112,7 @@ class LayerSlots(Prefetching):
 
     def count_resident_hits(self, requested: int):
         """Calls of a resident layer requested this many experts, all hits (counted on the
-        device, settled later: edgemoe.model.hostsync)."""
+        device, settled later: edgemoe.mlx_backend.hostsync)."""
         with self.lock:
             self.stats.hits += requested
             self.stats.bytes_hit += requested * self.expert_bytes

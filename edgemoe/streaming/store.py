@@ -57,7 +57,7 @@ class ExpertStore:
                  cache_policy: str = DEFAULT_POLICY, io: str = "buffered", readers: int = 2,
                  *, memory: MemoryFactory, reader=None,
                  folder: Optional[Path] = None, read_timeout_s: Optional[float] = 30.0):
-        """`memory` makes each layer's SlotMemory (the backend's: edgemoe.model.slots for
+        """`memory` makes each layer's SlotMemory (the backend's: edgemoe.mlx_backend.slots for
         MLX, edgemoe.cuda.slots; NoMemory for a replay); `reader` fills slots (default:
         `readers` threads of edgemoe.streaming.reader); `folder`: the model's, where
         a cache policy finds what was trained for it (edgemoe.streaming.cache). A compute
@@ -73,7 +73,7 @@ class ExpertStore:
         self.lock = threading.Lock()
         self.trace: Optional[TraceRecorder] = None
         self.gated = False  # see gate_prefetches
-        # counts the model side keeps on the device until asked (edgemoe.model.hostsync)
+        # counts the model side keeps on the device until asked (edgemoe.mlx_backend.hostsync)
         self.settle: Optional[Callable[[], None]] = None
         if not callable(cache_policy):  # a bad name or file fails before threads start
             make_policy(cache_policy, folder)

@@ -206,7 +206,7 @@ def table(result: dict) -> str:
 
 # the peers' own settings at which edgemoe's forecast stands beside their figure (issue #50)
 AT_PEERS = ["mlx-vlm PR #1813", "BigRig", "streamlx", "Edge0"]
-BEFORE_HOTPATH = (2, 1)  # (native, prerouted) syncs a layer before edgemoe.model.hostsync
+BEFORE_HOTPATH = (2, 1)  # (native, prerouted) syncs a layer before edgemoe.mlx_backend.hostsync
 
 
 def ours_at_peers(traces, peers: Sequence[str] = AT_PEERS) -> List[dict]:

@@ -85,7 +85,7 @@ def with_sync_model(rows: List[dict], layers: int = 48, old_sync_us: float = 100
     """The twin's rows (made when a host sync was an unsourced 100 us and nothing else, on
     a path that synced native and advisory twice a layer and prerouted once) as the
     host-sync model has them: each synced layer pays the profile's read-back (host_sync_us)
-    and one GPU idle (sync_idle_us). Today's path (edgemoe.model.hostsync) syncs native and
+    and one GPU idle (sync_idle_us). Today's path (edgemoe.mlx_backend.hostsync) syncs native and
     advisory once a streamed layer, prerouted decode once a token, and every token once
     more; `syncs_per_layer=(2, 1)` gives the path before it. The weights'
     compute follows the profile's int4 rate now (the M4's changed: BigRig's kernels): the

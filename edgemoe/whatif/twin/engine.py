@@ -1,6 +1,6 @@
 """The twin's run: the real store, readers, slots and policy; compute replaced by waits.
 
-One forward call of the trace, layer by layer, as edgemoe.model.experts.StreamingExperts
+One forward call of the trace, layer by layer, as edgemoe.mlx_backend.experts.StreamingExperts
 drives the store (module doc of edgemoe.whatif.twin):
 
     look_ahead(pool, entries)                    a long prefill's first pass (native)
@@ -55,7 +55,7 @@ class TwinConfig:
     track_disk: bool = True  # with a measured stretch: follow this disk's speed call by call
     cpu_vs_here: Optional[float] = None  # None: the profile's figure
     mac_reads: bool = True  # read as macOS does (TwinReader); False: this machine's reader
-    # host syncs per MoE layer in decode: None is the decode path's own (edgemoe.model.
+    # host syncs per MoE layer in decode: None is the decode path's own (edgemoe.mlx_backend.
     # hostsync): a streamed layer reads its routing back (1), a layer whose every expert
     # is in its slots looks them up on the device (0), prerouted decode knows its routing
     # a token ahead (0: its one sync a token is the first layer's, which has no head).
@@ -63,13 +63,13 @@ class TwinConfig:
     # prerouted kept the second). Set it to forecast another path.
     syncs_per_layer: Optional[int] = None
     # the real run recorded a trace (a validation): a layer held whole syncs on its routing
-    # too (edgemoe.model.experts keeps the device lookup for untraced runs), so its
+    # too (edgemoe.mlx_backend.experts keeps the device lookup for untraced runs), so its
     # resident run syncs as its streamed ones do
     traced: bool = False
     # prerouted decode (edgemoe.routing.heads_config, prerouted_layers): the MoE layers (by
     # model index) whose routing the heads give a token ahead (None: all but the first,
     # plain heads); those routed cache-conditionally, whose router chooses after one more
-    # evaluation (its restricted logits: edgemoe.routing.between.ConditionalTap). Every
+    # evaluation (its restricted logits: edgemoe.mlx_backend.conditional.ConditionalTap). Every
     # other layer syncs on its routing, held whole or not.
     heads_layers: Optional[Tuple[int, ...]] = None
     conditional_layers: Tuple[int, ...] = ()
@@ -168,7 +168,7 @@ def run_twin(pack: Pack, trace: Dict[str, np.ndarray], compute: Compute, profile
 
 def layer_syncs(pool, mode, known: bool, traced: bool) -> bool:
     """Whether a decode call of this layer reads its routing back, as
-    edgemoe.model.experts.StreamingExperts does: not when the heads gave it; a prerouted
+    edgemoe.mlx_backend.experts.StreamingExperts does: not when the heads gave it; a prerouted
     model's other layers always (the resident shortcut is native and advisory's); a
     native or advisory layer when streamed, or when the run is traced."""
     if known:

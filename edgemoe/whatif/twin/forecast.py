@@ -15,7 +15,7 @@ one has distinct layers), and the profile's SSD. Per decode token:
 Host syncs as profiles.json models them: per synced layer the read-back (host_sync_us) and
 the GPU idle while the host builds the layer's next work (sync_idle_us). Native syncs once
 a streamed layer (its routing read; a layer held whole looks its slots up on the device and
-syncs none), prerouted once a token (edgemoe.model.hostsync); `syncs_per_layer=(2, 1)`
+syncs none), prerouted once a token (edgemoe.mlx_backend.hostsync); `syncs_per_layer=(2, 1)`
 forecasts the path before it (native twice a layer, prerouted once). The exact limit
 assumes a design with no per-layer sync.
 

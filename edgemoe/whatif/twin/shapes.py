@@ -36,7 +36,7 @@ from ...format.writer import ExpertsWriter
 
 INT4_BYTES_PER_PARAM = 0.5 + 4 / 64  # affine 4-bit, groups of 64, bf16 scales and biases
 SHAPE_PACK_CAP = 4 * 10**9  # physical layers written: as many as fit this (at least one)
-PREROUTER_HEAD_HIDDEN = 256  # edgemoe.routing.prerouter's default width, as shipped
+PREROUTER_HEAD_HIDDEN = 256  # edgemoe.mlx_backend.prerouter's default width, as shipped
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Shape:
 
     @property
     def prerouter_head_params(self) -> float:
-        """One prerouter head (edgemoe.routing.prerouter.PrerouterHead, 256 wide, as
+        """One prerouter head (edgemoe.mlx_backend.prerouter.PrerouterHead, 256 wide, as
         trained): [hidden, the routing now and a token before] -> 256 -> experts."""
         return (self.hidden + 2 * self.experts) * PREROUTER_HEAD_HIDDEN \
             + PREROUTER_HEAD_HIDDEN * self.experts

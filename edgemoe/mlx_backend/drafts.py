@@ -5,7 +5,7 @@ A draft proposes the next few tokens of a sequence; the streamed target verifies
 one forward call over the window (its last token and the guess), which reads each expert
 the window routes to once, and keeps the tokens it would have chosen itself. Two drafts:
 
-- `PromptLookup` (edgemoe.model.lookup): n-gram matches in the text so far; no model.
+- `PromptLookup` (edgemoe.mlx_backend.lookup): n-gram matches in the text so far; no model.
 - `DraftModel`: a small resident mlx-lm model with the target's tokenizer, drafting
   greedily. Each sequence keeps its own draft KV cache, caught up before each draft with
   the tokens it has not seen (those the target decoded in a batch, without drafting).

@@ -11,8 +11,9 @@ from ..distributed import connect, share_for
 from ..format.families import routed_experts
 from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
-from ..routing.driver import PredictedRouting
-from ..routing.gates import hand_input, moe_blocks
+from .driver import PredictedRouting
+from .gates import hand_input, moe_blocks
+from .predictors import predictor_for
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .lora import load_adapter
@@ -71,15 +72,17 @@ def load(
     options = StreamOptions.of(options, **overrides)
     if group is None and options.distributed:
         group = connect(options.group_timeout)
-    plan = plan_load(path_or_hf_repo, options, MLXBackend(group))
+    backend = MLXBackend(group, lazy, model_config)
+    plan = plan_load(path_or_hf_repo, options, backend)
     with plan.building():
-        model, config, experts = _build(plan, lazy, model_config)
-        _install_routing(model, plan, experts)
+        model = backend.build(plan)
+        backend.install_routing(model, plan)
         if plan.adapter is not None:
             model = load_adapter(model, plan.adapter, streamed_experts=plan.deltas is not None)
             model.eval()
         if options.prefill_arithmetic == "blas":  # (an explicit, inexact option)
-            use_blas(model, experts)
+            use_blas(model, backend.experts)
+    config = backend.config
     tokenizer = load_tokenizer(plan.path, tokenizer_config,
                                eos_token_ids=config.get("eos_token_id", None))
     # a tokenizer's model_max_length (512 in the bundled one's config) is no limit here:
@@ -91,10 +94,13 @@ def load(
 
 
 class MLXBackend(Backend):
-    """The plan's MLX side: slots in unified memory; a group of hosts shares the experts."""
+    """The plan's MLX side: slots in unified memory; a group of hosts shares the experts.
+    `lazy` and `model_config` are mlx-lm's; the build leaves mlx-lm's `config` and the
+    streaming expert modules by layer (`experts`) here."""
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, group=None, lazy: bool = False, model_config=None):
+        self.group, self.lazy, self.model_config = group, lazy, model_config
+        self.config, self.experts = None, {}
 
     def share(self, plan: LoadPlan):
         if self.group is None or self.group.size() == 1:
@@ -104,6 +110,13 @@ class MLXBackend(Backend):
 
     def slot_memory(self, plan: LoadPlan):
         return MLXSlotMemory
+
+    def build(self, plan: LoadPlan):
+        model, self.config, self.experts = _build(plan, self.lazy, self.model_config)
+        return model
+
+    def install_routing(self, model, plan: LoadPlan) -> None:
+        _install_routing(model, plan, self.experts)
 
 
 def _build(plan: LoadPlan, lazy: bool, model_config):
@@ -138,11 +151,11 @@ def _build(plan: LoadPlan, lazy: bool, model_config):
 def _install_routing(model, plan: LoadPlan, experts: dict):
     """A predicting mode's predictor, reading ahead through the store."""
     routing, store = plan.routing, plan.store
-    if not routing.predicts:
+    if not (routing.advisory or routing.routes):  # native: the router alone
         return
     blocks = moe_blocks(model)
-    predictor = routing.predictor(plan.heads, blocks, store.info().slots_per_layer,
-                                  store.new_policy)
+    predictor = predictor_for(routing, plan.heads, blocks, store.info().slots_per_layer,
+                              store.new_policy)
     store.gate_prefetches(routing.gates_prefetches)
     model.streaming.routing = PredictedRouting(predictor, store.prefetch)
     for layer, block in blocks.items():

@@ -20,9 +20,9 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .between import install_conditional, set_top_k
+from .conditional import install_conditional, set_top_k
 from .gates import RouterTap, gate_logits, indices_from_logits, install_tap
-from .prerouter import Prerouter
+from .prerouter import Prerouter, load_prerouter
 from .state import RoutingState
 
 
@@ -164,3 +164,16 @@ class PreroutedPredictor:
         if logits.shape[1] == 1:  # a decode step: its routing is the carried prediction
             return first
         return mx.concatenate([first, logits[:, :-1]], axis=1)
+
+
+def predictor_for(mode, heads, blocks: Dict[int, nn.Module], slots: Optional[int] = None,
+                  new_policy: Optional[Callable] = None):
+    """The predictor of the routing mode `mode` (edgemoe.routing.modes) over the model's
+    MoE `blocks` (gates.moe_blocks), with the heads folder `heads` and `slots` per layer
+    (what cache-conditional heads route among, simulated with `new_policy()`: the store's
+    cache policy); None in native. The same questions the CUDA backend asks a mode."""
+    if mode.advisory:
+        return NextRouterPredictor(blocks)
+    if mode.routes:
+        return PreroutedPredictor(load_prerouter(heads), blocks, slots, new_policy)
+    return None

@@ -18,7 +18,7 @@ from ..streaming.slots import LayerSlots
 class MLXSlotMemory(UnorderedMemory):
     """A layer's slots as MLX arrays in unified memory, filled in place: the reader's
     rows are numpy views of the arrays. Compute releases slots only once an evaluation
-    that included the computation reading them has returned (edgemoe.model.hostsync), so
+    that included the computation reading them has returned (edgemoe.mlx_backend.hostsync), so
     no device ordering is needed here."""
 
     arrays: Dict[str, mx.array]
@@ -52,7 +52,7 @@ def live_table(slots: LayerSlots) -> mx.array:
     `slot_of` becomes a view of its memory, so that each claim and eviction is in it as it
     is made, with no upload per call. A graph reads only the entries of the experts it
     holds in use, which nothing changes before an evaluation has included it (the slots'
-    own rule: edgemoe.model.hostsync), as for the slots' bytes."""
+    own rule: edgemoe.mlx_backend.hostsync), as for the slots' bytes."""
     table = mx.array(slots.slot_of.astype(np.int32))
     mx.eval(table)
     slots.slot_of = np.asarray(table)  # (shares the MLX buffer, writable)

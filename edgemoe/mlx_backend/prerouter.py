@@ -6,7 +6,7 @@ t) and layer l's routing at token t and at the token before it (multi-hot over i
 experts). It outputs router logits for layer l+1 at token t+1 (`same_token=False`, a
 whole token of lead time, as Edge0) or at token t (`same_token=True`: more accurate, one
 layer of lead). The first MoE layer has no head: it keeps its router.
-The target block's own code turns those logits into routing (edgemoe.routing.gates), so
+The target block's own code turns those logits into routing (edgemoe.mlx_backend.gates), so
 predicted routing picks and weighs experts exactly as the native router would have from
 the same logits.
 
@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .gates import indices_from_logits, multi_hot, num_experts, top_k
-from .heads_config import CONFIG, HEAD_HIDDEN, WEIGHTS, PrerouterConfig, read_config
+from ..routing.heads_config import CONFIG, HEAD_HIDDEN, WEIGHTS, PrerouterConfig, read_config
 
 def config_for_model(model_type: str, hidden_size: int, blocks: Dict[int, nn.Module],
                      *args, **kwargs) -> PrerouterConfig:

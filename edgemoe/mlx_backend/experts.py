@@ -19,7 +19,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..format.pack import PackError, PackLayer
-from ..routing.gates import BlockInput
+from .gates import BlockInput
 from ..streaming.calls import run_call
 from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
@@ -40,14 +40,14 @@ class Streaming:
     expert store; its share of the experts when it is one host of several
     (edgemoe.distributed.HostShare), whose outputs are summed at every MoE layer; and its
     predicted routing (edgemoe.routing.modes.PredictedRouting), None in native mode; and
-    the device work its layers left queued (edgemoe.model.hostsync).
+    the device work its layers left queued (edgemoe.mlx_backend.hostsync).
     Every streaming expert module of the model holds this one object."""
 
     store: ExpertStore
     share: Optional[Any] = None
     routing: Optional[Any] = None
     queued: QueuedReads = field(default_factory=QueuedReads)
-    # entered around each forward call: edgemoe.model.prefill's BLAS flag, when loaded with it
+    # entered around each forward call: edgemoe.mlx_backend.prefill's BLAS flag, when loaded with it
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
 
@@ -71,7 +71,7 @@ class StreamingExperts(nn.Module):
 
     It owns its compute pool: mlx-lm's own expert module over the layer's slot arrays
     (`build_pool`). Of the model's `streaming`: the routing, when set, is told of each
-    call's routing (advisory and prerouted modes: edgemoe.routing.driver); the share, when
+    call's routing (advisory and prerouted modes: edgemoe.mlx_backend.driver); the share, when
     set, makes it one host of several: it computes the rows routed to this host's experts,
     and the hosts' outputs are summed (edgemoe.distributed).
 
@@ -81,7 +81,7 @@ class StreamingExperts(nn.Module):
     turns it into `ExpertDeltas`, every expert's delta, which the pool then adds.
     """
 
-    routed_experts = True  # what edgemoe.routing.gates looks for beside mlx-lm's switch layers
+    routed_experts = True  # what edgemoe.mlx_backend.gates looks for beside mlx-lm's switch layers
 
     def __init__(self, pool: SlotPool, streaming: Streaming):
         super().__init__()
@@ -364,7 +364,7 @@ def streaming_class(model_class: type, expert_paths) -> type:
     `sanitize` drops the checkpoint's own routed-expert tensors (an mlx-lm checkpoint
     read in place has them): they are streamed, never loaded whole. `__call__` makes the
     calling sequence's routing state current while predicted routing runs
-    (edgemoe.routing.driver).
+    (edgemoe.mlx_backend.driver).
     """
     prefixes = tuple(f"{path}." for path in expert_paths)
 

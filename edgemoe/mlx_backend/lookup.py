@@ -11,7 +11,7 @@ is exactly greedy decode's.
 
 Unlike a draft model in mlx-lm's loop, which drafts a fixed number of tokens, lookup
 drafts only what it found: with no match the step is a plain decode step, and no
-expert is read for a guess. The loop that verifies its drafts is edgemoe.model.drafts's.
+expert is read for a guess. The loop that verifies its drafts is edgemoe.mlx_backend.drafts's.
 """
 
 from typing import List
