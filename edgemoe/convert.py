@@ -36,7 +36,8 @@ from .distributed import Partition, make_partition, parse_shard
 from .format.source import SHARD_INDEX, model_path
 from .format.destination import (OURS, DestinationLock, check_destination, is_pack,
                                  keep_theirs, remove_ours, replace_with)
-from .format.families import check_supported, layer_index, routed_experts, skeleton
+from .format.families import layer_index
+from .mlx_backend.families import find_experts, routed_experts
 from .mlx_backend.experts import expert_modules
 from .format.pack import ALIGNMENT, EXPERTS_FILE, PackError, PackLayer, RESIDENT_FILE
 from .format.writer import (ExpertsWriter, record_layout, record_written_files,
@@ -62,8 +63,8 @@ def convert(hf_path, mlx_path, q_bits: Optional[int] = None,
                          "expert; hosts take their share of it with --partition at load)")
     src, dst = model_path(hf_path), Path(mlx_path)
     config = json.loads((src / "config.json").read_text())
-    check_supported(config, src / "config.json")
-    routed_experts(skeleton(config), src / "config.json")  # a model with none is refused now
+    # a family mlx-lm does not run, or a model without routed experts, is refused now
+    find_experts(config, src / "config.json")
     dst.parent.mkdir(parents=True, exist_ok=True)
     with DestinationLock(dst):  # one convert per destination at a time
         return _convert_locked(src, dst, overwrite, q_bits, q_group_size, q_mode, quantize,

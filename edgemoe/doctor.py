@@ -30,6 +30,7 @@ from .calibrate import (DISK_RECORDS, calibrate_disk, decoder_layer_seconds,
 from .cli import tool, tool_parser
 from .format.pack import Pack, PackLayer
 from .format.source import BUNDLED_MODEL, open_source, pack_asset
+from .mlx_backend.families import find_experts, model_args
 from .hub import ALLOW_PATTERNS, cache_dir as hub_cache_dir, free_bytes, parse_hub_id, remote_headers
 from .options import StreamOptions
 from .streaming.budget import (AUTO, AUTO_KV_TOKENS, HEADROOM, BudgetError, SlotPlan,
@@ -145,7 +146,7 @@ def main(argv=None):
         if cached is None:  # not downloaded: size it from its headers
             return report_remote(hub_id, args)
         args.model = str(cached)
-    pack = open_source(args.model)
+    pack = open_source(args.model, find_experts=find_experts)
     trace = None
     if args.trace:
         from .streaming.trace import check_trace_matches, load_trace
@@ -175,7 +176,7 @@ def report_remote(hub_id, args):
     with headers_folder() as tmp:
         remote = remote_headers(hub_id, tmp / "model")
         try:
-            pack = open_source(remote.folder, verify=False)
+            pack = open_source(remote.folder, verify=False, find_experts=find_experts)
         except ValueError as e:  # name the repository, not the temporary folder
             raise ValueError(str(e).replace(str(remote.folder), str(hub_id))) from None
         config = json.loads((remote.folder / "config.json").read_text())
@@ -257,7 +258,8 @@ def fit(pack: Pack, config: dict, args):
     """(memory, the budget `--expert-budget auto` gives there or None, why not)."""
     memory = parse_memory(args.memory) if args.memory else available_memory_bytes()
     try:  # the rule `--expert-budget auto` follows
-        return memory, fitting_budget(pack, config, memory), None
+        return memory, fitting_budget(pack, config, memory,
+                                      model_args=model_args(config)), None
     except BudgetError as e:
         return memory, None, str(e)
 

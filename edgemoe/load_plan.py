@@ -14,8 +14,9 @@ PyTorch build theirs over it):
     8. the store          the expert store over the backend's slot memory
 
 Neither MLX nor PyTorch here: a backend adds only what its framework knows (a `Backend`:
-its checks, its share of a group, its memory and its slot memory; then it builds the model
-over the plan and installs its routing).
+its checks, the routed experts of an mlx-lm checkpoint read in place, its share of a
+group, its memory and its slot memory; then it builds the model over the plan and
+installs its routing).
 """
 
 import contextlib
@@ -23,7 +24,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 from .format.deltas import DeltaRecords, expert_deltas, with_deltas
 from .format.pack import Pack, PackError, read_json
@@ -81,6 +82,18 @@ class Backend:
         """The model's family, from its config alone: a model this backend cannot run is
         refused before its weights are opened."""
 
+    def find_experts(self, config: dict, config_path: Path) -> Tuple[List[str], int]:
+        """An mlx-lm checkpoint read in place: (its routed-expert modules, in layer order;
+        experts per token), as mlx-lm's model for the config holds them
+        (edgemoe.format.families.FindExperts)."""
+        raise PackError(f"{config_path.parent}: this backend reads no mlx-lm checkpoint "
+                        f"in place; convert it to a pack (python -m edgemoe.convert)")
+
+    def model_args(self, config: dict) -> Optional[dict]:
+        """The config as the family's model class reads it (its defaults, its key names):
+        what an auto budget sizes the KV cache by, beside the config (None: it alone)."""
+        return None
+
     def check(self, plan: LoadPlan) -> None:
         """Once the heads and the adapter are found: fail before anything is written."""
 
@@ -121,7 +134,7 @@ def plan_load(path_or_hf_repo: Optional[str], options: StreamOptions,
     config_path = path / "config.json"
     if config_path.is_file():  # (a folder without one: open_source says what it is not)
         backend.check_family(read_json(config_path), config_path)
-    source = open_source(path, options.verify)
+    source = open_source(path, options.verify, backend.find_experts)
     if options.verify and source.resident_crc32 is None:  # in place, never indexed
         print(f"[edgemoe] {path}: an mlx-lm checkpoint read in place carries no checksums; "
               f"its weights are not verified (`python -m edgemoe.verify --model {path}` "
@@ -143,7 +156,8 @@ def plan_load(path_or_hf_repo: Optional[str], options: StreamOptions,
     plan.budget = options.expert_budget
     if is_auto(plan.budget):  # what fits in the memory available, before loading
         plan.budget = fitting_budget(plan.source, config, backend.memory_bytes(),
-                                     resident_bytes=backend.resident_bytes(plan))
+                                     resident_bytes=backend.resident_bytes(plan),
+                                     model_args=backend.model_args(config))
         if plan.budget < plan.source.expert_bytes:
             print(f"[edgemoe] --expert-budget auto: {fmt_bytes(plan.budget)} "
                   f"({plan.budget / plan.source.expert_bytes:.0%} of the routed experts) "

@@ -40,6 +40,7 @@ from .cli import tool, tool_parser
 from .eval import compare
 from .format.deltas import expert_deltas
 from .format.source import open_source
+from .mlx_backend.families import find_experts
 from .mlx_backend.loader import load
 from .options import StreamOptions
 from .routing.modes import PREROUTED
@@ -149,7 +150,7 @@ def train(args) -> dict:
         losses, before = distil_mlx(args, out, teacher, student, config, train_tokens,
                                     measure_before)
     if args.experts:  # the experts' deltas as records, to stream with them when served
-        expert_deltas(out, open_source(args.model))
+        expert_deltas(out, open_source(args.model, find_experts=find_experts))
     after = quality(teacher, student, eval_tokens, args, "after")
     report = {"model": args.model, "teacher": args.teacher, "routing": str(args.routing),
               "prerouter": args.prerouter_path, "lora": config["lora_parameters"],

@@ -17,6 +17,7 @@ from .cli import tool, tool_parser
 from .format.checksums import INDEX_FILE, build_index, expert_crc32s
 from .format.pack import PackError
 from .format.source import open_source
+from .mlx_backend.families import find_experts
 
 
 def check(pack, bar) -> int:
@@ -41,7 +42,7 @@ def main(argv=None):
     p.add_argument("--rebuild", action="store_true",
                    help=f"For a checkpoint read in place: compute {INDEX_FILE} anew")
     args = tool_parser(p, "verify").parse_args(argv)
-    pack = open_source(args.model, verify=not args.rebuild)
+    pack = open_source(args.model, verify=not args.rebuild, find_experts=find_experts)
     indexing = pack.in_place and (args.rebuild or pack.resident_crc32 is None)
     bar = tqdm(total=pack.expert_bytes, unit="B", unit_scale=True,
                desc="indexing" if indexing else "verifying", file=sys.stderr)

@@ -260,8 +260,9 @@ def main():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_large_checkpoint.py"),
                         str(model), "--size", args.make], check=True)
     from edgemoe.format.source import open_source
+    from edgemoe.mlx_backend.families import find_experts
 
-    source = open_source(model, verify=False)
+    source = open_source(model, verify=False, find_experts=find_experts)
     report = {"model": str(model), "model_gb": (source.expert_bytes + source.resident_bytes) / 1e9,
               "expert_gb": source.expert_bytes / 1e9, "memory_per_host": args.memory,
               "memory_per_host_gb": iec_bytes(args.memory) / 1e9,

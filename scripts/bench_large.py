@@ -195,8 +195,9 @@ def prepare(args, report):
         report["pack_made"] = True
     from edgemoe.format.inplace import open_mlx_lm
     from edgemoe.format.pack import Pack
+    from edgemoe.mlx_backend.families import find_experts
 
-    in_place = open_mlx_lm(ckpt, verify=False)
+    in_place = open_mlx_lm(ckpt, find_experts, verify=False)
     report["slice_bytes"] = [n for _, _, n in in_place.layers[0].records[0].segments]
     source = Pack.open(pack, verify=False) if pack.exists() else in_place
     report["resident_bytes"] = source.resident_bytes

@@ -242,6 +242,7 @@ def check_quantization(name: str, work: Path) -> dict:
     from edgemoe.convert import convert
     from edgemoe.format.source import open_source
     from edgemoe.mlx_backend.experts import expert_modules
+    from edgemoe.mlx_backend.families import find_experts
     from edgemoe.streaming.budget import minimum_bytes
 
     options = dict(QUANT_SPECS)[name]
@@ -258,7 +259,8 @@ def check_quantization(name: str, work: Path) -> dict:
            "exact": {}}
     for source, path in (("pack", pack), ("in place", checkpoint)):
         for label in ("100%", "minimum"):
-            budget = 1.0 if label == "100%" else minimum_bytes(open_source(path))
+            budget = 1.0 if label == "100%" else minimum_bytes(
+                open_source(path, find_experts=find_experts))
             model, _ = edgemoe.load(path, expert_budget=budget)
             if computes:
                 got = greedy(model, tokens)

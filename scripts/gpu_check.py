@@ -243,11 +243,12 @@ BENCH_CONFIGS = [(1.0, None, 1)] + [(budget, host, streams) for budget in (0.25,
 def run_benchmarks(device, synthetic):
     """(budget, host budget, copy streams) of BENCH_CONFIGS, buffered and direct."""
     from edgemoe.format.source import open_source
+    from edgemoe.mlx_backend.families import find_experts
     from edgemoe.streaming.budget import SlotPlan
 
     rows = []
     for path in [DEFAULT_MODEL, synthetic]:
-        plan = SlotPlan.of(open_source(Path(path)))
+        plan = SlotPlan.of(open_source(Path(path), find_experts=find_experts))
         least = plan.minimum_bytes / plan.total_bytes  # (the small pack's top-8 of 32)
         for io in ("buffered", "direct"):
             for budget, host_budget, streams in BENCH_CONFIGS:

@@ -11,6 +11,7 @@ pytest.importorskip("transformers", reason="the CUDA backend needs transformers"
 import edgemoe  # noqa: E402
 from edgemoe.cuda.model import greedy, load  # noqa: E402
 from edgemoe.format.source import open_source, source_kind  # noqa: E402
+from edgemoe.mlx_backend.families import find_experts  # noqa: E402
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
 from test_cuda_backend import DECODE, LOGIT_TOLERANCE, mlx_greedy, prompt  # noqa: E402
 
@@ -19,7 +20,7 @@ from test_cuda_backend import DECODE, LOGIT_TOLERANCE, mlx_greedy, prompt  # noq
 def test_an_mlx_lm_checkpoint_read_in_place_gives_the_mlx_paths_logits(family, checkpoints):
     path = checkpoints[family][1]
     assert source_kind(path) == "mlx-lm"
-    amount = minimum_bytes(open_source(path))
+    amount = minimum_bytes(open_source(path, find_experts=find_experts))
     reference, _ = edgemoe.load(str(path), expert_budget=amount)
     ref_tokens, ref_logits = mlx_greedy(reference, prompt(500))
     reference.expert_store.close()

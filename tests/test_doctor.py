@@ -10,6 +10,7 @@ from edgemoe import calibrate, doctor
 from edgemoe.streaming.cache import DEFAULT_POLICY
 from edgemoe.format.pack import Pack
 from edgemoe.format.families import kv_bytes_per_token
+from edgemoe.mlx_backend.families import model_args
 from edgemoe.streaming.budget import HEADROOM, RUNTIME_BYTES, fitting_budget, minimum_bytes
 
 
@@ -43,7 +44,8 @@ def test_doctor_prints_the_packs_figures(pack, capsys, tmp_path):
     assert float(rows["25%"][-2]) < float(rows["100%"][-2])  # more misses, slower
     budget = int(re.search(r"--expert-budget auto gives (\d+) bytes", out).group(1))
     assert minimum <= budget < pack.expert_bytes
-    assert budget == fitting_budget(pack, config, int(memory * 1e9))  # as load() sizes it
+    as_load = fitting_budget(pack, config, int(memory * 1e9), model_args=model_args(config))
+    assert budget == as_load  # as the MLX backend's load() sizes it
 
 
 def test_doctor_says_when_it_does_not_fit(pack, capsys):

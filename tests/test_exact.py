@@ -114,11 +114,13 @@ def test_reader_variants_are_exact(family, variant, budget, packs, checkpoints, 
     """Advisory prefetch, O_DIRECT, and an mlx-lm checkpoint read in place change
     where and when experts are read, never the output."""
     from edgemoe.format.source import open_source
+    from edgemoe.mlx_backend.families import find_experts
 
     _, ref_tokens, ref_logits, ref_forced = reference(family)
     source, options = VARIANTS[variant]
     path = packs[family]["hf"] if source == "pack" else checkpoints[family][1]
-    amount = {"50%": 0.5, "minimum": minimum_bytes(open_source(path))}[budget]
+    opened = open_source(path, find_experts=find_experts)  # a pack, or the checkpoint in place
+    amount = {"50%": 0.5, "minimum": minimum_bytes(opened)}[budget]
     model, _ = edgemoe.load(path, expert_budget=amount, **options)
     tokens = prompt()
     assert mlx_lm_tokens(model, tokens) == ref_tokens

@@ -30,11 +30,7 @@ BACKEND_FREE = ("edgemoe.format", "edgemoe.streaming", "edgemoe.routing", "edgem
                 "edgemoe.options", "edgemoe.load_plan", "edgemoe.machines",
                 "edgemoe.whatif.replay", "edgemoe.whatif.questions",
                 "edgemoe.whatif.experimental")
-NOT_YET_BACKEND_FREE = {
-    # a family is what mlx-lm's own model computes with its switch layers (imported lazily)
-    ("edgemoe.format.families", "mlx"): "#54 item 1",
-    ("edgemoe.format.families", "mlx_lm"): "#54 item 1",
-}
+NOT_YET_BACKEND_FREE = {}
 
 # serving's engine side: it runs requests, whatever API they came in by (http runs one
 # request of any API; canonical is the one request every API's parser produces)

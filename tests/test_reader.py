@@ -209,10 +209,11 @@ def test_in_place_slices_are_read_concurrently_and_a_failed_slice_fails_its_fill
     """An expert read in place is one queued read per tensor slice, finished by the last
     to land; one slice failing fails its expert alone, once, with a clear error."""
     from edgemoe.format.inplace import open_mlx_lm
+    from edgemoe.mlx_backend.families import find_experts
     from edgemoe.streaming.reader import Reader
     from edgemoe.streaming.reads import Fill, Slice
 
-    pack = open_mlx_lm(checkpoints["qwen3_moe"][1])
+    pack = open_mlx_lm(checkpoints["qwen3_moe"][1], find_experts)
     layer = pack.layers[0]
     closed = Reader(pack, threads=1)
     closed.close()  # inspect the queue without threads taking from it

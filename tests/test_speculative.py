@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 import edgemoe
 from edgemoe.format.source import open_source
+from edgemoe.mlx_backend.families import find_experts
 from edgemoe.mlx_backend.generation import generate
 from edgemoe.mlx_backend.drafts import draft_generate_step
 from edgemoe.mlx_backend.lookup import PromptLookup
@@ -33,7 +34,8 @@ def test_a_draft_model_speculates_as_mlx_lm_does(checkpoints, family, budget):
     drafted-or-not, and logprobs bit for bit."""
     target = checkpoints[family][1]
     draft = mlx_lm_load(str(checkpoints["qwen3_moe"][1]))[0]  # same tokenizer, resident
-    limit = budget if budget != "minimum" else minimum_bytes(open_source(target))
+    in_place = open_source(target, find_experts=find_experts)
+    limit = budget if budget != "minimum" else minimum_bytes(in_place)
     prompt = mx.array(PROMPT)
     expected = drafted(speculative_generate_step(prompt, mlx_lm_load(str(target))[0], draft,
                                                  num_draft_tokens=3, max_tokens=16))

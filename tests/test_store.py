@@ -124,6 +124,24 @@ def test_unquantized_checkpoint_needs_converting(checkpoints):
         edgemoe.load(checkpoints["mixtral"][0])
 
 
+def test_a_checkpoint_in_place_is_opened_at_the_experts_mlx_lm_finds(checkpoints):
+    """format/ reads no model class: an mlx-lm checkpoint is opened in place at the routed
+    experts it is handed (mlx-lm's, by edgemoe.mlx_backend.families), or refused in one
+    line saying so."""
+    from edgemoe.format.source import open_source
+    from edgemoe.mlx_backend.families import find_experts, routed_experts
+    from mlx_lm import load as mlx_lm_load
+
+    path = checkpoints["qwen3_moe"][1]
+    with pytest.raises(PackError, match="needs its routed experts found") as e:
+        open_source(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    source = open_source(path, find_experts=find_experts)
+    paths, k = routed_experts(mlx_lm_load(str(path))[0], path)  # mlx-lm's model, loaded
+    assert source.in_place and [l.module for l in source.layers] == paths
+    assert source.top_k == k
+
+
 def test_unsupported_model_type(pack_copy):
     manifest = json.loads((pack_copy / "manifest.json").read_text())
     manifest.pop("config")  # a pack written before config.json's checksum (which names it)

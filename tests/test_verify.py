@@ -12,6 +12,7 @@ import edgemoe
 from edgemoe.format.checksums import INDEX_FILE
 from edgemoe.format.pack import PackError
 from edgemoe.format.source import open_source
+from edgemoe.mlx_backend.families import find_experts
 
 from conftest import corrupt_record, error_line, tool_module
 
@@ -49,7 +50,7 @@ def test_an_indexed_checkpoint_is_verified_and_still_exact(in_place, capsys):
     assert "not verified" in capsys.readouterr().err
     verify.main(["--model", str(in_place)])
     assert f"wrote {in_place / INDEX_FILE}" in capsys.readouterr().out
-    source = open_source(in_place)
+    source = open_source(in_place, find_experts=find_experts)
     assert all(r.crc32 is not None for l in source.layers for r in l.records)
     indexed = logits(in_place)
     assert "not verified" not in capsys.readouterr().err
@@ -60,7 +61,7 @@ def test_an_indexed_checkpoint_is_verified_and_still_exact(in_place, capsys):
 
 def test_corruption_in_place_is_found_once_indexed(in_place):
     verify.main(["--model", str(in_place)])
-    layer = open_source(in_place).layers[0]
+    layer = open_source(in_place, find_experts=find_experts).layers[0]
     tensor = f"{layer.module}.up_proj.weight"
     per_expert = next(t.nbytes for t in layer.tensors if t.name == "up_proj.weight")
     for e in range(layer.num_experts):  # whichever the routing picks is corrupt

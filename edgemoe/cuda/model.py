@@ -25,6 +25,7 @@ from ..format.families import UnsupportedModelError
 from ..format.pack import PackError
 from ..format.source import BUNDLED_MODEL
 from ..load_plan import Backend, LoadPlan, plan_load
+from ..mlx_backend.families import find_experts as mlx_lm_experts, model_args as mlx_lm_args
 from ..options import StreamOptions
 from ..streaming.budget import SlotPlan
 from ..streaming.cache import DEFAULT_POLICY
@@ -112,6 +113,20 @@ class CudaBackend(Backend):
 
     def check_family(self, config: dict, config_path: Path) -> None:
         families.check_runs(config, config_path)
+
+    def find_experts(self, config: dict, config_path: Path):
+        """An mlx-lm checkpoint's routed experts are where mlx-lm's model for its config
+        holds them: mlx-lm's classes find them, imported only for a checkpoint read in
+        place (edgemoe.mlx_backend.families)."""
+        return mlx_lm_experts(config, config_path)
+
+    def model_args(self, config: dict) -> Optional[dict]:
+        """The KV cache sized as on the MLX backend, by mlx-lm's reading of the config
+        (by the config alone without mlx-lm)."""
+        try:
+            return mlx_lm_args(config)
+        except ImportError:
+            return None
 
     def check(self, plan: LoadPlan) -> None:
         if plan.adapter is not None:

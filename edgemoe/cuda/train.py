@@ -38,6 +38,7 @@ from ..format.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..format.pack import Pack, PackError, PackLayer
 from ..format.source import model_path, open_source
 from ..load_plan import heads_folder
+from ..mlx_backend.families import find_experts
 
 STATE = "train_state_torch"  # (train_lora.TORCH_STATE)
 GATED = ("gate_proj", "up_proj", "down_proj")  # mlx-lm's SwitchGLU
@@ -206,7 +207,7 @@ def distil(args, out: Path, lora_config: dict, train_tokens: np.ndarray, batches
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = model_path(args.model)
     config = json.loads((path / "config.json").read_text())
-    source = open_source(path)
+    source = open_source(path, find_experts=find_experts)
     experts = {l.module: expert_weights(source, l)
                for l in tqdm(source.layers, desc="dequantize")}
     params = lora_config["lora_parameters"]

@@ -6,13 +6,18 @@ one contiguous slice. An expert is then several reads (one per tensor, up to nin
 found from the safetensors headers alone. For users who cannot afford the disk space
 of a second copy; the repacked pack reads each expert in one. Its checksums come from
 the index `edgemoe.verify` writes beside it (edgemoe.format.checksums), when there is one.
+
+Which modules hold the routed experts, and how many a token is routed to, is what
+mlx-lm's model for the config says: the opener is handed a `FindExperts` that asks it
+(edgemoe.mlx_backend.families.find_experts; through the load plan, the backend's). Here
+are only the names and shapes of the checkpoint's tensors.
 """
 
 from collections import defaultdict
 from pathlib import Path
 
 from .checksums import load_index, with_index
-from .families import check_supported, layer_index, routed_experts, skeleton
+from .families import FindExperts, check_supported, layer_index
 from .pack import Pack, PackError, PackLayer, read_json
 from .records import Record, TensorLayout
 from .resident import expert_of, read_safetensors_header
@@ -27,13 +32,14 @@ def safetensors_header(path: Path):
     return read_safetensors_header(Path(path))
 
 
-def open_mlx_lm(path, verify: bool = True) -> Pack:
-    """A Pack whose records point into an mlx-lm quantized checkpoint's shards; with
-    `verify`, carrying the checksums of its index, if it has one."""
+def open_mlx_lm(path, find_experts: FindExperts, verify: bool = True) -> Pack:
+    """A Pack whose records point into an mlx-lm quantized checkpoint's shards, at the
+    routed experts `find_experts` names for its config; with `verify`, carrying the
+    checksums of its index, if it has one."""
     path = Path(path)
     config = read_json(path / "config.json")
     check_supported(config, path / "config.json")
-    experts, k = routed_experts(skeleton(config), path / "config.json")
+    experts, k = find_experts(config, path / "config.json")
     files = sorted(path.glob("model*.safetensors"))
     tensors = defaultdict(dict)  # module path -> tensor name -> (file, offset, entry)
     for i, f in enumerate(files):

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .families import check_supported
+from .families import FindExperts, check_supported
 from .inplace import open_mlx_lm
 from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError, read_json
 
@@ -67,16 +67,23 @@ def source_kind(path) -> str:
     return "mlx-lm" if "quantization" in config else "hf"
 
 
-def open_source(path=None, verify: bool = True) -> Pack:
+def open_source(path=None, verify: bool = True,
+                find_experts: Optional[FindExperts] = None) -> Pack:
     """The routed experts of a model folder: a pack's records, or an mlx-lm checkpoint's
-    tensor slices read in place (checksummed if `edgemoe.verify` indexed them). `verify`:
-    a pack must have every checksum (Pack.open), an index must match its checkpoint."""
+    tensor slices read in place (checksummed if `edgemoe.verify` indexed them), at the
+    experts `find_experts` finds in mlx-lm's model for its config (a pack's manifest
+    names its own). `verify`: a pack must have every checksum (Pack.open), an index must
+    match its checkpoint."""
     path = model_path(path)
     config = read_json(path / "config.json")
     check_supported(config, path / "config.json")
     if source_kind(path) == "pack" or (path / EXPERTS_FILE).exists():
         return Pack.open(path, verify)  # an experts.bin without its manifest is a broken pack
-    return open_mlx_lm(path, verify)
+    if find_experts is None:
+        raise PackError(f"{path}: an mlx-lm checkpoint read in place needs its routed "
+                        f"experts found in mlx-lm's model: pass find_experts="
+                        f"edgemoe.mlx_backend.families.find_experts")
+    return open_mlx_lm(path, find_experts, verify)
 
 
 def pack_asset(model: Path, name: str) -> Optional[Path]:

@@ -3,6 +3,8 @@ routing modes run on them (edgemoe.cuda is the PyTorch backend beside it).
 
     loader       `load()`: the model over a LoadPlan, its slot memory, its routing
     experts      StreamingExperts (mlx-lm's SwitchGLU over the slots), the model-class hooks
+    families     a family's routed experts in mlx-lm's own model (an mlx-lm checkpoint's,
+                 read in place by either backend)
     slots        the MLX slot memory: slot arrays in unified memory, filled in place
     hostsync     a layer's one host sync
     generation   `generate` / `stream_generate`: mlx-lm's loop plus expert statistics

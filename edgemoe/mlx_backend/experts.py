@@ -81,7 +81,7 @@ class StreamingExperts(nn.Module):
     turns it into `ExpertDeltas`, every expert's delta, which the pool then adds.
     """
 
-    routed_experts = True  # what edgemoe.mlx_backend.gates looks for beside mlx-lm's switch layers
+    routed_experts = True  # what families.is_routed_experts looks for beside the switch layers
 
     def __init__(self, pool: SlotPool, streaming: Streaming):
         super().__init__()

@@ -23,8 +23,8 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..format.families import (ROUTER_NAMES, UnsupportedModelError, layer_index,
-                               moe_block_paths, routed_indices)
+from ..format.families import ROUTER_NAMES, UnsupportedModelError, layer_index
+from .families import moe_block_paths, routed_indices
 
 _LINEAR = (nn.Linear, nn.QuantizedLinear)
 

@@ -8,7 +8,6 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER as VERY_LONG
 
 from ..distributed import connect, share_for
-from ..format.families import routed_experts
 from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
 from .driver import PredictedRouting
@@ -16,6 +15,7 @@ from .gates import hand_input, moe_blocks
 from .predictors import predictor_for
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
+from .families import check_runs, find_experts, model_args, routed_experts
 from .lora import load_adapter
 from .prefill import use_blas
 from .slots import MLXSlotMemory
@@ -101,6 +101,15 @@ class MLXBackend(Backend):
     def __init__(self, group=None, lazy: bool = False, model_config=None):
         self.group, self.lazy, self.model_config = group, lazy, model_config
         self.config, self.experts = None, {}
+
+    def check_family(self, config: dict, config_path) -> None:
+        check_runs(config, config_path)
+
+    def find_experts(self, config: dict, config_path):
+        return find_experts(config, config_path)
+
+    def model_args(self, config: dict) -> dict:
+        return model_args(config)
 
     def share(self, plan: LoadPlan):
         if self.group is None or self.group.size() == 1:

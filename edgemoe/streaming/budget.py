@@ -89,10 +89,13 @@ def auto_budget_bytes(total_bytes: int, minimum: int, resident_bytes: int, kv_by
 
 
 def fitting_budget(pack, config: dict, memory_bytes: Optional[int] = None,
-                   resident_bytes: Optional[int] = None) -> int:
+                   resident_bytes: Optional[int] = None,
+                   model_args: Optional[dict] = None) -> int:
     """`--expert-budget auto` for a Pack: the bytes that fit in `memory_bytes` (default:
     what is available now, edgemoe.streaming.telemetry) beside `resident_bytes` (default:
-    the pack's resident weights as stored; the CUDA backend holds them dequantized)."""
+    the pack's resident weights as stored; the CUDA backend holds them dequantized) and a
+    KV cache sized by `config`, read as the family's `model_args` read it (its defaults:
+    edgemoe.mlx_backend.families.model_args)."""
     from ..format.families import kv_bytes_per_token
     from .telemetry import available_memory_bytes
 
@@ -101,7 +104,7 @@ def fitting_budget(pack, config: dict, memory_bytes: Optional[int] = None,
     resident = pack.resident_bytes if resident_bytes is None else resident_bytes
     tokens = min(AUTO_KV_TOKENS, int(config.get("max_position_embeddings") or AUTO_KV_TOKENS))
     return auto_budget_bytes(plan.total_bytes, plan.minimum_bytes, resident,
-                             tokens * kv_bytes_per_token(config), memory)
+                             tokens * kv_bytes_per_token(config, model_args), memory)
 
 
 def is_auto(budget: Budget) -> bool:
