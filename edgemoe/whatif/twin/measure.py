@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .profiles import Profile, measure_compute, measure_reads
+from .profiles import Profile, machine_figures, measure_compute, measure_reads, measured
 
 RECORD_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 QUEUE_DEPTHS = (1, 2, 4, 8)
@@ -120,30 +120,17 @@ def measure_machine(out: Path, read_file: Optional[Path] = None, megabytes: int 
     how = (f"python -m edgemoe.doctor --measure-machine on {platform.platform()}, "
            f"Python {sys.version.split()[0]}, {when}")
 
-    def fig(v, unit, what):
-        return {"value": round(float(v), 4), "unit": unit, "kind": "measured",
-                "source": f"{how}: {what}"}
-
-    figures = {
-        "memory_gb": fig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-                         "GB", "physical memory"),
-        "ssd_read_gbps": fig(gbps, "GB/s", f"best of random reads of "
-                                           f"{max(sizes)} bytes at queue depths {list(depths)}"),
-        "ssd_latency_us": fig(latency * 1e6, "us", "intercept of seconds per read against "
-                                                   "record size, queue depth 1"),
-        "int4_gbps": fig(c["int4_gbps"], "GB/s", f"mx.quantized_matmul int4 g64, one token, "
-                                                 f"{c['shape']}"),
-        "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
-        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back of a one-element graph, "
-                                                     "median (the read itself)"),
-        "sync_idle_us": fig(c["sync_idle_us"], "us", "the host building a layer-like graph, "
-                                                     "median"),
-        "cpu_vs_here": fig(REFERENCE_PYTHON_S / py, "x", f"the store's Python (a replay) "
-                                                         f"{py:.3f} s here, "
-                                                         f"{REFERENCE_PYTHON_S} s on the "
-                                                         f"project's VM"),
-        "crc32_gbps": fig(c["crc32_gbps"], "GB/s", "zlib.crc32 of 8 MiB, this Python"),
-    }
+    fig = measured(how)
+    figures = machine_figures(
+        fig, c, ssd_read_gbps=fig(gbps, "GB/s", f"best of random reads of {max(sizes)} bytes "
+                                                f"at queue depths {list(depths)}"),
+        ssd_latency_us=fig(latency * 1e6, "us", "intercept of seconds per read against "
+                                                "record size, queue depth 1"),
+        cpu_vs_here=fig(REFERENCE_PYTHON_S / py, "x", f"the store's Python (a replay) "
+                                                      f"{py:.3f} s here, {REFERENCE_PYTHON_S} "
+                                                      f"s on the project's VM"),
+        int4="mx.quantized_matmul int4 g64",
+        sync_idle="the host building a layer-like graph, median")
     profile = Profile(name or f"measured-{platform.node() or 'machine'}",
                       f"{platform.machine()} {platform.processor() or ''}".strip() +
                       f", {os.cpu_count()} CPUs", figures)

@@ -221,6 +221,37 @@ def measure_sync(wq, scales, biases, d: int, repeats: int = 40) -> tuple:
     return float(np.median(reads)), float(np.median(builds))
 
 
+def measured(how: str):
+    """`fig(value, unit, what)`: a figure measured here, its source `how` and `what`."""
+
+    def fig(value, unit: str, what: str) -> dict:
+        return {"value": round(float(value), 4), "unit": unit, "kind": "measured",
+                "source": f"{how}: {what}"}
+
+    return fig
+
+
+def machine_figures(fig, c: dict, ssd_read_gbps: dict, ssd_latency_us: dict,
+                    cpu_vs_here: dict, int4: str, sync_idle: str) -> Dict[str, dict]:
+    """A measured profile's figures, in their order: the disk's and the Python's as measured
+    (`ssd_read_gbps`, `ssd_latency_us`, `cpu_vs_here`), and the rest from here: physical
+    memory and measure_compute's `c`, made by `fig` (`measured`); `int4` and `sync_idle`
+    say how those two were measured."""
+    return {
+        "memory_gb": fig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "GB",
+                         "physical memory"),
+        "ssd_read_gbps": ssd_read_gbps,
+        "ssd_latency_us": ssd_latency_us,
+        "int4_gbps": fig(c["int4_gbps"], "GB/s", f"{int4}, one token, {c['shape']}"),
+        "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
+        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back of a one-element graph, "
+                                                     "median (the read itself)"),
+        "sync_idle_us": fig(c["sync_idle_us"], "us", sync_idle),
+        "cpu_vs_here": cpu_vs_here,
+        "crc32_gbps": fig(c["crc32_gbps"], "GB/s", "zlib.crc32 of 8 MiB, this Python"),
+    }
+
+
 def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: int = 2) -> Profile:
     """A profile of this machine: disk (at `record_bytes` and 256 KiB, for bandwidth and
     latency), CPU int4 compute and host sync, each marked measured with how and when."""
@@ -233,25 +264,14 @@ def measure_this_machine(read_file: Path, record_bytes: int = 2654208, threads: 
     c = measure_compute()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     how = f"edgemoe.whatif.twin.profiles.measure_this_machine on {os.uname().nodename}, {when}"
-    fig = lambda v, unit, what: {"value": round(v, 4), "unit": unit, "kind": "measured",  # noqa
-                                 "source": f"{how}: {what}"}
-    figures = {
-        "memory_gb": fig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "GB",
-                         "physical memory"),
-        "ssd_read_gbps": fig(bw, "GB/s", f"O_DIRECT random reads of {record_bytes} and 262144 "
-                                         f"bytes, {threads} threads, of {read_file}"),
-        "ssd_latency_us": fig(lat * 1e6, "us", "intercept of the same two sizes"),
-        "int4_gbps": fig(c["int4_gbps"], "GB/s", f"mx.quantized_matmul int4 g64 fp32, one "
-                                                 f"token, {c['shape']}"),
-        "prefill_tflops": fig(c["prefill_tflops"], "TFLOP/s", "same, 256 tokens"),
-        "host_sync_us": fig(c["host_sync_us"], "us", "a read-back of a one-element graph, "
-                                                     "median (the read itself)"),
-        "sync_idle_us": fig(c["sync_idle_us"], "us", "Python building a layer-like graph (40 "
-                                                     "ops; the device waits for it after a "
-                                                     "read), median"),
-        "cpu_vs_here": fig(1.0, "x", "this machine"),
-        "crc32_gbps": fig(c["crc32_gbps"], "GB/s", "zlib.crc32 of 8 MiB, this Python"),
-    }
+    fig = measured(how)
+    figures = machine_figures(
+        fig, c, ssd_read_gbps=fig(bw, "GB/s", f"O_DIRECT random reads of {record_bytes} and "
+                                              f"262144 bytes, {threads} threads, of {read_file}"),
+        ssd_latency_us=fig(lat * 1e6, "us", "intercept of the same two sizes"),
+        cpu_vs_here=fig(1.0, "x", "this machine"), int4="mx.quantized_matmul int4 g64 fp32",
+        sync_idle="Python building a layer-like graph (40 ops; the device waits for it after "
+                  "a read), median")
     p = Profile("this-machine", f"this machine ({os.cpu_count()} CPUs)", figures)
     p.figures["_reads"] = {"value": 0, "kind": "measured", "source": how,
                            "detail": [big, small]}
