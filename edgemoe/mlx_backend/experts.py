@@ -121,6 +121,10 @@ class StreamingExperts(nn.Module):
                 look_ahead(self.slots, indices.size)  # while the sync computes attention
             queued.sync(indices, *predicted.values())
             self.slots.stats.host_syncs += 1
+            if not predicted and share is None and not HITS_FIRST and self.slots.trace is None:
+                out = self._plain_call(x, indices)  # (the common decode call)
+                if out is not None:
+                    return out
             ids = np.array(indices)
             if predicted:  # its prefetches overlap this layer's compute
                 routed = lambda: self._prefetch(predicted)  # noqa: E731
@@ -160,6 +164,24 @@ class StreamingExperts(nn.Module):
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
+
+    def _plain_call(self, x: mx.array, indices: mx.array) -> Optional[mx.array]:
+        """A call whose experts the pool takes at once (`LayerSlots.take`: hits, and misses
+        read into room it has): the one pass of `run_call`, with none of its bookkeeping,
+        the router's ids (evaluated) mapped to slots on the device; left queued, its slots
+        held until a sync has evaluated it. None (nothing done) for any other call.
+        (Its ids come to the host as Python ints, no numpy call: see LayerSlots.)"""
+        if indices.size > self.slots.num_slots:
+            return None  # (a call of more entries than slots: more experts, often)
+        ids = indices.tolist()
+        while ids and isinstance(ids[0], list):
+            ids = [e for row in ids for e in row]
+        if not self.slots.take(sorted(set(ids))):
+            return None
+        self._bind_deltas()
+        out = self.pool.module(x, mx.take(self.pool.table, indices))
+        self.streaming.queued.hold(self.slots, out)
+        return out
 
     def _hits_first(self, x: mx.array, ids: np.ndarray) -> Optional[mx.array]:
         """A decode call whose experts fit the slots, on the plain path (`LayerSlots.claim`):
@@ -212,6 +234,8 @@ class StreamingExperts(nn.Module):
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
+        if not ExpertDeltas.made:  # (no LoRA of routed experts was ever made: none here)
+            return
         deltas = [(n, self[n]) for n in self._projections.split()
                   if isinstance(self.get(n), ExpertDeltas)]
         if not deltas:
@@ -266,9 +290,12 @@ class ExpertDeltas(nn.Module):
     LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
     and computes it, over the slots."""
 
+    made = 0  # how many were made, in this process (StreamingExperts._bind_deltas)
+
     def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
                  scale: float):
         super().__init__()
+        ExpertDeltas.made += 1
         bound = 1 / math.sqrt(input_dims)
         self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
         self.lora_b = mx.zeros((num_experts, output_dims, rank))
