@@ -8,7 +8,6 @@ remapped indices gives bit-identical results (tests/test_exact.py checks it per 
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Optional
 
@@ -25,6 +24,7 @@ from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
+from .lora import ExpertDeltas, ExpertProjection
 from .slots import live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
@@ -166,7 +166,7 @@ class StreamingExperts(nn.Module):
         return out.reshape(*ids.shape, out.shape[-1])
 
     def _plain_call(self, x: mx.array, indices: mx.array) -> Optional[mx.array]:
-        """A call whose experts the pool takes at once (`LayerSlots.take`: hits, and misses
+        """A call whose experts the pool takes at once (`LayerSlots.claim`: hits, and misses
         read into room it has): the one pass of `run_call`, with none of its bookkeeping,
         the router's ids (evaluated) mapped to slots on the device; left queued, its slots
         held until a sync has evaluated it. None (nothing done) for any other call.
@@ -176,10 +176,18 @@ class StreamingExperts(nn.Module):
         ids = indices.tolist()
         while ids and isinstance(ids[0], list):
             ids = [e for row in ids for e in row]
-        if not self.slots.take(sorted(set(ids))):
+        fills = self.slots.claim(sorted(set(ids)))
+        if fills is None:
             return None
+        # the graph is built while the misses are read: it reads their slots only once
+        # evaluated, after `finish` (the slots they were given are in the table already)
         self._bind_deltas()
         out = self.pool.module(x, mx.take(self.pool.table, indices))
+        try:
+            self.slots.finish(fills)
+        except BaseException:  # (a failed read: the call's slots are free again)
+            self.slots.release()
+            raise
         self.streaming.queued.hold(self.slots, out)
         return out
 
@@ -269,41 +277,6 @@ def prefetch_predictions(streaming: Streaming, predicted: dict, made_in=None,
         streaming.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()},
                                        made_in)
 
-
-
-class ExpertProjection(nn.Module):
-    """Where a LoRA of one routed-expert projection attaches; holds nothing."""
-
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
-        super().__init__()
-        self.num_experts, self.input_dims, self.output_dims = num_experts, input_dims, output_dims
-
-    def to_lora(self, r: int, scale: float, dropout: float = 0.0) -> "ExpertDeltas":
-        """mlx-lm's hook (linear_to_lora_layers): every expert's zero delta."""
-        if dropout:
-            raise ValueError(f"a LoRA of the routed experts takes no dropout ({dropout})")
-        return ExpertDeltas(self.num_experts, self.input_dims, self.output_dims, r, scale)
-
-
-class ExpertDeltas(nn.Module):
-    """A LoRA of one routed-expert projection, every expert's: as mlx-lm's
-    LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
-    and computes it, over the slots."""
-
-    made = 0  # how many were made, in this process (StreamingExperts._bind_deltas)
-
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
-                 scale: float):
-        super().__init__()
-        ExpertDeltas.made += 1
-        bound = 1 / math.sqrt(input_dims)
-        self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
-        self.lora_b = mx.zeros((num_experts, output_dims, rank))
-        self.scale = scale
-
-    @property
-    def rank(self) -> int:
-        return self.lora_a.shape[1]
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:

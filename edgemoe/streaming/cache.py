@@ -76,10 +76,7 @@ class LFUPolicy:
         self._held = set()  # touched and not forgotten: resident, or about to be loaded
 
     def touch(self, expert: int):
-        self._clock = clock = self._clock + 1
-        uses = self._uses[expert] = self._uses.get(expert, 0) + 1
-        self._key[expert] = uses << 40 | clock  # (a clock below 2**40 touches)
-        self._held.add(expert)
+        self.touch_all((expert,))
 
     def touch_all(self, experts):
         """`touch` each of `experts` in turn (a call's: its locals looked up once)."""
@@ -87,7 +84,7 @@ class LFUPolicy:
         for expert in experts:
             clock += 1
             n = uses[expert] = uses.get(expert, 0) + 1
-            key[expert] = n << 40 | clock
+            key[expert] = n << 40 | clock  # (a clock below 2**40 touches)
         self._clock = clock
         self._held.update(experts)
 

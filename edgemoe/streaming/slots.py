@@ -229,19 +229,15 @@ class LayerSlots(Prefetching):
             self.in_use = sorted(set(self.in_use).union(slots))
 
     def _ensure_plain(self, wanted: list) -> Optional[np.ndarray]:
-        """`ensure` by `take`; None (nothing done) where it does not apply."""
-        return self.slot_of if self.take(wanted) else None
-
-    def take(self, wanted: list) -> bool:
         """`ensure` of a call in a layer with nothing in flight and no prediction or
         read-ahead to account for (the common decode step, hits and misses), in a few
-        operations: the general path's bookkeeping, slots and victims. False (nothing
+        operations: the general path's bookkeeping, slots and victims. None (nothing
         done) for any other call, or when its misses find no room at once."""
         fills = self.claim(wanted)
         if fills is None:
-            return False
+            return None
         self.finish(fills)
-        return True
+        return self.slot_of
 
     def claim(self, wanted: list) -> Optional[list]:
         """The first half of `ensure`'s plain path (see `_ensure_plain`): the call's hits
@@ -256,7 +252,8 @@ class LayerSlots(Prefetching):
                     return None
                 slot = self._slot  # (nothing in flight: a slot that holds an expert is ready)
                 used = [slot[e] for e in wanted]
-                missing = [] if min(used) >= 0 else [e for e, s in zip(wanted, used) if s < 0]
+                missing = [] if min(used, default=0) >= 0 else \
+                    [e for e, s in zip(wanted, used) if s < 0]
                 room = Room(self, wanted, needed=len(missing)) if missing else None
                 if missing and not room.fits_all(missing):
                     return None  # slots held by queued compute: the general path settles it
