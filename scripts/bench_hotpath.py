@@ -22,6 +22,13 @@ slots between rounds, as a server does between requests).
   (`graph_build_us`): the host's cost alone where the step has no host sync (a resident
   model), which the machine's other work hardly moves, unlike the two figures above.
 
+`--sync-floor` adds a row of mlx-lm's own model whose expert modules read their routing
+back first (an evaluation and the ids on the host, as a streamer with one routing sync per
+MoE layer must): the host cost of the sync alone, the floor of any such path on this
+machine, beside edgemoe's; and the main-thread CPU of one blocking hand-off between two
+threads (a wait woken by another thread: what a miss read by a reader thread costs the
+decoding thread here, whatever the code around it).
+
 `--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
 the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
 own work cannot blur.
@@ -96,6 +103,51 @@ def decode(model, prompt: mx.array, tokens: int, counter: EvalCounter) -> dict:
             "evals_per_token": evals / n}
 
 
+@contextlib.contextmanager
+def routing_sync(on: bool):
+    """While on, mlx-lm's expert modules read their routing back before computing: one
+    evaluation and the ids on the host per MoE layer (`--sync-floor`)."""
+    if not on:
+        yield
+        return
+    from mlx_lm.models import switch_layers
+
+    originals = {cls: cls.__call__ for cls in (switch_layers.SwitchGLU, switch_layers.SwitchMLP)}
+
+    def synced(call):
+        def __call__(self, x, indices):
+            mx.eval(indices)
+            indices.tolist()
+            return call(self, x, indices)
+        return __call__
+
+    for cls, call in originals.items():
+        cls.__call__ = synced(call)
+    try:
+        yield
+    finally:
+        for cls, call in originals.items():
+            cls.__call__ = call
+
+
+def handoff_cpu_us(reps: int = 400) -> float:
+    """Main-thread CPU of one blocking wait that another thread ends (~300 us later), us
+    (median): the sleep and the wake-up, with nothing else in it."""
+    import threading
+
+    times = []
+    for _ in range(reps):
+        latch = threading.Lock()
+        latch.acquire()
+        waker = threading.Timer(0.0003, latch.release)
+        waker.start()
+        start = time.thread_time()
+        latch.acquire()
+        times.append(time.thread_time() - start)
+        waker.join()
+    return 1e6 * statistics.median(times)
+
+
 def graph_build_us(model, prompt: mx.array, reps: int) -> float:
     """Main-thread CPU to build one decode step's graph, us (median of `reps`): the step is
     called and never evaluated, its KV cache trimmed back after each. The host's own cost
@@ -137,22 +189,27 @@ def run(args) -> dict:
     text = (ROOT / "README.md").read_text()
     prompt = mx.array(tokenizer.encode(text)[:args.prompt])
     models = {"mlx-lm": reference}
+    if args.sync_floor:  # (the same model, its routing read back at every MoE layer)
+        models["mlx-lm + routing sync"] = reference
     for routing in args.routing:
         for budget in args.budgets:
             name = budget if routing == "native" else f"{budget} {routing}"
             models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing,
                                            io=args.io)
-    layers = moe_layers(models[next(n for n in models if n != "mlx-lm")])
+    layers = moe_layers(next(m for m in models.values() if m is not reference))
     counter = EvalCounter()
     runs = {name: [] for name in models}
     with counter.installed():
         for name, model in models.items():  # warm: page cache, slots, compiled kernels
-            decode(model, prompt, args.tokens, counter)
+            with routing_sync(name == "mlx-lm + routing sync"):
+                decode(model, prompt, args.tokens, counter)
         names = list(models)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                runs[name].append(decode(models[name], prompt, args.tokens, counter))
-                runs[name][-1]["build_us"] = graph_build_us(models[name], prompt, args.builds)
+                with routing_sync(name == "mlx-lm + routing sync"):
+                    runs[name].append(decode(models[name], prompt, args.tokens, counter))
+                    runs[name][-1]["build_us"] = graph_build_us(models[name], prompt,
+                                                                args.builds)
                 print(f"round {r} {name}: {runs[name][-1]['tok_s']:.1f} tok/s, "
                       f"{runs[name][-1]['evals_per_token']:.2f} evals/token, "
                       f"{runs[name][-1]['build_us']:.0f} us a step's graph", flush=True)
@@ -179,11 +236,13 @@ def run(args) -> dict:
             if "prerouted" not in name else None,  # (prerouted is not exact)
         })
     for name, model in models.items():
-        if name != "mlx-lm":
+        if model is not reference:
             model.expert_store.close()
     return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
             "decode_tokens": args.tokens - 1, "rounds": args.rounds,
             "io": args.io, "mlx_lm": base, "rows": rows,
+            # one blocking hand-off between threads, main-thread CPU (`--sync-floor`)
+            "handoff_cpu_us": handoff_cpu_us() if args.sync_floor else None,
             # the machine's load average (1 min) at the start and the end: timings taken
             # beside other work are noisy; the evaluation counts are not
             "load_average": [load_before, os.getloadavg()[0]],
@@ -282,6 +341,9 @@ def main():
                    help="the host's side of the calls alone (a pack with traces/docs.npz): "
                         "main-thread CPU per call, no model")
     p.add_argument("--host-tokens", type=int, default=400)
+    p.add_argument("--sync-floor", action="store_true",
+                   help="add mlx-lm's model with its routing read back at every MoE layer "
+                        "(the host cost of the sync alone), and one thread hand-off's CPU")
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")
@@ -305,6 +367,9 @@ def main():
               f"{r['cpu_over_mlx_lm_us_per_moe_layer']:12.1f} "
               f"{r['build_over_mlx_lm_us_per_moe_layer']:14.1f} {r['tok_s']:7.1f} "
               f"{r['tok_s_vs_mlx_lm']:8.3f} {r['same_tokens_as_mlx_lm']}")
+    if result["handoff_cpu_us"] is not None:
+        print(f"one blocking hand-off between threads: {result['handoff_cpu_us']:.1f} us of "
+              f"the waiting thread's CPU")
 
 
 if __name__ == "__main__":

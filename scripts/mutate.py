@@ -33,12 +33,12 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("LFU evicts the most used", "edgemoe/streaming/cache.py",
-             "return min(candidates, key=self._uses.__getitem__, default=None)",
-             "return max(candidates, key=self._uses.__getitem__, default=None)",
+             "return min(candidates, key=self._key.__getitem__, default=None)",
+             "return max(candidates, key=self._key.__getitem__, default=None)",
              ["tests/test_cache.py", "-k", "lfu"]),
     Mutation("LFU breaks ties by the most recent", "edgemoe/streaming/cache.py",
-             "candidates = [e for e in self._order if e not in pinned]  # least recent first",
-             "candidates = [e for e in reversed(self._order) if e not in pinned]",
+             "key[expert] = n << 40 | clock  # (a clock below 2**40 touches)",
+             "key[expert] = n << 40 | (1 << 40) - clock",
              ["tests/test_cache.py", "tests/test_store.py", "-k", "lfu"]),
     Mutation("prefetches counted as misses", "edgemoe/streaming/stats.py",
              "return self.hits + self.late_fills + self.on_demand",

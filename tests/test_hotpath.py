@@ -19,7 +19,7 @@ from edgemoe.format.pack import Pack
 from edgemoe.mlx_backend.hostsync import QueuedReads
 from edgemoe.streaming.budget import minimum_bytes
 
-from bench_hotpath import EvalCounter, decode
+from bench_hotpath import EvalCounter, decode, routing_sync
 from unpack import unpack
 
 BUNDLED = Path(edgemoe.__file__).resolve().parent / "models" / "fine"
@@ -80,6 +80,21 @@ def test_a_streamed_layer_waits_once_for_its_routing_and_never_for_its_experts(r
     evaluations_per_token(model, prompt)  # warm
     assert evaluations_per_token(model, prompt) <= LAYERS + 1  # + the token's own
     model.expert_store.close()
+
+
+def test_the_sync_floor_is_mlx_lms_own_model_reading_its_routing_back(reference):
+    """bench_hotpath --sync-floor: mlx-lm's model with one routing read-back per MoE
+    layer (its tokens unchanged), and as it was once the floor is lifted."""
+    ref, prompt = reference
+    counter = EvalCounter()
+    with counter.installed():
+        plain = decode(ref, prompt, TOKENS, counter)
+        with routing_sync(True):
+            synced = decode(ref, prompt, TOKENS, counter)
+        after = decode(ref, prompt, TOKENS, counter)
+    assert synced["tokens"] == plain["tokens"] == after["tokens"]
+    assert (plain["evals_per_token"], synced["evals_per_token"], after["evals_per_token"]) \
+        == (1, LAYERS + 1, 1)
 
 
 def test_prerouted_decode_evaluates_twice_a_token(reference, tmp_path):

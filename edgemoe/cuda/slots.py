@@ -87,7 +87,7 @@ class DeviceSlotMemory:
     def release(self, slots: np.ndarray):
         if len(slots):
             event = self.streams.record_compute()
-            for slot in slots.tolist():
+            for slot in slots:
                 self.last_read[slot] = event
 
 

@@ -8,7 +8,6 @@ remapped indices gives bit-identical results (tests/test_exact.py checks it per 
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Optional
 
@@ -25,6 +24,7 @@ from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
+from .lora import ExpertDeltas, ExpertProjection
 from .slots import live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
@@ -121,6 +121,10 @@ class StreamingExperts(nn.Module):
                 look_ahead(self.slots, indices.size)  # while the sync computes attention
             queued.sync(indices, *predicted.values())
             self.slots.stats.host_syncs += 1
+            if not predicted and share is None and not HITS_FIRST and self.slots.trace is None:
+                out = self._plain_call(x, indices)  # (the common decode call)
+                if out is not None:
+                    return out
             ids = np.array(indices)
             if predicted:  # its prefetches overlap this layer's compute
                 routed = lambda: self._prefetch(predicted)  # noqa: E731
@@ -160,6 +164,32 @@ class StreamingExperts(nn.Module):
         order = np.argsort(np.concatenate([rows for rows, _ in parts]))
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
+
+    def _plain_call(self, x: mx.array, indices: mx.array) -> Optional[mx.array]:
+        """A call whose experts the pool takes at once (`LayerSlots.claim`: hits, and misses
+        read into room it has): the one pass of `run_call`, with none of its bookkeeping,
+        the router's ids (evaluated) mapped to slots on the device; left queued, its slots
+        held until a sync has evaluated it. None (nothing done) for any other call.
+        (Its ids come to the host as Python ints, no numpy call: see LayerSlots.)"""
+        if indices.size > self.slots.num_slots:
+            return None  # (a call of more entries than slots: more experts, often)
+        ids = indices.tolist()
+        while ids and isinstance(ids[0], list):
+            ids = [e for row in ids for e in row]
+        fills = self.slots.claim(sorted(set(ids)))
+        if fills is None:
+            return None
+        # the graph is built while the misses are read: it reads their slots only once
+        # evaluated, after `finish` (the slots they were given are in the table already)
+        self._bind_deltas()
+        out = self.pool.module(x, mx.take(self.pool.table, indices))
+        try:
+            self.slots.finish(fills)
+        except BaseException:  # (a failed read: the call's slots are free again)
+            self.slots.release()
+            raise
+        self.streaming.queued.hold(self.slots, out)
+        return out
 
     def _hits_first(self, x: mx.array, ids: np.ndarray) -> Optional[mx.array]:
         """A decode call whose experts fit the slots, on the plain path (`LayerSlots.claim`):
@@ -212,6 +242,8 @@ class StreamingExperts(nn.Module):
     def _bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
+        if not ExpertDeltas.made:  # (no LoRA of routed experts was ever made: none here)
+            return
         deltas = [(n, self[n]) for n in self._projections.split()
                   if isinstance(self.get(n), ExpertDeltas)]
         if not deltas:
@@ -245,38 +277,6 @@ def prefetch_predictions(streaming: Streaming, predicted: dict, made_in=None,
         streaming.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()},
                                        made_in)
 
-
-
-class ExpertProjection(nn.Module):
-    """Where a LoRA of one routed-expert projection attaches; holds nothing."""
-
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
-        super().__init__()
-        self.num_experts, self.input_dims, self.output_dims = num_experts, input_dims, output_dims
-
-    def to_lora(self, r: int, scale: float, dropout: float = 0.0) -> "ExpertDeltas":
-        """mlx-lm's hook (linear_to_lora_layers): every expert's zero delta."""
-        if dropout:
-            raise ValueError(f"a LoRA of the routed experts takes no dropout ({dropout})")
-        return ExpertDeltas(self.num_experts, self.input_dims, self.output_dims, r, scale)
-
-
-class ExpertDeltas(nn.Module):
-    """A LoRA of one routed-expert projection, every expert's: as mlx-lm's
-    LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
-    and computes it, over the slots."""
-
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
-                 scale: float):
-        super().__init__()
-        bound = 1 / math.sqrt(input_dims)
-        self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
-        self.lora_b = mx.zeros((num_experts, output_dims, rank))
-        self.scale = scale
-
-    @property
-    def rank(self) -> int:
-        return self.lora_a.shape[1]
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:

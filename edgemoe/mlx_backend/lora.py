@@ -14,6 +14,7 @@ it: the delta is small beside a quantization step. `merge_survival` measures how
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -43,10 +44,43 @@ def default_targets(model: nn.Module) -> List[str]:
 def expert_targets(model: nn.Module) -> List[str]:
     """Paths, relative to a decoder layer, of the routed experts' projections
     (`mlp.switch_mlp.gate_proj`, ...): a LoRA there gives every expert its own delta."""
-    from .experts import ExpertProjection  # (experts imports the store; lora stays light)
-
     return sorted({path for layer in model.layers for path, module in layer.named_modules()
                    if isinstance(module, ExpertProjection)})
+
+
+class ExpertProjection(nn.Module):
+    """Where a LoRA of one routed-expert projection attaches; holds nothing."""
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
+        super().__init__()
+        self.num_experts, self.input_dims, self.output_dims = num_experts, input_dims, output_dims
+
+    def to_lora(self, r: int, scale: float, dropout: float = 0.0) -> "ExpertDeltas":
+        """mlx-lm's hook (linear_to_lora_layers): every expert's zero delta."""
+        if dropout:
+            raise ValueError(f"a LoRA of the routed experts takes no dropout ({dropout})")
+        return ExpertDeltas(self.num_experts, self.input_dims, self.output_dims, r, scale)
+
+
+class ExpertDeltas(nn.Module):
+    """A LoRA of one routed-expert projection, every expert's: as mlx-lm's
+    LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
+    and computes it, over the slots."""
+
+    made = 0  # how many were made, in this process (StreamingExperts._bind_deltas)
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
+                 scale: float):
+        super().__init__()
+        ExpertDeltas.made += 1
+        bound = 1 / math.sqrt(input_dims)
+        self.lora_a = mx.random.uniform(-bound, bound, (num_experts, rank, input_dims))
+        self.lora_b = mx.zeros((num_experts, output_dims, rank))
+        self.scale = scale
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[1]
 
 
 def load_adapter(model: nn.Module, path: Path, streamed_experts: bool = False) -> nn.Module:

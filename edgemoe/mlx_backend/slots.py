@@ -55,5 +55,5 @@ def live_table(slots: LayerSlots) -> mx.array:
     own rule: edgemoe.mlx_backend.hostsync), as for the slots' bytes."""
     table = mx.array(slots.slot_of.astype(np.int32))
     mx.eval(table)
-    slots.slot_of = np.asarray(table)  # (shares the MLX buffer, writable)
+    slots.share_slot_table(np.asarray(table))  # (shares the MLX buffer, writable)
     return table

@@ -60,44 +60,39 @@ class Recency:
         return sorted(candidates, key=self._last.__getitem__)
 
 
-class LFUPolicy(Recency):
+class LFUPolicy:
     """Evict the expert used least often since the start; ties go to the least recent.
 
     Counts survive eviction: a layer has few experts, and an expert's popularity is a
-    property of the model more than of the moment.
+    property of the model more than of the moment. Both are one integer per expert, its
+    rank as a victim (`_key`: uses, then last touch), so a touch is two dict updates: it
+    runs for every expert of every call.
     """
 
     def __init__(self):
-        super().__init__()
+        self._clock = 0
         self._uses = {}
         self._key = {}  # expert -> its rank as a victim: uses, then last touch, in one int
+        self._held = set()  # touched and not forgotten: resident, or about to be loaded
 
     def touch(self, expert: int):
-        # Recency.touch, inline: called for every expert of every call
-        self._order[expert] = None
-        self._order.move_to_end(expert)
-        self._clock = clock = self._clock + 1
-        self._last[expert] = clock
-        uses = self._uses[expert] = self._uses.get(expert, 0) + 1
-        self._key[expert] = uses << 40 | clock  # (a clock below 2**40 touches)
+        self.touch_all((expert,))
 
     def touch_all(self, experts):
         """`touch` each of `experts` in turn (a call's: its locals looked up once)."""
-        order, last, uses, key, clock = self._order, self._last, self._uses, self._key, \
-            self._clock
+        uses, key, clock = self._uses, self._key, self._clock
         for expert in experts:
-            order[expert] = None
-            order.move_to_end(expert)
             clock += 1
-            last[expert] = clock
             n = uses[expert] = uses.get(expert, 0) + 1
-            key[expert] = n << 40 | clock
+            key[expert] = n << 40 | clock  # (a clock below 2**40 touches)
         self._clock = clock
+        self._held.update(experts)
+
+    def forget(self, expert: int):
+        self._held.discard(expert)
 
     def victim(self, pinned: Iterable[int]) -> Optional[int]:
-        pinned = set(pinned)
-        candidates = [e for e in self._order if e not in pinned]  # least recent first
-        return min(candidates, key=self._uses.__getitem__, default=None)
+        return self.victim_among(self._held.difference(pinned))
 
     def victim_among(self, candidates) -> Optional[int]:
         return min(candidates, key=self._key.__getitem__, default=None)
@@ -105,8 +100,8 @@ class LFUPolicy(Recency):
     def rank(self, candidates) -> list:
         return sorted(candidates, key=self._key.__getitem__)
 
-    def heat(self, expert: int):
-        return self._uses.get(expert, 0), self._last.get(expert, 0)
+    def heat(self, expert: int) -> int:
+        return self._key.get(expert, 0)  # (uses, then last touch: as `_key` orders them)
 
 
 # name -> a fresh policy, given the model's folder (None: none, or a replay's)

@@ -29,13 +29,14 @@ class SlotFills:
         if self.layer.records[expert] is None:
             raise PackError(f"layer {self.layer.index} expert {expert}: another host's "
                             f"(this host holds only its share)")
-        free = np.flatnonzero(self.state == FREE).tolist() if room is None else room.free
+        free = free_slots(self._states) if room is None else room.free
         if free:
             slot = free.pop(0)
         else:
             victim = self._victim(pinned) if room is None else room.victim(self, pinned)
-            slot = int(self.slot_of[victim])
-            self.slot_of[victim] = -1
+            slot = self._slot[victim]
+            self._slot[victim] = -1
+            self.ready.discard(victim)
             self.policy.forget(victim)
             self.stats.evictions += 1
             if victim in self.prefetched:  # read ahead and never used
@@ -44,9 +45,9 @@ class SlotFills:
                 self.wasted_bytes += self.expert_bytes
             if prefetch:
                 self.evicted_for_prefetch.add(victim)
-        self.slot_of[expert] = slot
-        self.expert_in[slot] = expert
-        self.state[slot] = FILLING
+        self._slot[expert] = slot
+        self._expert[slot] = expert
+        self._states[slot] = FILLING
         buffers = self.memory.stage(slot, expert)
         if buffers is None:  # in the host tier: a copy, no read (see _submit)
             self.stats.host_hits += 1
@@ -82,19 +83,20 @@ class SlotFills:
         with self.lock:
             if fill.cancelled:  # detached when cancelled (_cancel_stale): the slot is free
                 self.cancelled.remove(fill)
-                self.state[fill.slot] = FREE
+                self._states[fill.slot] = FREE
                 fill.ended = True
                 fill.latch.release()
                 return
             self.fills.pop(fill.expert, None)
             if error is None:
-                self.state[fill.slot] = READY
+                self._states[fill.slot] = READY
+                self.ready.add(fill.expert)
                 self.stats.bytes_read += nbytes
                 self.bytes_read += nbytes
             else:
-                self.slot_of[fill.expert] = -1
-                self.expert_in[fill.slot] = -1
-                self.state[fill.slot] = FREE
+                self._slot[fill.expert] = -1
+                self._expert[fill.slot] = -1
+                self._states[fill.slot] = FREE
                 self.policy.forget(fill.expert)
                 fill.error = error
             fill.ended = True
@@ -129,10 +131,9 @@ class SlotFills:
 
     def _evictable(self, pinned) -> set:
         """The experts in ready slots, neither pinned nor being read (a ready slot always
-        holds an expert): one array operation and a set difference, as this runs for each
-        call that misses."""
-        return set(self.expert_in[self.state == READY].tolist()).difference(pinned,
-                                                                             self.fills)
+        holds an expert): kept as a set (`ready`), as this runs for each call that
+        misses."""
+        return self.ready.difference(pinned, self.fills)
 
     def _victim(self, pinned, candidates: Optional[set] = None) -> int:
         """The resident, unpinned, settled expert the policy gives up next (`candidates`:
@@ -151,7 +152,7 @@ class SlotFills:
         return victim
 
     def _has_room(self, pinned, expert: int) -> bool:
-        slot_free = bool((self.state == FREE).any()) or bool(self._evictable(pinned))
+        slot_free = FREE in self._states or bool(self._evictable(pinned))
         return slot_free and self.memory.has_room(expert)
 
 
@@ -166,7 +167,7 @@ class Room:
 
     def __init__(self, pool: SlotFills, pinned, needed: Optional[int] = None):
         self.memory, self.policy, self.rank = pool.memory, pool.policy, pool.rank_victims
-        self.free = np.flatnonzero(pool.state == FREE).tolist()
+        self.free = free_slots(pool._states)
         self.candidates = pool._evictable(pinned)
         self._ranked: Optional[list] = None
         if needed is not None and needed - len(self.free) <= 1:
@@ -192,6 +193,15 @@ class Room:
             victim = self._ranked.pop()
         self.candidates.discard(victim)
         return victim
+
+
+def free_slots(states: bytearray) -> List[int]:
+    """The free slots, lowest first, of a pool's states (a bytearray: C scans)."""
+    free, at = [], states.find(FREE)
+    while at >= 0:
+        free.append(at)
+        at = states.find(FREE, at + 1)
+    return free
 
 
 def defined_with(policy, name: str, owner_of: str):

@@ -43,9 +43,9 @@ class SlotMemory(Protocol):
 
     def abandon(self, slot: int) -> None: ...
 
-    def acquire(self, slots: np.ndarray) -> None: ...
+    def acquire(self, slots: List[int]) -> None: ...
 
-    def release(self, slots: np.ndarray) -> None: ...
+    def release(self, slots: List[int]) -> None: ...
 
 
 class UnorderedMemory:
@@ -71,10 +71,10 @@ class UnorderedMemory:
     def abandon(self, slot: int):
         pass
 
-    def acquire(self, slots: np.ndarray):
+    def acquire(self, slots: List[int]):
         pass
 
-    def release(self, slots: np.ndarray):
+    def release(self, slots: List[int]):
         pass
 
 

@@ -47,6 +47,9 @@ class Reader(PackReads):
     def submit(self, fills: List[Fill]):
         """Queue one layer's fills, merging records that lie back to back; a record in
         place goes as its slices."""
+        if len(fills) == 1 and len(fills[0].record.segments) == 1:
+            self.queue.put(fills)  # (a decode call's one miss)
+            return
         fills = sorted(fills, key=lambda f: (f.record.segments[0][0], f.record.offset))
         run: List[Fill] = []
         buffers = 0  # of the run's preadv: each record's, and the gap after it

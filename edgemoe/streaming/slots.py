@@ -67,11 +67,18 @@ class LayerSlots(Prefetching):
         # the policy's touch of a call's experts at once, where its `touch` class has one
         self.touch_all = defined_with(policy, "touch_all", "touch") or \
             (lambda experts: [policy.touch(e) for e in experts])
-        self.in_use = np.zeros(0, dtype=np.int64)  # the slots the current call uses
-        self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
+        self.in_use: List[int] = []  # the slots the current call uses
         self.owned = layer.owned  # all experts, or one host's share (edgemoe.distributed)
+        # The state is numpy arrays for what scans it, and memoryviews of the same memory
+        # for a decode call's few entries (`_slot`, `_expert`, `_states`: Python ints,
+        # no numpy call: after each routing sync the host's caches are cold, and a numpy
+        # call then costs ~30 us on these machines against ~1 us for a memoryview's item).
+        self.share_slot_table(np.full(layer.num_experts, -1, dtype=np.int64))
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)
-        self.state = np.full(num_slots, FREE, dtype=np.int8)
+        self._expert = memoryview(self.expert_in)
+        self._states = bytearray(num_slots)  # (FREE is 0)
+        self.state = np.frombuffer(self._states, dtype=np.int8)  # (writable: a bytearray's)
+        self.ready: set = set()  # the experts in ready slots (the evictable, but a call's)
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.cancelled: List[Fill] = []  # fills cancelled unread, their slots not yet free
         self.pending_prediction: Optional[set] = None  # for this layer's next call
@@ -92,6 +99,13 @@ class LayerSlots(Prefetching):
         self.flush: Optional[Callable[[], bool]] = None
         self._resident = False  # once every expert is ready in a slot, for good
         self.read_whole = False  # with a slot for every expert, read them all (`release`)
+
+    def share_slot_table(self, slot_of: np.ndarray):
+        """Keep the expert -> slot table in `slot_of` (e.g. a view of device memory:
+        edgemoe.mlx_backend.slots.live_table), with the table's entries copied in."""
+        if hasattr(self, "slot_of"):
+            slot_of[:] = self.slot_of
+        self.slot_of, self._slot = slot_of, memoryview(slot_of)
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -195,20 +209,24 @@ class LayerSlots(Prefetching):
                 self._wait(in_flight[:1], raise_errors=False)
         self._wait(waits)
         with self.lock:
-            used = self.slot_of[wanted]
+            used = [self._slot[e] for e in wanted]
             self._use(used)
         self.memory.acquire(used)
         return self.slot_of
 
-    def _use(self, slots: np.ndarray, disjoint: bool = False):
+    def _use(self, slots: List[int], disjoint: bool = False):
         """Mark `slots` in use by the current call (the caller holds the lock); `disjoint`:
         none of them is in use yet."""
-        self.state[slots] = IN_USE
-        if not self.in_use.size:
-            self.in_use = slots
+        states, ready, expert = self._states, self.ready, self._expert
+        for slot in slots:
+            states[slot] = IN_USE
+            ready.discard(expert[slot])
+        if not self.in_use:
+            self.in_use = list(slots)
+        elif disjoint:
+            self.in_use += slots
         else:
-            self.in_use = np.concatenate([self.in_use, slots]) if disjoint else \
-                np.union1d(self.in_use, slots)
+            self.in_use = sorted(set(self.in_use).union(slots))
 
     def _ensure_plain(self, wanted: list) -> Optional[np.ndarray]:
         """`ensure` of a call in a layer with nothing in flight and no prediction or
@@ -232,10 +250,10 @@ class LayerSlots(Prefetching):
                         or self.next_prediction is not None or self.prefetched
                         or self.evicted_for_prefetch or self.staged):
                     return None
-                used = self.slot_of[wanted]
-                hit = used >= 0  # (nothing in flight: a slot that holds an expert is ready)
-                missing = [] if hit.all() else [e for e, h in zip(wanted, hit.tolist())
-                                                if not h]
+                slot = self._slot  # (nothing in flight: a slot that holds an expert is ready)
+                used = [slot[e] for e in wanted]
+                missing = [] if min(used, default=0) >= 0 else \
+                    [e for e, s in zip(wanted, used) if s < 0]
                 room = Room(self, wanted, needed=len(missing)) if missing else None
                 if missing and not room.fits_all(missing):
                     return None  # slots held by queued compute: the general path settles it
@@ -251,7 +269,7 @@ class LayerSlots(Prefetching):
                 self.on_demand += len(missing)
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
-                hits = used[hit] if missing else used
+                hits = [s for s in used if s >= 0] if missing else used
                 self._use(hits)
         finally:  # (outside the lock: a fill served from a host tier ends at once)
             if fills:  # a claimed slot is always read, or it stays filling
@@ -264,23 +282,29 @@ class LayerSlots(Prefetching):
         if fills:
             self._wait(fills)
             with self.lock:
-                used = self.slot_of[[f.expert for f in fills]]
-                self._use(used, disjoint=True)  # (slots the call's misses were given)
+                used = [f.slot for f in fills]  # (the slots the call's misses were given)
+                self._use(used, disjoint=True)
             self.memory.acquire(used)
 
     def release(self):
         with self.lock:
-            used, self.in_use = self.in_use, self.in_use[:0]
+            used, self.in_use = self.in_use, []
             # under the lock: no fill can claim these slots before their release is known
             self.memory.release(used)
-            self.state[used] = READY
+            states, ready, expert = self._states, self.ready, self._expert
+            for slot in used:
+                states[slot] = READY
+                ready.add(expert[slot])
+            whole = self.read_whole and self.num_slots >= self.layer.num_experts \
+                and not self._resident
+            if self.pending_prediction is None and not whole:
+                return  # (native decode under a budget: nothing to read ahead)
             # experts predicted for the next call that found no room, or that this
             # call's own loads evicted: read them now, a call ahead still
             missing = [e for e in self.pending_prediction or () if self.slot_of[e] < 0]
             if self.gated and not self.earned:  # (an untrusted prediction is only scored)
                 missing = []
-            if self.read_whole and self.num_slots >= self.layer.num_experts \
-                    and not self._resident:
+            if whole:
                 # a slot for every expert: hold them all, as mlx-lm does, so that the
                 # layer turns resident and its calls need no routing on the host
                 missing = [e for e in np.flatnonzero(self.slot_of < 0).tolist()
