@@ -21,7 +21,7 @@ import edgemoe
 import edgemoe.mlx_backend.prefill as prefill_module
 from edgemoe.mlx_backend.experts import StreamingExperts
 from edgemoe.mlx_backend.prefill import LOGIT_TOLERANCE, BlasExperts, BlasLinear
-from edgemoe.streaming import prefill_ahead
+from edgemoe.streaming import calls, prefill_ahead
 from edgemoe.streaming.calls import run_call
 from edgemoe.streaming.prefill_ahead import look_ahead
 from edgemoe.whatif.replay import replay_pack, replay_store
@@ -136,6 +136,48 @@ def test_the_look_ahead_reads_a_first_pass_into_free_slots_only():
     assert look_ahead(fresh, ids.size) == 4
     assert sorted(fresh.expert_in[fresh.expert_in >= 0].tolist()) == [0, 1, 7, 30]
 
+
+
+def test_a_long_calls_host_shortcuts_change_no_schedule():
+    """A long call's experts found by a count (`run_call` above COUNT_ABOVE entries) make
+    the passes that a set makes, and the look-ahead's reads into free slots found once are
+    the fills that `prefetch` starts: the same slots, experts and counts."""
+    pack = replay_pack([4096], [128], 8)
+    ids = np.random.default_rng(0).integers(0, 128, (1, 4096, 8))
+    assert ids.size > calls.COUNT_ABOVE
+
+    def warm(pool):  # some slots ready, the rest free; the policy has seen calls
+        run_call(pool, np.array([[[3, 9, 40, 41, 77, 100, 101, 127]]]), lambda *a: None)
+        for e in (5, 5, 6, 120):
+            pool.policy.touch(e)
+
+    def schedule(count_above):
+        store = replay_store(pack, 32, "lfu")
+        pool = store.pool(0)
+        warm(pool)
+        passes = []
+        with patch.object(calls, "COUNT_ABOVE", count_above):
+            assert look_ahead(pool, ids.size) == 8  # a pass of 16, 8 of them in slots
+            run_call(pool, ids, lambda rows, slot_ids: passes.append(
+                (rows.tolist(), pool.expert_in[slot_ids].tolist())))
+        s = store.snapshot()
+        return passes, (s.loads, s.hits, s.prefetches, s.predicted, s.predicted_used)
+
+    by_count, by_set = schedule(calls.COUNT_ABOVE), schedule(10 ** 9)
+    assert len(by_count[0]) == 8 and by_count == by_set
+    # the look-ahead's fills, beside prefetch's of the same experts
+    ahead, asked = replay_store(pack, 32, "lfu").pool(0), replay_store(pack, 32, "lfu").pool(0)
+    warm(ahead)
+    warm(asked)
+    look_ahead(ahead, ids.size)
+    chosen = np.array(sorted(set(ahead.pending_prediction)))
+    assert len(chosen) == 8 and {5, 6, 120} <= set(chosen.tolist())  # the hottest first
+    asked.prefetch(chosen, lead=0)
+    for name in ("slot_of", "expert_in", "state"):
+        assert (getattr(ahead, name) == getattr(asked, name)).all(), name
+    assert (ahead.prefetched, ahead.pending_prediction) == (asked.prefetched,
+                                                            asked.pending_prediction)
+    assert ahead.stats.prefetches == asked.stats.prefetches == 8
 
 
 def test_blas_prefill_is_within_its_stated_tolerance_of_mlx_lm(reference, monkeypatch):

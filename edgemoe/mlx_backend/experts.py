@@ -161,7 +161,11 @@ class StreamingExperts(nn.Module):
         if len(parts) == 1 and parts[0][0] is None:
             queued.hold(self.slots, parts[0][1])
             return parts[0][1]
-        order = np.argsort(np.concatenate([rows for rows, _ in parts]))
+        # the passes' rows partition the entries: where each entry's output went, the
+        # inverse of their concatenation (an O(n) scatter, not a sort)
+        done = np.concatenate([rows for rows, _ in parts])
+        order = np.empty_like(done)
+        order[done] = np.arange(done.size, dtype=done.dtype)
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
 

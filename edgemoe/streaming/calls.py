@@ -30,6 +30,7 @@ T = TypeVar("T")
 
 
 READ_AHEAD = True  # False: passes of a whole pool, read one after another (benchmarks)
+COUNT_ABOVE = 256  # a call of more (token, expert) entries finds its experts by a count
 
 
 def pass_size(num_slots: int) -> int:
@@ -64,9 +65,10 @@ def run_call(slots: LayerSlots, ids: np.ndarray,
         slots.record_routing(ids)
     flat = ids.reshape(-1)
     chosen = flat if rows is None else flat[rows]
-    # (sorted distinct ids: a set, not np.unique, for the few ids of a decode step; a list
-    # where they fit the pool, as `ensure` takes them)
-    groups = [sorted(set(chosen.tolist()))]
+    # (sorted distinct ids: a set, not np.unique, for the few ids of a decode step; a count
+    # for the many of a prefill chunk; a list where they fit the pool, as `ensure` takes them)
+    groups = [sorted(set(chosen.tolist())) if chosen.size <= COUNT_ABOVE else
+              np.flatnonzero(np.bincount(chosen, minlength=slots.layer.num_experts)).tolist()]
     if len(groups[0]) > slots.num_slots:  # (a verify window or a prefill over a small pool)
         distinct = np.array(groups[0], dtype=chosen.dtype)
         # the experts already in slots go first (among them those a long prefill read

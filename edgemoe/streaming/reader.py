@@ -50,21 +50,29 @@ class Reader(PackReads):
         if len(fills) == 1 and len(fills[0].record.segments) == 1:
             self.queue.put(fills)  # (a decode call's one miss)
             return
-        fills = sorted(fills, key=lambda f: (f.record.segments[0][0], f.record.offset))
+        # (by file and offset; a record's segments read directly, not through its
+        # properties: a long prefill's layer submits a hundred fills)
+        fills = sorted(fills, key=lambda f: f.record.segments[0][:2])
         run: List[Fill] = []
         buffers = 0  # of the run's preadv: each record's, and the gap after it
+        run_file = start = end = 0  # the run's file, first offset, and its last record's end
         for f in fills:
-            if len(f.record.segments) > 1:
-                f.pending, f.ready = len(f.record.segments), threading.Event()
+            segments = f.record.segments
+            if len(segments) > 1:
+                f.pending, f.ready = len(segments), threading.Event()
                 for i in range(f.pending):  # slice 0 first: it runs before_read
                     self.queue.put(Slice(f, i))
                 continue
-            if run and (not _adjacent(run[-1].record, f.record) or
-                        f.record.offset + f.record.length - run[0].record.offset > MAX_RUN_BYTES
+            file, offset, length = segments[0]
+            if run and (file != run_file or not 0 <= offset - end < ALIGNMENT  # (_adjacent)
+                        or offset + length - start > MAX_RUN_BYTES
                         or buffers + len(f.buffers) > MAX_RUN_BUFFERS):
                 self.queue.put(run)
                 run, buffers = [], 0
+            if not run:
+                run_file, start = file, offset
             run.append(f)
+            end = offset + length
             buffers += len(f.buffers) + 1
         if run:
             self.queue.put(run)

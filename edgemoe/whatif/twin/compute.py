@@ -39,11 +39,15 @@ class Compute:
         rate = profile.value("int4_gbps") * 1e9
         flops = profile.value("prefill_tflops") * 1e12
         heads = shape.prerouter_head_params
+        # (the shape's figures found once: the twin's own Python between waits is counted
+        # as the model's, and `record_bytes` lays out a record each time it is asked)
+        resident_bytes, resident_params = shape.resident_compute_bytes, \
+            shape.resident_params_per_layer
+        record_bytes, expert_params = shape.record_bytes, shape.expert_params
         return cls(
-            lambda t: max(shape.resident_compute_bytes / rate,
-                          2 * shape.resident_params_per_layer * t / flops),
-            lambda n, entries: max(n * shape.record_bytes / rate,
-                                   2 * shape.expert_params / 3 * 3 * entries / flops),
+            lambda t: max(resident_bytes / rate, 2 * resident_params * t / flops),
+            lambda n, entries: max(n * record_bytes / rate,
+                                   2 * expert_params / 3 * 3 * entries / flops),
             shape.head_bytes / rate, profile.value("host_sync_us") * 1e-6,
             f"profile {profile.name}: weights / int4_gbps, or 2 x params x tokens / "
             f"prefill_tflops if longer",
