@@ -27,9 +27,10 @@ from typing import Any, Optional
 
 from .format.deltas import DeltaRecords, expert_deltas, with_deltas
 from .format.pack import Pack, PackError, read_json
-from .format.source import model_path, open_source, pack_asset, resolve_asset
+from .format.source import NO_ADAPTER, model_path, open_source, pack_asset, resolve_asset
 from .hub import resolve as resolve_hub_id
 from .options import StreamOptions
+from .routing.heads_config import heads_adapter
 from .routing.modes import RoutingMode
 from .streaming.budget import Budget, fitting_budget, fmt_bytes, is_auto
 from .streaming.memory import MemoryFactory
@@ -117,7 +118,11 @@ def plan_load(path_or_hf_repo: Optional[str], options: StreamOptions,
     """The plan of a load, resolved in the module's order; its store is open."""
     path = model_path(resolve_hub_id(path_or_hf_repo))  # a hub id: its folder in the cache
     heads = heads_folder(path, options.routing, options.prerouter_path)  # before any weight
-    adapter = resolve_asset(options.adapter_path, path, "adapter", "--adapter-path")
+    given = options.adapter_path
+    adapter = None if given == NO_ADAPTER else \
+        resolve_asset(given, path, "adapter", "--adapter-path")
+    if given is None and heads is not None:  # the one the heads' routing was measured with
+        adapter = heads_adapter(heads)
     config_path = path / "config.json"
     if config_path.is_file():  # (a folder without one: open_source says what it is not)
         backend.check_family(read_json(config_path), config_path)

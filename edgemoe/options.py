@@ -151,7 +151,8 @@ class StreamOptions:
                 default=None,
                 help="A LoRA adapter folder (mlx-lm's format), or 'pack' for the adapter the "
                      "model folder carries (PACK/adapter); deltas of the routed experts "
-                     "stream with them")),
+                     "stream with them. Default: the one the prerouter heads carry, if "
+                     "any; 'none': no adapter")),
             "readers": (("--readers",), dict(
                 type=number(int, 1), default=machine.readers,
                 help="Reader threads filling expert slots (default: %(default)s, this "

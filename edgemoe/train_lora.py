@@ -39,7 +39,7 @@ from tqdm import tqdm
 from .cli import tool, tool_parser
 from .eval import compare
 from .format.deltas import expert_deltas
-from .format.source import open_source
+from .format.source import NO_ADAPTER, open_source
 from .mlx_backend.loader import load
 from .options import StreamOptions
 from .routing.modes import PREROUTED
@@ -65,7 +65,9 @@ def teacher_log_probs(teacher, inputs: mx.array) -> mx.array:
 
 
 def load_student(args, adapter_path=None):
-    return load(args.model, StreamOptions.from_args(args, adapter_path=adapter_path))
+    """The student; without `adapter_path` bare (not even the heads' own adapter)."""
+    return load(args.model, StreamOptions.from_args(args,
+                                                    adapter_path=adapter_path or NO_ADAPTER))
 
 
 def quality(teacher, student, tokens, args, desc) -> dict:

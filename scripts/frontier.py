@@ -43,6 +43,8 @@ from edgemoe.options import StreamOptions  # noqa: E402
 from edgemoe.mlx_backend.conditional import (SlotSim, adapter_for_layers,  # noqa: E402
                                              install_conditional, set_top_k)
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
+from edgemoe.format.adapters import expert_key  # noqa: E402
+from edgemoe.format.resident import read_safetensors_header  # noqa: E402
 from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.cache import make_policy  # noqa: E402
@@ -100,6 +102,20 @@ CONFIGS = {
                                      adapter=[5, 6, 7]),
     "conditional-8+adapter": dict(routing="prerouted", conditional=8,
                                                adapter=True),
+    # the shipped configuration with the pack's adapter: on all layers or on the predicted
+    # ones (5-7); "-attn": its attention LoRA only (no expert deltas, no extra bytes)
+    "fallback-0-4-conditional-8+adapter": dict(routing="prerouted", native_layers=[1, 2, 3, 4],
+                                               conditional=8, adapter=True),
+    "fallback-0-4-conditional-8+adapter-5-7": dict(routing="prerouted",
+                                                   native_layers=[1, 2, 3, 4], conditional=8,
+                                                   adapter=[5, 6, 7]),
+    "fallback-0-4-conditional-8+adapter-attn": dict(routing="prerouted",
+                                                    native_layers=[1, 2, 3, 4], conditional=8,
+                                                    adapter=True, attention_only=True),
+    "fallback-0-4-conditional-8+adapter-attn-5-7": dict(routing="prerouted",
+                                                        native_layers=[1, 2, 3, 4],
+                                                        conditional=8, adapter=[5, 6, 7],
+                                                        attention_only=True),
 }
 
 
@@ -114,6 +130,12 @@ def shipped_spec(heads: Path) -> dict:
         spec["conditional"] = config["conditional"]
     if config.get("route_top_k"):
         spec["top_k"] = config["route_top_k"]
+    if config.get("adapter"):  # the heads' own adapter: its layers, and whether it adapts
+        folder = heads / config["adapter"]  # the experts (their deltas' bytes count)
+        names = read_safetensors_header(folder / "adapters.safetensors")[0]
+        spec.update(adapter_path=str(folder),
+                    adapter=sorted({int(n.split(".")[2]) for n in names}),
+                    attention_only=not any(expert_key(n) for n in names))
     return spec
 
 
@@ -123,10 +145,15 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
         heads = with_native_layers(heads, spec["native_layers"],
                                    work / ("heads_native_" + "_".join(map(str, spec["native_layers"]))))
     adapter = spec.get("adapter") and str(PACK / "adapter")
-    if isinstance(spec.get("adapter"), list):  # only these layers adapted
-        adapter = str(adapter_for_layers(
-            PACK / "adapter", spec["adapter"],
-            work / ("adapter_" + "_".join(map(str, spec["adapter"])))))
+    if spec.get("adapter_path"):  # the heads' own
+        adapter = spec["adapter_path"]
+    elif isinstance(spec.get("adapter"), list) or spec.get("attention_only"):
+        layers = spec["adapter"] if isinstance(spec["adapter"], list) else range(8)
+        adapter = str(adapter_for_layers(  # only these layers adapted (or their attention)
+            PACK / "adapter", layers,
+            work / ("adapter_" + "_".join(map(str, layers))
+                    + ("_attn" if spec.get("attention_only") else "")),
+            attention_only=bool(spec.get("attention_only"))))
     options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
                                prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
                                adapter_path=adapter or None)
@@ -370,7 +397,8 @@ def speed(result, native, heads_native_layers, forecast: "Forecast"):
         ratio = 1.0 if result is native else \
             experts / native["budgets"][budget]["experts_per_token"]
         record = int(next(iter(native["traces"][None].values()))["expert_bytes"][0])
-        if spec.get("adapter"):  # each expert's delta rides with it: more bytes a read
+        if spec.get("adapter") and not spec.get("attention_only"):  # each expert's delta
+            # rides with it: more bytes a read
             adapted = len(spec["adapter"]) / 8 if isinstance(spec["adapter"], list) else 1
             more = 1 + adapted * (delta_share() - 1)  # (the layers' reads taken as equal)
             ratio *= more
@@ -521,7 +549,8 @@ def merge(results, out: Path):
         seen |= {c["name"] for c in r["configs"]}
     native = first["configs"][0]
     for row in first["configs"]:  # runs before the deltas' bytes were counted
-        if row["spec"].get("adapter") and not row.get("deltas_counted"):
+        if row["spec"].get("adapter") and not row["spec"].get("attention_only") \
+                and not row.get("deltas_counted"):
             count_deltas(row, native, out)
     (out / "frontier.json").write_text(json.dumps(first, indent=1))
     print_table(first)

@@ -242,10 +242,23 @@ def shipped_routing(heads: Path) -> str:
            f"{config['conditional']} most likely, which are read a token ahead "
            f"(cache-conditional routing)" if config.get("conditional") else
            "the heads' prediction is the routing, read a token ahead")
+    adapter = ""
+    if config.get("adapter"):  # the heads' own (edgemoe.routing.between --adapter)
+        from edgemoe.format.adapters import expert_key
+        from edgemoe.format.resident import read_safetensors_header
+
+        names = read_safetensors_header(heads / config["adapter"] / "adapters.safetensors")[0]
+        layers = sorted({int(n.split(".")[2]) for n in names})
+        what = ("its attention only: no expert deltas, no bytes added to a read"
+                if not any(expert_key(n) for n in names) else
+                "the experts' deltas included, streamed with them")
+        adapter = (f" The heads load their own adapter with them (`prerouter/"
+                   f"{config['adapter']}/`, unless another is given): the tensors of "
+                   f"`adapter/` for layers {_span(layers)}, {what}.")
     return (f"`--routing prerouted` routes by them as their `prerouter_config.json` says "
             f"(docs/routing.md, the frontier): MoE layers {_span(native)} keep their router "
             f"(the first has no head; the others' heads recall least), and in layers "
-            f"{_span(predicted)} {how}.")
+            f"{_span(predicted)} {how}.{adapter}")
 
 
 def _span(layers) -> str:

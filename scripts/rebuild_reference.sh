@@ -58,15 +58,20 @@ for step in $STEPS; do
       # router, the others route cache-conditionally (docs/routing.md, the frontier)
       $PY -m edgemoe.routing.between --heads "$PACK/prerouter" --min-recall 0.45 --conditional 8
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
-    lora)  # distilled from the pack's int4 native routing into its prerouted routing, the
-      # routed experts too (their deltas stream with them), in PyTorch (the cuda extra)
+    lora)  # distilled from the pack's int4 native routing into its plain prerouted routing
+      # (the heads on every layer but the first: what PyTorch runs), the routed experts too
+      # (their deltas stream with them), in PyTorch (the cuda extra)
+      $PY -m edgemoe.routing.between --heads "$HEADS" --plain-copy "$RUN/heads_plain"
       $PY -m edgemoe.train_lora --model "$PACK" --teacher "$PACK" --data "$RUN/train.txt" \
-          --eval-data "$RUN/heldout.txt" --prerouter "$HEADS" --out "$RUN/lora" \
+          --eval-data "$RUN/heldout.txt" --prerouter "$RUN/heads_plain" --out "$RUN/lora" \
           --backend torch --experts --rank $RANK --lr 2e-4 --steps $LORA_STEPS
       rm -rf "$LORA" && mkdir -p "$LORA"
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
          "$LORA/"
+      # the default of --routing prerouted loads the adapter on the layers its heads route
+      # (cache-conditionally), expert deltas included (docs/routing.md, the frontier)
+      $PY -m edgemoe.routing.between --heads "$HEADS" --adapter "$LORA"
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
     traces)  # teacher-forced decode traces of held-out passages (4 per domain; greedy decode
       # of a small model loops and flatters every cache), their routing statistics, and the

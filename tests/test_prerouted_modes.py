@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import edgemoe
+from edgemoe.format.pack import Pack
 from edgemoe.format.source import BUNDLED_MODEL
 from edgemoe.mlx_backend.experts import streaming_of
 from edgemoe.mlx_backend.conditional import (ConditionalTap, SlotSim, install_conditional,
@@ -67,7 +68,8 @@ def test_conditional_routing_with_every_expert_in_slots_is_native():
     """Exact whenever the router's top-k is available: with every expert in slots, the
     logits are native's bit for bit."""
     native, tokenizer = edgemoe.load(expert_budget=1.0)
-    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
+    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack",
+                            adapter_path="none")  # (the routing alone: not the heads' adapter)
     blocks = moe_blocks(model)
     taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=128,
                                predicted=8, new_policy=lambda: make_policy("lfu"))
@@ -80,7 +82,8 @@ def test_conditional_routing_with_every_expert_in_slots_is_native():
 
 def test_fewer_slots_route_otherwise_and_reduced_top_k_routes_k():
     native, tokenizer = edgemoe.load(expert_budget=1.0)
-    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack")
+    model, _ = edgemoe.load(expert_budget=1.0, routing="prerouted", prerouter_path="pack",
+                            adapter_path="none")  # (the routing alone: not the heads' adapter)
     blocks = moe_blocks(model)
     taps = install_conditional(streaming_of(model).routing.predictor, blocks, slots=8,
                                predicted=8, new_policy=lambda: make_policy("lfu"))
@@ -113,6 +116,12 @@ def test_the_shipped_routing_keeps_the_layers_whose_heads_recall_least(tmp_path)
     recall = layer_recall(BUNDLED_MODEL / "prerouter" / "report.json")
     assert all(recall[t] < SHIPPED_MIN_RECALL for t in shipped["native_layers"][1:])
     assert 0 < len(shipped["native_layers"]) < 8 and shipped["conditional"] == 8
+    # and its own adapter: the pack's, on the layers the heads route, expert deltas included
+    own = mx.load(str(BUNDLED_MODEL / "prerouter" / shipped["adapter"] / "adapters.safetensors"))
+    full = mx.load(str(BUNDLED_MODEL / "adapter" / "adapters.safetensors"))
+    predicted = read_config(BUNDLED_MODEL / "prerouter").predicted_layers
+    assert set(own) == {k for k in full if int(k.split(".")[2]) in predicted}
+    assert any("switch_mlp" in k for k in own)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +149,12 @@ def test_the_shipped_routing_runs_through_generate_eval_and_the_server():
     model, tokenizer = edgemoe.load(expert_budget="25%", routing="prerouted")
     taps = streaming_of(model).routing.predictor.taps
     assert sorted(taps) == shipped.predicted_layers  # the others keep their router
+    from edgemoe.mlx_backend.lora import lora_layers
+    adapted = {int(n.split(".")[2]) for n, m in lora_layers(model).items()
+               if mx.any(m.lora_b != 0).item()}
+    assert adapted == set(shipped.predicted_layers)  # the heads' own adapter, loaded with them
+    assert streaming_of(model).store.pack.expert_bytes > \
+        Pack.open(BUNDLED_MODEL).expert_bytes  # its deltas ride along
     assert all(isinstance(t, ConditionalTap) and t.sim.slots == 32 for t in taps.values())
     prompt = tokenizer.encode(TEXT)
     tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
@@ -165,3 +180,70 @@ def test_other_backends_refuse_heads_of_a_mode_they_do_not_run(conditional_heads
 
     with pytest.raises(ValueError, match="conditional 8"):
         load_heads(conditional_heads, "cpu")
+
+
+def test_adapter_subset_keeps_the_layers_and_leaves_the_experts_out(tmp_path):
+    """adapter_subset (the heads' own adapter, and the frontier's adapter rows) copies
+    the chosen layers' tensors bit for bit; attention-only leaves every routed expert's
+    delta out, and their keys from the config (no delta records to stream)."""
+    from edgemoe.format.adapters import adapter_subset
+
+    pack = BUNDLED_MODEL / "adapter"
+    full = mx.load(str(pack / "adapters.safetensors"))
+    out = adapter_subset(pack, tmp_path / "a", [5, 7], attention_only=True)
+    part = mx.load(str(out / "adapters.safetensors"))
+    assert part and {int(k.split(".")[2]) for k in part} == {5, 7}
+    assert not any("switch_mlp" in k for k in part)
+    assert {k for k in full if int(k.split(".")[2]) in (5, 7) and "switch_mlp" not in k} \
+        == set(part)
+    assert all(mx.array_equal(part[k], full[k]).item() and part[k].dtype == full[k].dtype
+               for k in part)
+    keys = json.loads((out / "adapter_config.json").read_text())["lora_parameters"]["keys"]
+    assert keys and all(k.startswith("self_attn.") for k in keys)
+    with_experts = mx.load(str(adapter_subset(pack, tmp_path / "b", [6])
+                               / "adapters.safetensors"))
+    assert any("switch_mlp" in k for k in with_experts)
+    with pytest.raises(ValueError, match="no tensor of layers"):
+        adapter_subset(pack, tmp_path / "c", [99])
+
+
+def test_heads_carry_their_adapter_unless_another_is_given(tmp_path):
+    """`between --adapter` writes the adapter measured with the heads' routing into their
+    folder and names it in their config: loading those heads loads it (its layers'
+    deltas, the others' zero); an adapter given explicitly wins, "none" loads none; a
+    plain copy drops it;
+    a config naming a folder that is not there is refused, naming the field."""
+    from edgemoe.mlx_backend.lora import lora_layers
+    from edgemoe.routing.between import main as between
+
+    heads = with_native_layers(BUNDLED_MODEL / "prerouter", [], tmp_path / "heads")
+    config = json.loads((heads / "prerouter_config.json").read_text())
+    config.update(native_layers=[0, 1, 2, 3, 4, 5], conditional=8, adapter="")
+    (heads / "prerouter_config.json").write_text(json.dumps(config))
+    between(["--heads", str(heads), "--adapter", str(BUNDLED_MODEL / "adapter"),
+             "--attention-only"])
+    assert read_config(heads).adapter == "adapter"
+    full = mx.load(str(BUNDLED_MODEL / "adapter" / "adapters.safetensors"))
+
+    def adapted(model):  # the decoder layers whose q_proj carries a nonzero delta
+        return {int(n.split(".")[2]) for n, m in lora_layers(model).items()
+                if n.endswith("self_attn.q_proj") and mx.any(m.lora_b != 0).item()}
+
+    model, _ = edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(heads))
+    assert adapted(model) == {6, 7}  # the predicted layers
+    q = lora_layers(model)["model.layers.6.self_attn.q_proj"]
+    assert mx.array_equal(q.lora_b, full["model.layers.6.self_attn.q_proj.lora_b"]).item()
+    model, _ = edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(heads),
+                            adapter_path="pack")
+    assert adapted(model) == set(range(8))
+    model, _ = edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(heads),
+                            adapter_path="none")
+    assert adapted(model) == set()
+    plain = plain_heads(heads, tmp_path / "plain")
+    assert read_config(plain).adapter == "" and not (plain / "adapter").exists()
+    model, _ = edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(plain))
+    assert adapted(model) == set()
+    config["adapter"] = "missing"
+    (heads / "prerouter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="adapter 'missing'"):
+        edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(heads))

@@ -16,8 +16,9 @@ def test_bundled_pack_is_whole_and_small():
     assert pack.expert_bytes > 0.9 * (pack.expert_bytes + pack.resident_bytes)  # 93%
     shipped = [f for f in DEFAULT_MODEL.rglob("*")  # less what a load writes beside them
                if f.is_file() and not f.name.startswith("expert_deltas.")]
-    # 36.6 MB pack (its card), 4.5 MB next-token heads, 4.6 MB same-token heads, 8.1 MB adapter
-    assert sum(f.stat().st_size for f in shipped) < 55e6
+    # 36.6 MB pack (its card), 4.5 MB next-token heads (and their own adapter, the pack's on
+    # layers 5-7: 3.0 MB), 4.6 MB same-token heads, 8.1 MB adapter
+    assert sum(f.stat().st_size for f in shipped) < 60e6
 
 
 def test_load_without_a_path_gives_the_bundled_model():
@@ -88,7 +89,7 @@ def test_shipped_lora_serves_the_prerouted_bundled_model_unmerged():
 
     tokens = mx.array([[3, 17, 250, 4000, 12, 99]])
     outputs = []
-    for adapter in (None, "pack"):  # "pack": the adapter the bundled pack carries
+    for adapter in ("none", "pack"):  # "pack": the adapter the bundled pack carries
         model, _ = edgemoe.load(routing="prerouted", prerouter_path="pack", adapter_path=adapter)
         outputs.append(model(tokens))
     assert len(lora_layers(model)) == 4 * len(model.layers)  # attention, unmerged

@@ -273,6 +273,7 @@ def test_a_plain_pip_install_runs_prerouted_with_the_bundled_assets(tmp_path):
     assert "Generation: 5 tokens" in r.stdout
     installed = target / "edgemoe" / "models"
     for asset in ("fine/prerouter/prerouter.safetensors", "fine/adapter/adapters.safetensors",
+                  "fine/prerouter/adapter/adapters.safetensors",
                   "fine/cache_policy.npz", "fine-draft/model.safetensors",
                   "fine/traces/stdlib.npz"):
         assert (installed / asset).exists(), asset

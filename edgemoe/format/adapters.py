@@ -11,10 +11,13 @@ Neither MLX nor PyTorch here: only the files, the config and the tensors' names.
 """
 
 import json
+import os
+import shutil
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 from .pack import PackError
+from .resident import read_safetensors_header
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -65,3 +68,53 @@ def lora_key(name: str) -> Tuple[str, str]:
 def owner(name: str, modules: Sequence[str]) -> Optional[str]:
     """The module of `modules` (paths) that holds the tensor `name`, or None."""
     return next((m for m in modules if name.startswith(m + ".")), None)
+
+
+def expert_key(name: str) -> bool:
+    """Whether an adapter key or tensor name is a routed expert's (`mlp.switch_mlp.*`)."""
+    return ".switch_mlp." in f".{name}"
+
+
+def adapter_subset(adapter, out, layers: Iterable[int], attention_only: bool = False) -> Path:
+    """A copy of the adapter folder `adapter` in `out` that adapts only the decoder layers
+    `layers` (`model.layers.<i>.*`; the others' tensors left out: their deltas stay zero,
+    and their experts stream no delta records). With `attention_only`, the routed
+    experts' deltas are left out too (and their keys from the config): no delta records,
+    no bytes added to a read. The tensors' bytes are copied as they are (no MLX here)."""
+    weights, config_file = adapter_files(adapter)
+    out, keep = Path(out), {int(l) for l in layers}
+    header, start = read_safetensors_header(weights)
+    kept = sorted(n for n in header if _layer(n) in keep
+                  and not (attention_only and expert_key(n)))
+    if not kept:
+        raise ValueError(f"{weights}: no tensor of layers {sorted(keep)}"
+                         f"{' outside the routed experts' if attention_only else ''}")
+    entries, offset = {}, 0
+    for name in kept:
+        begin, end = header[name]["data_offsets"]
+        entries[name] = {**header[name], "data_offsets": [offset, offset + end - begin]}
+        offset += end - begin
+    meta = json.dumps(entries, separators=(",", ":")).encode()
+    meta += b" " * (-len(meta) % 8)
+    config = json.loads(config_file.read_text())
+    if attention_only:  # the modules its tensors adapt (model.layers.3.<key>.lora_a)
+        config["lora_parameters"]["keys"] = sorted({".".join(n.split(".")[3:-1]) for n in kept})
+    tmp = out.with_name(out.name + f".partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(weights, "rb") as src, open(tmp / ADAPTER_WEIGHTS, "wb") as dst:
+        dst.write(len(meta).to_bytes(8, "little") + meta)
+        for name in kept:
+            begin, end = header[name]["data_offsets"]
+            src.seek(start + begin)
+            dst.write(src.read(end - begin))
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _layer(name: str) -> Optional[int]:
+    """The decoder layer of a tensor `model.layers.<i>.*` (None: another tensor)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None

@@ -20,6 +20,7 @@ from .pack import EXPERTS_FILE, MANIFEST, Pack, PackError, read_json
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "fine"
 PACK_ASSETS = {"prerouter": "prerouter", "adapter": "adapter", "cache_policy": "cache_policy.npz"}
 SHARD_INDEX = "model.safetensors.index.json"
+NO_ADAPTER = "none"  # as --adapter-path: no adapter, not even the one the heads carry
 OWN = "pack"  # as a path (--prerouter pack, --adapter-path pack): the model folder's own
 
 

@@ -13,7 +13,6 @@
   as Edge0 and flash-moe run (4 of 8).
 """
 
-import shutil
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Sequence, Set
 
@@ -21,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..format.adapters import adapter_subset
 from .gates import RouterTap, _linear_map
 
 
@@ -129,17 +129,10 @@ def set_top_k(blocks: Iterable[nn.Module], k: int):
         block.top_k = k
 
 
-def adapter_for_layers(adapter: Path, layers: Iterable[int], out: Path) -> Path:
+def adapter_for_layers(adapter: Path, layers: Iterable[int], out: Path,
+                       attention_only: bool = False) -> Path:
     """A copy of the adapter folder `adapter` in `out` that adapts only the decoder layers
-    `layers` (the others' tensors left out: their deltas stay zero, and their experts
-    stream no delta records)."""
-    adapter, out, keep = Path(adapter), Path(out), {int(l) for l in layers}
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    weights = mx.load(str(adapter / "adapters.safetensors"))
-    mx.save_safetensors(str(out / "adapters.safetensors"),
-                        {k: v for k, v in weights.items() if int(k.split(".")[2]) in keep})
-    shutil.copy(adapter / "adapter_config.json", out / "adapter_config.json")
-    return out
-
+    `layers`; with `attention_only`, without the routed experts' deltas (no extra bytes a
+    read). edgemoe.format.adapters.adapter_subset, which the heads' own adapter is written
+    with (edgemoe.routing.between)."""
+    return adapter_subset(adapter, out, layers, attention_only)

@@ -47,7 +47,9 @@ def load(
     "buffered" or "direct" (O_DIRECT, bypassing the page cache). `prerouter_path` names
     trained heads (edgemoe.train_prerouter); prerouted defaults to the heads the pack
     carries (PACK/prerouter), and "pack" names them. `adapter_path` is an
-    adapter folder, or "pack" for the one the pack carries (PACK/adapter); an adapter of
+    adapter folder, "pack" for the one the pack carries (PACK/adapter), or "none"; by
+    default, the one the heads carry for their routing, if any (their config's
+    `adapter`: edgemoe.routing.between --adapter). An adapter of
     the routed experts has their deltas streamed with them (edgemoe.format.deltas). A pack's own
     cache_policy.npz serves `cache_policy="learned"`. A read that keeps compute waiting
     over `read_timeout` seconds fails the call with a PackError. With `verify` (the

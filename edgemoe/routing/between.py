@@ -7,6 +7,9 @@ top-k are edgemoe.mlx_backend.conditional).
 - `route_by_recall` (`python -m edgemoe.routing.between`) chooses them from each layer's
   held-out recall and writes them, with cache-conditional routing for the others, into
   the heads' own config: the bundled pack's is its default of `--routing prerouted`.
+- `with_adapter` (`--adapter DIR`): the adapter measured with that routing, written into
+  the heads' folder (a subset of DIR: some layers, or their attention only) and named by
+  their config, so that the heads load it unless another adapter is given.
 - `plain_heads` (`--plain-copy`): heads on every layer but the first, what CUDA runs.
 """
 
@@ -15,7 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
+from ..format.adapters import adapter_subset
 from .heads_config import CONFIG
+
+ADAPTER = "adapter"  # the heads' own adapter's folder, inside theirs
 
 
 def with_native_layers(heads: Path, layers: Iterable[int], out: Path) -> Path:
@@ -37,8 +43,10 @@ def plain_heads(heads: Path, out: Path) -> Path:
     cache-conditional routing)."""
     out = with_native_layers(heads, [], out)
     config = json.loads((out / CONFIG).read_text())
+    if config.get("adapter"):  # measured with the routing this copy leaves
+        shutil.rmtree(out / config["adapter"], ignore_errors=True)
     config.update(native_layers=sorted(config["native_layers"])[:1], route_top_k=0,
-                  conditional=0)
+                  conditional=0, adapter="")
     (out / CONFIG).write_text(json.dumps(config, indent=1))
     return out
 
@@ -62,6 +70,24 @@ def route_by_recall(heads: Path, min_recall: float, conditional: int) -> dict:
     return config
 
 
+def with_adapter(heads: Path, adapter: Path, layers: str, attention_only: bool) -> dict:
+    """Give the heads folder `heads` its own adapter: `adapter`'s tensors of the MoE
+    layers `layers` ("predicted": those its config routes by the heads; "all"), their
+    attention only with `attention_only`, written to heads/ADAPTER and named by its
+    config. Returns the config written."""
+    heads = Path(heads)
+    config = json.loads((heads / CONFIG).read_text())
+    if layers not in ("predicted", "all"):
+        raise ValueError(f"--adapter-layers: expected predicted or all, found {layers!r}")
+    native = set(config.get("native_layers", []))
+    moe = sorted({int(t) for t in config["sources"]} | set(config["sources"].values()))
+    chosen = moe if layers == "all" else [l for l in moe if l not in native]
+    adapter_subset(adapter, heads / ADAPTER, chosen, attention_only)
+    config["adapter"] = ADAPTER
+    (heads / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return config
+
+
 def main(argv=None):
     import argparse
 
@@ -76,7 +102,21 @@ def main(argv=None):
     p.add_argument("--plain-copy", metavar="OUT",
                    help="instead, copy the heads to OUT routed plainly (every layer but "
                         "the first by the heads: the routing the CUDA backend runs)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="instead, give the heads their own adapter: DIR's tensors of "
+                        "--adapter-layers, loaded with the heads unless another is given")
+    p.add_argument("--adapter-layers", default="predicted", choices=("predicted", "all"),
+                   help="the MoE layers the heads' adapter keeps (predicted: those routed "
+                        "by the heads)")
+    p.add_argument("--attention-only", action="store_true",
+                   help="keep the adapter's attention only: no expert deltas, no bytes "
+                        "added to a read")
     args = p.parse_args(argv)
+    if args.adapter:
+        config = with_adapter(Path(args.heads), Path(args.adapter), args.adapter_layers,
+                              args.attention_only)
+        print(f"{args.heads}: adapter {Path(args.heads) / config['adapter']}")
+        return
     if args.plain_copy:
         print(plain_heads(Path(args.heads), Path(args.plain_copy)))
         return

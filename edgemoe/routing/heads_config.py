@@ -8,7 +8,9 @@ Neither MLX nor PyTorch here.
 The config says which MoE layer each head predicts (its target) and at which it runs (its
 source), which layers keep the native router, and whether the heads predict the next
 token or this one, and optionally a mode between exact and predicted routing
-(`route_top_k`, `conditional`: edgemoe.routing.between, docs/routing.md). Heads saved before the head variants left (#44; their figures:
+(`route_top_k`, `conditional`: edgemoe.routing.between, docs/routing.md), and the adapter
+measured with that routing (`adapter`: PREROUTER/<adapter>/, a LoRA folder, loaded with the
+heads unless another adapter is given). Heads saved before the head variants left (#44; their figures:
 docs/benchmarks.md, "Variants") record each variant's field; the shipped heads hold the
 plain values. A field of a removed variant loads at its plain value only.
 """
@@ -16,7 +18,7 @@ plain values. A field of a removed variant loads at its plain value only.
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 WEIGHTS = "prerouter.safetensors"
 CONFIG = "prerouter_config.json"
@@ -38,6 +40,8 @@ class PrerouterConfig:
     route_top_k: int = 0  # > 0: every MoE layer routes to its k most likely (reduced top-k)
     conditional: int = 0  # > 0: the router chooses among the experts in slots and the heads'
     #                       m most likely, which are read a token ahead (cache-conditional)
+    adapter: str = ""  # a LoRA folder inside the heads' folder, loaded with them when no
+    #                    adapter is given (edgemoe.routing.between --adapter)
 
     @classmethod
     def for_layers(cls, model_type: str, hidden_size: int, layers: Sequence[int],
@@ -115,3 +119,20 @@ def read_config(path) -> PrerouterConfig:
                                     f"folder (python -m edgemoe.train_prerouter --out ...)?")
     raw = json.loads((path / CONFIG).read_text())
     return PrerouterConfig.from_json(current_fields(raw, path / CONFIG))
+
+
+def heads_adapter(path) -> Optional[Path]:
+    """The adapter folder a heads folder carries for its routing (its config's `adapter`),
+    or None; a named folder that is missing is a FileNotFoundError naming the field."""
+    path = Path(path)
+    if not (path / CONFIG).exists():  # (read_config says what the folder lacks)
+        return None
+    name = json.loads((path / CONFIG).read_text()).get("adapter") or ""
+    if not name:
+        return None
+    found = path / name
+    if not (found / "adapter_config.json").exists() or Path(name).is_absolute() \
+            or ".." in Path(name).parts:
+        raise FileNotFoundError(f"{path / CONFIG}: adapter {name!r}: expected a LoRA folder "
+                                f"inside {path}, found none")
+    return found
