@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from edgemoe.format.source import NO_ADAPTER
 from edgemoe.options import StreamOptions
 
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
@@ -89,8 +90,10 @@ def worker(kind: str, path: str, prompt_len: int, decode: int, io: str,
 
         budget, routing, *lora = kind.split(":")
         heads = prerouter if routing in HEAD_MODES else None
+        # (a row without +LoRA serves no adapter, not even the one the heads carry: the
+        # twin's validation models routing alone)
         options = StreamOptions(float(budget), cache_policy, io, routing, prerouter_path=heads,
-                                adapter_path=adapter if lora else None, readers=readers)
+                                adapter_path=adapter if lora else NO_ADAPTER, readers=readers)
         model, tokenizer = edgemoe.load(path, options)
     streaming = streaming_of(model)  # None: mlx-lm's own model
     store = streaming.store if streaming is not None else None

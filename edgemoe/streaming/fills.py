@@ -105,7 +105,10 @@ class SlotFills:
     def _wait(self, fills, raise_errors=True):
         """Until `fills` have ended (each releases its latch: `_filled`); their first
         error."""
-        if not fills:
+        if all(f.ended for f in fills):  # (the reads are done: no wait, no time blocked)
+            for f in fills:
+                if f.error is not None and raise_errors:
+                    raise f.error
             return
         tic = time.perf_counter()
         try:

@@ -29,7 +29,7 @@ BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS's fcntl command (Python < 3.13 lacks it)
 
 
-@dataclass
+@dataclass(slots=True)  # (made for every miss: slots make it cheaper to make and read)
 class Fill:
     """One expert being read into one slot. `done` (None: not kept) is set on success and
     on error, by `on_done`; `ended`, the same without allocating an Event per fill, is
