@@ -78,13 +78,13 @@ class DeviceSlotMemory:
             self.host.abandon(*self.source[slot])
             self.source[slot] = None
 
-    def acquire(self, slots: np.ndarray):
+    def acquire(self, slots: List[int]):
         for slot in np.unique(slots).tolist():  # rule 1; once per fill, streams are in order
             if not self.awaited[slot] and self.copied[slot] is not None:
                 self.streams.compute_wait(self.copied[slot])
             self.awaited[slot] = True
 
-    def release(self, slots: np.ndarray):
+    def release(self, slots: List[int]):
         if len(slots):
             event = self.streams.record_compute()
             for slot in slots:

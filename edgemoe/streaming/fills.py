@@ -154,10 +154,6 @@ class SlotFills:
                                f"resident, unpinned expert")
         return victim
 
-    def _has_room(self, pinned, expert: int) -> bool:
-        slot_free = FREE in self._states or bool(self._evictable(pinned))
-        return slot_free and self.memory.has_room(expert)
-
 
 class Room:
     """Where a call's misses can go: the pool's free slots (lowest first) and its evictable
@@ -177,7 +173,7 @@ class Room:
             self.rank = None  # (one victim at most)
 
     def fits(self, expert: int) -> bool:
-        """As `SlotFills._has_room`."""
+        """A free slot or an evictable expert, and room in the memory for `expert`."""
         return bool(self.free or self.candidates) and self.memory.has_room(expert)
 
     def fits_all(self, experts: list) -> bool:

@@ -17,7 +17,7 @@ runs the calls. This module needs neither MLX nor PyTorch.
 
 import numpy as np
 
-from .fills import FREE, SlotFills
+from .fills import FREE, Room, SlotFills
 
 MIN_PRECISION = 0.5  # of a layer's recent advisory predictions used, to prefetch for it
 TRUST_AFTER = 4  # calls whose predictions a layer scores before it may trust them
@@ -65,14 +65,15 @@ class Prefetching(SlotFills):
                 pinned = set(experts.tolist()) | (self.pending_prediction or set())
                 if self.gated:  # advice
                     pinned |= self.last_call
+                room = Room(self, pinned)  # (found once: a long prefill's look-ahead is many)
                 for e in experts.tolist():
                     if self.slot_of[e] >= 0:
                         continue
-                    if not self._has_room(pinned, e):
+                    if not room.fits(e):
                         break  # release() reads the rest once this layer's call is done
                     if self.gated and not self._worth_a_slot(e, pinned):
                         continue
-                    new.append(self._start_fill(e, pinned=pinned, prefetch=True))
+                    new.append(self._start_fill(e, pinned=pinned, prefetch=True, room=room))
                     self.stats.prefetches += 1
                     self.prefetched.add(e)
         finally:

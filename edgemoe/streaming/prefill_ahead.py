@@ -25,7 +25,7 @@ call it, at the same point of a layer's call.
 import numpy as np
 
 from .calls import pass_size
-from .fills import FREE, Room
+from .fills import FREE
 from .slots import LayerSlots
 
 LOOK_AHEAD = True  # False: every read waits for its routing (benchmarks, the twin's before)
@@ -49,30 +49,6 @@ def look_ahead(pool: LayerSlots, entries: int) -> int:
     heat = getattr(pool.policy, "heat", None)
     if heat is not None:  # (sorted is stable: ties stay in id order)
         candidates = sorted(candidates, key=heat, reverse=True)
-    chosen = sorted(candidates[:room])
-    if pool.gated:  # (advice: the pool's own rules, whether it has earned a read)
-        pool.prefetch(np.array(chosen, dtype=np.int64), lead=0)
-        return len(chosen)
-    return _prefetch_free(pool, chosen)
-
-
-def _prefetch_free(pool: LayerSlots, chosen: list) -> int:
-    """`pool.prefetch(chosen, lead=0)` of an ungated pool whose free slots hold all of
-    `chosen`, absent experts of its own: the same fills, with the free slots found once
-    (`Room`) instead of a scan of the pool for each."""
-    new = []
-    try:
-        with pool.lock:
-            pool.pending_prediction, pinned = set(chosen), set(chosen)
-            room = Room(pool, pinned)
-            for e in chosen:
-                if pool.slot_of[e] >= 0:
-                    continue
-                if not room.fits(e):
-                    break  # (the memory's room: release() reads the rest, as prefetch's)
-                new.append(pool._start_fill(e, pinned=pinned, prefetch=True, room=room))
-                pool.stats.prefetches += 1
-                pool.prefetched.add(e)
-    finally:
-        pool._submit(new)
+    chosen = np.array(sorted(candidates[:room]), dtype=np.int64)
+    pool.prefetch(chosen, lead=0)
     return len(chosen)
