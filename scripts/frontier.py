@@ -40,10 +40,9 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.mlx_backend.experts import streaming_of  # noqa: E402
 from edgemoe.mlx_backend.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.mlx_backend.conditional import (SlotSim, adapter_for_layers,  # noqa: E402
-                                             install_conditional, set_top_k)
+from edgemoe.mlx_backend.conditional import SlotSim, install_conditional, set_top_k  # noqa: E402
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
-from edgemoe.format.adapters import expert_key  # noqa: E402
+from edgemoe.format.adapters import adapter_subset, expert_key  # noqa: E402
 from edgemoe.format.resident import read_safetensors_header  # noqa: E402
 from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
@@ -149,11 +148,11 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
         adapter = spec["adapter_path"]
     elif isinstance(spec.get("adapter"), list) or spec.get("attention_only"):
         layers = spec["adapter"] if isinstance(spec["adapter"], list) else range(8)
-        adapter = str(adapter_for_layers(  # only these layers adapted (or their attention)
-            PACK / "adapter", layers,
+        adapter = str(adapter_subset(  # only these layers adapted (or their attention)
+            PACK / "adapter",
             work / ("adapter_" + "_".join(map(str, layers))
                     + ("_attn" if spec.get("attention_only") else "")),
-            attention_only=bool(spec.get("attention_only"))))
+            layers, attention_only=bool(spec.get("attention_only"))))
     options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
                                prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
                                adapter_path=adapter or None)

@@ -13,14 +13,12 @@
   as Edge0 and flash-moe run (4 of 8).
 """
 
-from pathlib import Path
 from typing import Callable, Dict, Iterable, Sequence, Set
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..format.adapters import adapter_subset
 from .gates import RouterTap, _linear_map
 
 
@@ -128,11 +126,3 @@ def set_top_k(blocks: Iterable[nn.Module], k: int):
             raise ValueError(f"{type(block).__name__}: no top_k field to reduce")
         block.top_k = k
 
-
-def adapter_for_layers(adapter: Path, layers: Iterable[int], out: Path,
-                       attention_only: bool = False) -> Path:
-    """A copy of the adapter folder `adapter` in `out` that adapts only the decoder layers
-    `layers`; with `attention_only`, without the routed experts' deltas (no extra bytes a
-    read). edgemoe.format.adapters.adapter_subset, which the heads' own adapter is written
-    with (edgemoe.routing.between)."""
-    return adapter_subset(adapter, out, layers, attention_only)
