@@ -182,6 +182,14 @@ def moe_layers(model) -> int:
     return len(model.expert_store.layer_indices)
 
 
+def quartiles(values: list) -> list:
+    """The first and third quartiles of `values` (both the value itself when one)."""
+    if len(values) < 2:
+        return [values[0], values[0]] if values else [None, None]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def run(args) -> dict:
     load_before = os.getloadavg()[0]
     scratch = Path(tempfile.mkdtemp(prefix="bench_hotpath-"))
@@ -230,6 +238,10 @@ def run(args) -> dict:
             "evals_per_moe_layer": med["evals_per_token"] / layers,
             "tok_s_vs_mlx_lm": statistics.median(ratios),
             "cpu_over_mlx_lm_us_per_moe_layer": statistics.median(over),
+            # the spread of the paired rounds (quartiles): run-to-run noise on these VMs
+            # is of the order of the differences measured
+            "cpu_over_mlx_lm_quartiles": quartiles(over),
+            "cpu_over_mlx_lm_per_round": over,
             # building a step's graph (with its host syncs, where it has any)
             "build_over_mlx_lm_us_per_moe_layer": statistics.median(build_over),
             "same_tokens_as_mlx_lm": all(x["tokens"] == expected for x in results)
@@ -361,10 +373,11 @@ def main():
     before = json.loads(args.before.read_text()) if args.before else None
     plot(result, args.out / "bench_hotpath.png", before)
     print(f"{'config':>18} {'evals/tok':>9} {'evals/layer':>11} {'cpu+us/layer':>12} "
-          f"{'build+us/layer':>14} {'tok/s':>7} {'x mlx-lm':>8} same")
+          f"{'(quartiles)':>15} {'build+us/layer':>14} {'tok/s':>7} {'x mlx-lm':>8} same")
     for r in result["rows"]:
         print(f"{r['config']:>18} {r['evals_per_token']:9.2f} {r['evals_per_moe_layer']:11.2f} "
               f"{r['cpu_over_mlx_lm_us_per_moe_layer']:12.1f} "
+              f"{'%.0f..%.0f' % tuple(r['cpu_over_mlx_lm_quartiles']):>15} "
               f"{r['build_over_mlx_lm_us_per_moe_layer']:14.1f} {r['tok_s']:7.1f} "
               f"{r['tok_s_vs_mlx_lm']:8.3f} {r['same_tokens_as_mlx_lm']}")
     if result["handoff_cpu_us"] is not None:

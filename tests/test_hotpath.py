@@ -66,6 +66,11 @@ def test_a_resident_model_decodes_with_mlx_lms_one_evaluation_a_token(reference,
         found = decode(model, prompt, TOKENS, counter)
     assert found["evals_per_token"] <= 2 and expected["evals_per_token"] == 1
     assert found["tokens"] == expected["tokens"]
+    # each expert read into its own slot: a resident call is mlx-lm's own call, the
+    # router's ids taken as slot ids, with no lookup added to the graph
+    for i in store.layer_indices:
+        slots = store.pool(i)
+        assert slots.identity and list(slots.slot_of) == list(range(len(slots.slot_of)))
     stats = store.snapshot() - before
     assert stats.host_syncs == 0 and stats.bytes_read == 0
     # (the last call's counts settle with the next snapshot: its token is not read yet)

@@ -239,7 +239,9 @@ class StreamingExperts(nn.Module):
         device (`live_table`), so the call needs no host sync, as in mlx-lm; the experts it
         requested are counted on the device too (`QueuedReads.tally`)."""
         self._bind_deltas()
-        out = self.pool.module(x, mx.take(self.pool.table, indices))
+        # (each expert in its own slot: mlx-lm's call itself, no lookup in the graph)
+        slot_ids = indices if self.slots.identity else mx.take(self.pool.table, indices)
+        out = self.pool.module(x, slot_ids)
         self.streaming.queued.tally(self.slots, indices, self.slots.layer.num_experts)
         return out
 

@@ -31,7 +31,11 @@ class SlotFills:
                             f"(this host holds only its share)")
         free = free_slots(self._states) if room is None else room.free
         if free:
-            slot = free.pop(0)
+            # with a slot for every expert, each goes to its own (the layer's table is
+            # then the identity: a resident call takes the router's ids as they are)
+            own = self.num_slots >= self.layer.num_experts and self._states[expert] == FREE
+            slot = expert if own else free[0]
+            free.remove(slot)
         else:
             victim = self._victim(pinned) if room is None else room.victim(self, pinned)
             slot = self._slot[victim]

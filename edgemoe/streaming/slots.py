@@ -98,6 +98,7 @@ class LayerSlots(Prefetching):
         # layers'): the model side's (edgemoe.mlx_backend.hostsync); False when there is none
         self.flush: Optional[Callable[[], bool]] = None
         self._resident = False  # once every expert is ready in a slot, for good
+        self.identity = False  # resident, each expert in its own slot (`_start_fill`)
         self.read_whole = False  # with a slot for every expert, read them all (`release`)
 
     def share_slot_table(self, slot_of: np.ndarray):
@@ -122,6 +123,8 @@ class LayerSlots(Prefetching):
                 self._resident = (not self.fills and not self.cancelled
                                   and bool((self.slot_of >= 0).all())
                                   and bool((self.state[self.slot_of] != FILLING).all()))
+                self.identity = self._resident and bool(
+                    (self.slot_of == np.arange(self.layer.num_experts)).all())
         return self._resident
 
     def count_resident_hits(self, requested: int):
