@@ -18,6 +18,7 @@ from .machines import machine_defaults
 from .mlx_backend.experts import streaming_of
 from .mlx_backend.generation import generate
 from .options import StreamOptions, number
+from .routing.modes import describe_routing
 from .sampling_params import MAX_TEMPERATURE, cli_sampler
 
 DEFAULT_PROMPT = "hello"
@@ -239,6 +240,7 @@ def main(argv=None):
     if args.verbose:
         print(f"Page cache held by the expert files: {store.page_cache_bytes() / 1e9:.3f} GB "
               f"({store.info().io} reads)")
+        print(f"Routing: {describe_routing(args.routing, streaming.experts_per_token)}")
     if not follower and not args.verbose:
         print(text)
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.mlx_backend.experts import streaming_of  # noqa: E402
 from edgemoe.mlx_backend.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.mlx_backend.conditional import SlotSim, install_conditional, set_top_k  # noqa: E402
+from edgemoe.mlx_backend.conditional import SlotSim, install_conditional  # noqa: E402
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
 from edgemoe.format.adapters import adapter_subset, expert_key  # noqa: E402
 from edgemoe.format.resident import read_safetensors_header  # noqa: E402
@@ -60,6 +60,7 @@ CONFIGS = {
     "native": dict(routing="native"),
     "native-top4": dict(routing="native", top_k=4),
     "shipped": None,  # the --heads folder's own configuration (shipped_spec)
+    "shipped-top4": None,  # it, each token routed to 4 experts (--experts-per-token 4)
     "prerouted": dict(routing="prerouted"),
     "prerouted+adapter": dict(routing="prerouted", adapter=True),
     "fallback-0-1": dict(routing="prerouted", native_layers=[1]),
@@ -155,11 +156,10 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
             layers, attention_only=bool(spec.get("attention_only"))))
     options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
                                prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
-                               adapter_path=adapter or None)
+                               adapter_path=adapter or None,
+                               experts_per_token=spec.get("top_k"))  # reduced top-k
     model, tokenizer = load(str(PACK), options)
     blocks = moe_blocks(model)
-    if spec.get("top_k"):
-        set_top_k(blocks.values(), spec["top_k"])
     taps = None
     if spec.get("conditional"):
         predictor = streaming_of(model).routing.predictor
@@ -490,6 +490,7 @@ def main(argv=None):
     questions = choice_questions(texts[args.choices], spans[args.choices],
                                  args.questions) if args.choices else ()
     CONFIGS["shipped"] = shipped_spec(Path(args.heads))
+    CONFIGS["shipped-top4"] = dict(CONFIGS["shipped"], top_k=4)
     heads = plain_heads(Path(args.heads), out / "heads_plain")  # each spec routes from them
     shipped_native = [0]
     cached = out / "native.pkl"  # native's log-probs and traces, for a rerun with other modes
