@@ -209,3 +209,27 @@ def test_the_flag_parses_into_the_options():
     assert StreamOptions.from_args(parser.parse_args([])).experts_per_token is None
     options = StreamOptions.from_args(parser.parse_args(["--experts-per-token", str(K)]))
     assert options.experts_per_token == K
+
+
+def test_a_saved_kv_cache_is_used_only_with_the_experts_it_was_made_with(tmp_path, capsys):
+    """edgemoe.cache_prompt records a reduced K in the file; generate refuses the file
+    with another K, in one line, and continues it with the same."""
+    from edgemoe.cache_prompt import main as cache_prompt_main
+
+    files = {k: tmp_path / f"k{k}.safetensors" for k in (K, OWN)}
+    for k, path in files.items():
+        cache_prompt_main(["--prompt", TEXT, "--prompt-cache-file", str(path),
+                           "--experts-per-token", str(k)])
+    ask = ["--prompt", "more", "--max-tokens", "2", "--verbose", "F"]
+    for made, given in ((K, None), (K, OWN), (OWN, K)):
+        with pytest.raises(SystemExit) as e:
+            generate_main(["--prompt-cache-file", str(files[made]), *ask,
+                           *(["--experts-per-token", str(given)] if given else [])])
+        assert str(e.value.code) == (
+            f"edgemoe.generate: error: --prompt-cache-file {files[made]} was made with "
+            f"{made} experts per token; this run routes to {given or OWN} "
+            f"(--experts-per-token)")
+    capsys.readouterr()
+    generate_main(["--prompt-cache-file", str(files[K]), *ask, "--experts-per-token", str(K)])
+    generate_main(["--prompt-cache-file", str(files[OWN]), *ask])
+    assert capsys.readouterr().out.strip()
