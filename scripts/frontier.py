@@ -43,6 +43,8 @@ from edgemoe.options import StreamOptions  # noqa: E402
 from edgemoe.mlx_backend.conditional import SlotSim, install_conditional  # noqa: E402
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
 from edgemoe.format.adapters import adapter_subset, expert_key  # noqa: E402
+from edgemoe.format.deltas import expert_deltas  # noqa: E402
+from edgemoe.format.pack import Pack  # noqa: E402
 from edgemoe.format.resident import read_safetensors_header  # noqa: E402
 from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
@@ -430,8 +432,9 @@ def delta_share() -> float:
     """(expert record + its delta) / expert record, of the pack's adapter, layer 0."""
     expert = json.loads((PACK / "manifest.json").read_text())["layers"][0]["records"][0][1]
     delta = PACK / "adapter" / "expert_deltas.json"
-    if not delta.exists():  # written when the adapter first loads
-        return 1.0
+    if not delta.exists():  # (ignored by git) written when the adapter first loads: a run
+        #                     whose rows load only the heads' own adapter writes it here
+        expert_deltas(PACK / "adapter", Pack.open(PACK))
     return 1 + json.loads(delta.read_text())["layers"][0]["records"][0][1] / expert
 
 
