@@ -7,9 +7,9 @@ Each window is one forward call by default; `--stepwise` scores it a token a cal
 KV cache, as decode runs it (for the routing modes, predictions carried from call to call).
 
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
-advisory, prerouted), `prerouter=` (heads folder), `adapter=` (adapter
-folder), `experts=` (experts per token: reduced top-k); the streaming flags (--expert-budget, --routing, ...) give every configuration's
-defaults. Without --model the bundled model is evaluated. An edgemoe pack
+advisory, prerouted), `prerouter=` (heads folder), `adapter=` (adapter folder), `experts=`
+(experts per token: reduced top-k); the streaming flags (--expert-budget, --routing, ...)
+give every configuration's defaults. Without --model the bundled model is evaluated. An edgemoe pack
 loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given streaming
 options (read in place); any other folder (a Hugging Face or mlx-lm checkpoint) loads
 with mlx_lm.load, fully resident. With two configurations it reports, token by token over the same
@@ -82,8 +82,8 @@ class ModelConfig:
 
             return load(path, self.stream_options(defaults))
         if set(self.options) - {"adapter"}:
-            raise ValueError(f"{self.path}: budget=, routing=, prerouter= and experts= apply to "
-                             f"edgemoe packs and mlx-lm quantized checkpoints only")
+            raise ValueError(f"{self.path}: budget=, routing=, prerouter= and experts= apply "
+                             f"to edgemoe packs and mlx-lm quantized checkpoints only")
         from mlx_lm import load
 
         return load(path, adapter_path=self.options.get("adapter"))

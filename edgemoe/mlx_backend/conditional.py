@@ -128,7 +128,6 @@ def set_top_k(blocks: Iterable[nn.Module], k: int):
         block.top_k = k
 
 
-
 def experts_per_token(blocks: Dict[int, nn.Module]) -> int:
     """The experts each token routes to now: the blocks' `top_k` field, or their
     `num_experts_per_tok`, or what their own code routes to (families with neither)."""
