@@ -70,8 +70,11 @@ def main(argv=None):
         pass
     print()
     metadata = {"model": args.model or "", "tokenizer_config": json.dumps({})}
+    streaming = streaming_of(model)
+    if streaming.experts_per_token.reduced:  # its KV holds reduced routing: so must its use
+        metadata["experts_per_token"] = str(streaming.experts_per_token.used)
     save_prompt_cache(args.prompt_cache_file, cache, metadata)
-    stats = streaming_of(model).store.snapshot()
+    stats = streaming.store.snapshot()
     print(f"Saved the KV cache of {len(prompt)} tokens to {args.prompt_cache_file} "
           f"(experts read: {stats.bytes_read / 1e9:.3f} GB)")
 

@@ -7,9 +7,9 @@ Each window is one forward call by default; `--stepwise` scores it a token a cal
 KV cache, as decode runs it (for the routing modes, predictions carried from call to call).
 
 A configuration is a path and options: `budget=` (expert budget), `routing=` (native,
-advisory, prerouted), `prerouter=` (heads folder), `adapter=` (adapter
-folder); the streaming flags (--expert-budget, --routing, ...) give every configuration's
-defaults. Without --model the bundled model is evaluated. An edgemoe pack
+advisory, prerouted), `prerouter=` (heads folder), `adapter=` (adapter folder), `experts=`
+(experts per token: reduced top-k); the streaming flags (--expert-budget, --routing, ...)
+give every configuration's defaults. Without --model the bundled model is evaluated. An edgemoe pack
 loads with edgemoe.load, and so does an mlx-lm quantized checkpoint given streaming
 options (read in place); any other folder (a Hugging Face or mlx-lm checkpoint) loads
 with mlx_lm.load, fully resident. With two configurations it reports, token by token over the same
@@ -37,12 +37,13 @@ from .cli import tool, tool_parser
 from .format.source import BUNDLED_MODEL, source_kind
 from .mlx_backend.experts import streaming_of
 from .options import StreamOptions
+from .routing.modes import routing_report
 from .streaming.trace import routing_stats as trace_routing_stats
 
 
 # the options of `--model PATH,budget=0.25,routing=prerouted`: StreamOptions' fields
 SPEC = {"budget": "expert_budget", "routing": "routing", "prerouter": "prerouter_path",
-        "adapter": "adapter_path"}
+        "adapter": "adapter_path", "experts": "experts_per_token"}
 
 
 @dataclass
@@ -66,7 +67,10 @@ class ModelConfig:
 
     def stream_options(self, defaults: Optional[StreamOptions] = None) -> StreamOptions:
         """`defaults` (the streaming flags) with this configuration's own options."""
-        return StreamOptions.of(defaults, **{SPEC[k]: v for k, v in self.options.items()})
+        given = {SPEC[k]: v for k, v in self.options.items()}
+        if "experts_per_token" in given:  # `experts=4`
+            given["experts_per_token"] = _count(given["experts_per_token"])
+        return StreamOptions.of(defaults, **given)
 
     def load(self, defaults: Optional[StreamOptions] = None):
         from .hub import resolve
@@ -78,14 +82,22 @@ class ModelConfig:
 
             return load(path, self.stream_options(defaults))
         if set(self.options) - {"adapter"}:
-            raise ValueError(f"{self.path}: budget=, routing= and prerouter= apply to "
-                             f"edgemoe packs and mlx-lm quantized checkpoints only")
+            raise ValueError(f"{self.path}: budget=, routing=, prerouter= and experts= apply "
+                             f"to edgemoe packs and mlx-lm quantized checkpoints only")
         from mlx_lm import load
 
         return load(path, adapter_path=self.options.get("adapter"))
 
     def __str__(self):
         return ",".join([self.path] + [f"{k}={v}" for k, v in self.options.items()])
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"model option experts={text}: expected an integer of at least "
+                         f"1, found {text!r}") from None
 
 
 def windows(tokens: List[int], length: int) -> Iterator[np.ndarray]:
@@ -213,8 +225,10 @@ def evaluate(configs: List[ModelConfig], text: str, context: int = 256,
     for config, (model, _), nll in zip(configs, models, scores["nll"]):
         entry = {"model": str(config), "nll": nll, "perplexity": math.exp(nll)}
         streaming = streaming_of(model)
-        if streaming is not None:
+        if streaming is not None:  # its routing: exact, or how far not
             entry["expert_hit_rate"] = streaming.store.snapshot().hit_rate
+            entry.update(routing_report(config.stream_options(defaults).routing,
+                                        streaming.experts_per_token))
         result["configs"].append(entry)
     for key in ("top1_agreement", "mean_kl"):
         if key in scores:
@@ -236,7 +250,8 @@ def main(argv=None):
     p.add_argument("--text", required=True, help="A UTF-8 text file")
     p.add_argument("--model", action="append", default=None,
                    help="PATH or hub id (org/name[@revision])"
-                        "[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]; "
+                        "[,budget=X][,routing=MODE][,prerouter=DIR][,adapter=DIR]"
+                        "[,experts=K]; "
                         "give two to compare them (default: the bundled model)")
     p.add_argument("--context", type=int, default=256, help="Tokens per window")
     p.add_argument("--max-tokens", type=int, default=None, help="Evaluate at most this many")

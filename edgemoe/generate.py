@@ -18,6 +18,7 @@ from .machines import machine_defaults
 from .mlx_backend.experts import streaming_of
 from .mlx_backend.generation import generate
 from .options import StreamOptions, number
+from .routing.modes import describe_routing
 from .sampling_params import MAX_TEMPERATURE, cli_sampler
 
 DEFAULT_PROMPT = "hello"
@@ -143,7 +144,8 @@ def draft_options(args, tokenizer) -> dict:
 
 def saved_cache(args):
     """(the KV cache in --prompt-cache-file, the model it was made for, its tokenizer
-    config), checked against the flags as mlx_lm.generate checks them."""
+    config, the experts per token it was made with: None, the model's own), checked
+    against the flags as mlx_lm.generate checks them."""
     from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
 
     path = Path(args.prompt_cache_file)
@@ -163,7 +165,17 @@ def saved_cache(args):
                          f"differ")
     config = json.loads(metadata.get("tokenizer_config") or "{}")
     config.pop("trust_remote_code", None)
-    return cache, args.model or saved, config or None
+    made_with = metadata.get("experts_per_token")  # edgemoe.cache_prompt's, when reduced
+    return cache, args.model or saved, config or None, made_with and int(made_with)
+
+
+def check_cache_experts(path, made_with, experts) -> None:
+    """A KV cache made with other experts per token than this run's is refused: its
+    prefix would continue as another routing computed it."""
+    made_with = made_with or experts.of
+    if made_with != experts.used:
+        raise ValueError(f"--prompt-cache-file {path} was made with {made_with} experts per "
+                         f"token; this run routes to {experts.used} (--experts-per-token)")
 
 
 def render_chat(tokenizer, messages, args) -> str:
@@ -201,9 +213,12 @@ def main(argv=None):
     args.model = resolve_hub_id(args.model)  # a hub id: its folder in the hub cache
     prompt_cache, tokenizer_config = None, None
     if args.prompt_cache_file is not None:
-        prompt_cache, args.model, tokenizer_config = saved_cache(args)
+        prompt_cache, args.model, tokenizer_config, made_with = saved_cache(args)
     model, tokenizer = load(args.model, StreamOptions.from_args(args),
                             tokenizer_config=tokenizer_config)
+    if prompt_cache is not None:
+        check_cache_experts(args.prompt_cache_file, made_with,
+                            streaming_of(model).experts_per_token)
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -239,6 +254,7 @@ def main(argv=None):
     if args.verbose:
         print(f"Page cache held by the expert files: {store.page_cache_bytes() / 1e9:.3f} GB "
               f"({store.info().io} reads)")
+        print(f"Routing: {describe_routing(args.routing, streaming.experts_per_token)}")
     if not follower and not args.verbose:
         print(text)
 

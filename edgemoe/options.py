@@ -74,12 +74,19 @@ class StreamOptions:
     partition: Optional[str] = None  # a routing trace the experts are shared out by
     group_timeout: float = DEFAULT_TIMEOUT_S  # seconds a host may keep the others waiting
     prefill_arithmetic: str = "native"  # "blas": prefill's experts through numpy (inexact)
+    # each token routes to its k most likely experts (reduced top-k, inexact); None: the
+    # model's own k (docs/routing.md, "Experts per token")
+    experts_per_token: Optional[int] = None
 
     def __post_init__(self):
         self.routing = routing_mode(self.routing)  # "prerouted" -> PREROUTED
         if self.prefill_arithmetic not in PREFILL_ARITHMETIC:
             raise ValueError(f"prefill_arithmetic: expected one of "
                              f"{', '.join(PREFILL_ARITHMETIC)}, found {self.prefill_arithmetic!r}")
+        k = self.experts_per_token
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"experts_per_token: expected an integer of at least 1 (or None: "
+                             f"the model's own), found {k!r}")
 
     @classmethod
     def of(cls, options: Optional["StreamOptions"] = None, **overrides) -> "StreamOptions":
@@ -190,6 +197,13 @@ class StreamOptions:
                      "through numpy's BLAS, several times faster, within a stated tolerance "
                      "of mlx-lm's logits, not bit-identical (the MLX backend; "
                      "docs/benchmarks.md, Prefill)")),
+            "experts_per_token": (("--experts-per-token",), dict(
+                type=number(int, 1), default=None, metavar="K",
+                help="Route each token to its K most likely experts, in any --routing mode "
+                     "(reduced top-k, as llama.cpp's --override-kv "
+                     "<arch>.expert_used_count=int:K): fewer experts read and computed, "
+                     "not exact; at most the model's own (default: the model's own, "
+                     "exact; docs/routing.md)")),
         }
         for name, (names, kwargs) in flags.items():
             if name in wanted:

@@ -23,6 +23,7 @@ from .cli import tool, tool_parser
 from .generate import add_draft_arguments, draft_error, json_object, load_draft
 from .machines import machine_defaults
 from .options import StreamOptions, number
+from .routing.modes import describe_routing, routing_report
 from .serving.cache_scope import SCOPES
 from .serving.engine import Engine
 from .serving.guard import guarded_protocol, stop_within
@@ -165,7 +166,8 @@ def build(args) -> Tuple[Engine, Server]:
                     prompt_cache_size=cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
                     load_draft=(lambda tokenizer: load_draft(args, tokenizer)) if drafting
                     else None,
-                    prompt_cache_disk=(lambda: disk_cache_of(args, options, engine.store))
+                    prompt_cache_disk=(lambda: disk_cache_of(args, options, engine.store,
+                                                             engine.experts_per_token))
                     if args.prompt_cache_dir else None)
     engine.start()
     config = engine.config
@@ -183,19 +185,24 @@ def build(args) -> Tuple[Engine, Server]:
                     model_type=str(config.get("model_type", "")),
                     model_bytes=sum(f.stat().st_size for f in info.files if f.exists()))
     server.prompt_cache_scope = args.prompt_cache_scope
+    server.experts_per_token = engine.experts_per_token  # /metrics, Ollama's /api/show
+    server.routing = routing_report(options.routing, engine.experts_per_token)
     return engine, server
 
 
-def disk_cache_of(args, options, store):
+def disk_cache_of(args, options, store, experts=None):
     """The prompt cache's folder on disk for the loaded model: keyed by its files (each
     one's path, size and modification time: a re-converted model gets a fresh cache), its
-    adapter and its routing."""
+    adapter and its routing, with its experts per token when reduced (`experts`: an
+    ExpertsPerToken; a cache made with 8 of 8 is never used with 4 of 8)."""
     from .serving.disk_cache import DiskPromptCache
 
     files = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
                    for f in store.info().files if f.exists())
     identity = {"model": str(args.model or "edgemoe-fine"), "files": files,
                 "adapter": options.adapter_path, "routing": str(options.routing)}
+    if experts is not None and experts.reduced:  # (the model's own k keys as before)
+        identity["experts_per_token"] = str(experts)
     return DiskPromptCache(Path(args.prompt_cache_dir), identity,
                            args.prompt_cache_disk_bytes)
 
@@ -268,7 +275,8 @@ def main(argv=None):
     log.info("%s: %d MoE layers, %d slots per layer (%.1f MB of %.1f MB of experts), %s "
              "routing; context %d; serving on http://%s:%d", info.path, info.moe_layers,
              info.slots_per_layer, info.slot_bytes / 1e6, info.expert_bytes / 1e6,
-             args.routing, server.context_length, args.host, args.port)
+             describe_routing(args.routing, engine.experts_per_token),
+             server.context_length, args.host, args.port)
     POLICY.allow_client, POLICY.timeout_s = args.allow_client_templates, args.template_timeout
     try:
         config = uvicorn.Config(make_app(server, cors_origins=args.cors_origin), log_level=args.log_level.lower(),

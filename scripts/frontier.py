@@ -40,9 +40,11 @@ sys.path.insert(0, str(ROOT))
 from edgemoe.mlx_backend.experts import streaming_of  # noqa: E402
 from edgemoe.mlx_backend.loader import load  # noqa: E402
 from edgemoe.options import StreamOptions  # noqa: E402
-from edgemoe.mlx_backend.conditional import SlotSim, install_conditional, set_top_k  # noqa: E402
+from edgemoe.mlx_backend.conditional import SlotSim, install_conditional  # noqa: E402
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
 from edgemoe.format.adapters import adapter_subset, expert_key  # noqa: E402
+from edgemoe.format.deltas import expert_deltas  # noqa: E402
+from edgemoe.format.pack import Pack  # noqa: E402
 from edgemoe.format.resident import read_safetensors_header  # noqa: E402
 from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
@@ -60,6 +62,7 @@ CONFIGS = {
     "native": dict(routing="native"),
     "native-top4": dict(routing="native", top_k=4),
     "shipped": None,  # the --heads folder's own configuration (shipped_spec)
+    "shipped-top4": None,  # it, each token routed to 4 experts (--experts-per-token 4)
     "prerouted": dict(routing="prerouted"),
     "prerouted+adapter": dict(routing="prerouted", adapter=True),
     "fallback-0-1": dict(routing="prerouted", native_layers=[1]),
@@ -155,11 +158,10 @@ def load_config(spec: dict, heads: Path, work: Path, slots: int = 0):
             layers, attention_only=bool(spec.get("attention_only"))))
     options = StreamOptions.of(None, expert_budget="1.0", routing=spec["routing"],
                                prerouter_path=str(heads) if spec["routing"] == "prerouted" else None,
-                               adapter_path=adapter or None)
+                               adapter_path=adapter or None,
+                               experts_per_token=spec.get("top_k"))  # reduced top-k
     model, tokenizer = load(str(PACK), options)
     blocks = moe_blocks(model)
-    if spec.get("top_k"):
-        set_top_k(blocks.values(), spec["top_k"])
     taps = None
     if spec.get("conditional"):
         predictor = streaming_of(model).routing.predictor
@@ -430,8 +432,9 @@ def delta_share() -> float:
     """(expert record + its delta) / expert record, of the pack's adapter, layer 0."""
     expert = json.loads((PACK / "manifest.json").read_text())["layers"][0]["records"][0][1]
     delta = PACK / "adapter" / "expert_deltas.json"
-    if not delta.exists():  # written when the adapter first loads
-        return 1.0
+    if not delta.exists():  # (ignored by git) written when the adapter first loads: a run
+        #                     whose rows load only the heads' own adapter writes it here
+        expert_deltas(PACK / "adapter", Pack.open(PACK))
     return 1 + json.loads(delta.read_text())["layers"][0]["records"][0][1] / expert
 
 
@@ -490,6 +493,7 @@ def main(argv=None):
     questions = choice_questions(texts[args.choices], spans[args.choices],
                                  args.questions) if args.choices else ()
     CONFIGS["shipped"] = shipped_spec(Path(args.heads))
+    CONFIGS["shipped-top4"] = dict(CONFIGS["shipped"], top_k=4)
     heads = plain_heads(Path(args.heads), out / "heads_plain")  # each spec routes from them
     shipped_native = [0]
     cached = out / "native.pkl"  # native's log-probs and traces, for a rerun with other modes

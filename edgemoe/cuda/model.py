@@ -84,6 +84,10 @@ def load(path_or_hf_repo: Optional[str] = None, options: Optional[StreamOptions]
     options = StreamOptions.of(options, **overrides)
     if options.distributed:
         raise ValueError("--distributed: the CUDA backend runs on one host")
+    if options.experts_per_token is not None:  # (transformers' routers hold their own k)
+        raise ValueError(f"experts_per_token {options.experts_per_token}: the CUDA backend "
+                         f"routes each token to the model's own experts; reduced top-k "
+                         f"(--experts-per-token) is the MLX backend's")
     if options.prefill_arithmetic == "blas":
         raise ValueError(f"--prefill-arithmetic {options.prefill_arithmetic}: the MLX "
                          f"backend's CPU path; the CUDA backend computes as it does")

@@ -10,16 +10,17 @@
 - per-layer fallback: edgemoe.routing.between writes it into a heads folder's config
   (backend-free; `python -m edgemoe.routing.between`).
 - reduced top-k (`set_top_k`): the k most likely of the router's or the heads' logits,
-  as Edge0 and flash-moe run (4 of 8).
+  as Edge0 and flash-moe run (4 of 8): in any routing mode by `--experts-per-token`
+  (`reduce_top_k`, at load), or by heads (their config's `route_top_k`).
 """
 
-from typing import Callable, Dict, Iterable, Sequence, Set
+from typing import Callable, Dict, Iterable, Optional, Sequence, Set
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .gates import RouterTap, _linear_map
+from .gates import RouterTap, _linear_map, top_k as routed_k
 
 
 class SlotSim:
@@ -126,3 +127,30 @@ def set_top_k(blocks: Iterable[nn.Module], k: int):
             raise ValueError(f"{type(block).__name__}: no top_k field to reduce")
         block.top_k = k
 
+
+def experts_per_token(blocks: Dict[int, nn.Module]) -> int:
+    """The experts each token routes to now: the blocks' `top_k` field, or their
+    `num_experts_per_tok`, or what their own code routes to (families with neither)."""
+    first = blocks[min(blocks)]
+    for name in ("top_k", "num_experts_per_tok"):
+        if isinstance(getattr(first, name, None), int):
+            return int(getattr(first, name))
+    return routed_k(first)
+
+
+def reduce_top_k(blocks: Dict[int, nn.Module], k: Optional[int]) -> int:
+    """Route every block to its `k` most likely experts (`--experts-per-token`; None: the
+    model's own k, unchanged). Returns the model's own k. A k above it, or a family whose
+    blocks have no `top_k` field, is a ValueError naming the field."""
+    own = experts_per_token(blocks)
+    if k is None:
+        return own
+    first = blocks[min(blocks)]
+    if not hasattr(first, "top_k"):
+        raise ValueError(f"experts_per_token: expected MoE blocks with a top_k field to "
+                         f"reduce, found {type(first).__name__} without one (this family "
+                         f"routes to its own {own})")
+    if not 1 <= k <= own:
+        raise ValueError(f"experts_per_token: expected 1 to the model's own {own}, found {k}")
+    set_top_k(blocks.values(), k)
+    return own

@@ -49,6 +49,7 @@ class Streaming:
     queued: QueuedReads = field(default_factory=QueuedReads)
     # entered around each forward call: edgemoe.mlx_backend.prefill's BLAS flag, when loaded with it
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+    experts_per_token: Optional[Any] = None  # routing.modes.ExpertsPerToken, set at load
 
 
 def streaming_of(model) -> Optional[Streaming]:

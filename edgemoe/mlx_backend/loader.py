@@ -1,5 +1,6 @@
 """`load()`: an MoE model whose routed experts stream from disk, as an mlx-lm model."""
 
+import sys
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
@@ -12,7 +13,9 @@ from ..load_plan import Backend, LoadPlan, plan_load
 from ..options import StreamOptions
 from .driver import PredictedRouting
 from .gates import hand_input, moe_blocks
+from .conditional import experts_per_token, reduce_top_k
 from .predictors import predictor_for
+from ..routing.modes import ExpertsPerToken
 from ..streaming.telemetry import drop_cached_pages
 from .experts import Streaming, install, streaming_class
 from .families import check_runs, find_experts, model_args, routed_experts
@@ -78,7 +81,7 @@ def load(
     plan = plan_load(path_or_hf_repo, options, backend)
     with plan.building():
         model = backend.build(plan)
-        backend.install_routing(model, plan)
+        _reduce_experts(model, plan, backend.install_routing)
         if plan.adapter is not None:
             model = load_adapter(model, plan.adapter, streamed_experts=plan.deltas is not None)
             model.eval()
@@ -157,6 +160,20 @@ def _build(plan: LoadPlan, lazy: bool, model_config):
     if uncached:
         _load_uncached(model, plan.source.resident_files)
     return model, config, experts
+
+
+def _reduce_experts(model, plan: LoadPlan, install_routing) -> None:
+    """--experts-per-token on every MoE block, before the routing mode is installed (its
+    predictors and cache-conditional taps route to the reduced k), and what each token
+    routes to after it (heads may reduce it too: the smaller k wins) on model.streaming."""
+    blocks = moe_blocks(model)
+    own = reduce_top_k(blocks, plan.options.experts_per_token)
+    install_routing(model, plan)
+    experts = ExpertsPerToken(experts_per_token(blocks), own)
+    model.streaming.experts_per_token = experts
+    if experts.reduced:
+        print(f"[edgemoe] each token routes to {experts} experts (reduced top-k: not "
+              f"exact)", file=sys.stderr)
 
 
 def _install_routing(model, plan: LoadPlan, experts: dict):

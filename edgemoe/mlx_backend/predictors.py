@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .conditional import install_conditional, set_top_k
+from .conditional import experts_per_token, install_conditional, set_top_k
 from .gates import RouterTap, gate_logits, indices_from_logits, install_tap
 from .prerouter import Prerouter, load_prerouter
 from .state import RoutingState
@@ -71,8 +71,9 @@ class PreroutedPredictor:
         `new_policy()` (the store's cache policy; needed by such heads)."""
         self.prerouter = prerouter
         config = prerouter.config
-        if config.route_top_k:  # reduced top-k: every layer, native or predicted
-            set_top_k(blocks.values(), config.route_top_k)
+        if config.route_top_k:  # reduced top-k: every layer, native or predicted; beside
+            #                    --experts-per-token, the smaller k wins
+            set_top_k(blocks.values(), min(config.route_top_k, experts_per_token(blocks)))
         self.targets_of = config.targets_of
         # compiled, as the next router is: a head and its target's routing code cost no
         # Python on the decode path (the heads' weights are fixed once loaded)

@@ -8,7 +8,10 @@ A mode is a `RoutingMode`: the tools ask it what it needs and allows, not its na
 (`routing_mode("prerouted").exact` is False). Each backend installs a mode's routing by
 asking it the same two questions: `advisory` (the next layer's router prefetches; the
 router decides) and `routes` (the heads' prediction is the routing); native is neither.
-The names are the --routing values. This module imports neither MLX nor PyTorch.
+The names are the --routing values. Any mode may route each token to fewer experts than
+the model's own k (`--experts-per-token`: `ExpertsPerToken`, reduced top-k); the routing
+is then not exact, and `routing_report` says so. This module imports neither MLX nor
+PyTorch.
 """
 
 import argparse
@@ -73,6 +76,36 @@ ADVISORY = RoutingMode("advisory", predicts=True, routes=False)
 PREROUTED = RoutingMode("prerouted", predicts=True, routes=True)
 ROUTING_MODES = (NATIVE, ADVISORY, PREROUTED)
 MODE_NAMES = tuple(mode.name for mode in ROUTING_MODES)
+
+
+@dataclass(frozen=True)
+class ExpertsPerToken:
+    """The experts each token routes to (`used`) of the model's own k (`of`)."""
+
+    used: int
+    of: int
+
+    @property
+    def reduced(self) -> bool:
+        return self.used < self.of
+
+    def __str__(self) -> str:
+        return f"{self.used} of {self.of}"
+
+
+def routing_report(mode: "RoutingMode", experts: ExpertsPerToken) -> dict:
+    """What a tool reports of a loaded model's routing: its mode, whether its outputs are
+    native's (bit-identical to mlx-lm: an exact mode routing to all of the model's k),
+    and its experts per token ("4 of 8")."""
+    return {"routing": mode.name, "exact": mode.exact and not experts.reduced,
+            "experts_per_token": str(experts)}
+
+
+def describe_routing(mode: "RoutingMode", experts: ExpertsPerToken) -> str:
+    """`routing_report` in words: "native, 4 of 8 experts per token (reduced: not exact)"."""
+    what = "exact" if routing_report(mode, experts)["exact"] else \
+        "reduced: not exact" if experts.reduced else "not exact"
+    return f"{mode.name}, {experts} experts per token ({what})"
 
 
 def routing_mode(mode: Union[str, RoutingMode]) -> RoutingMode:

@@ -82,6 +82,7 @@ class Engine:
         self.stopping = threading.Event()
         self.store = None  # the model's ExpertStore, once loaded
         self.share = None  # the model's HostShare when it is one host of a group
+        self.experts_per_token = None  # its routing.modes.ExpertsPerToken, once loaded
         self.thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
         self.health = Health()  # /health's word on the server's own failures
 
@@ -134,6 +135,7 @@ class Engine:
             self.model, self.tokenizer, self.config = self._load()
             streaming = streaming_of(self.model)
             self.store, self.share = streaming.store, streaming.share
+            self.experts_per_token = streaming.experts_per_token
             self.metrics = Metrics(self.store)
             self.eos = set(self.tokenizer.eos_token_ids)
             if self._load_draft is not None:

@@ -85,6 +85,9 @@ class Server:
         self._bounded = None  # the tokenizer as the APIs use it
         # whose cached prefixes a request reuses (--prompt-cache-scope, serving.cache_scope)
         self.prompt_cache_scope = "key"
+        # the loaded routing (edgemoe.server.build): /metrics' "routing", whether it is exact
+        self.routing: dict = {}
+        self.experts_per_token = None  # routing.modes.ExpertsPerToken
 
     @property
     def tokenizer(self):
@@ -329,7 +332,7 @@ class Server:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request):
-        return JSONResponse(self.engine.snapshot())
+        return JSONResponse({**self.engine.snapshot(), "routing": self.routing})
 
 
 class ClientGone(Exception):

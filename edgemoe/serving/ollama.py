@@ -124,11 +124,14 @@ class OllamaAPI:
         capabilities = ["completion"] + (["tools"] if tok.tool_parser else []) + \
             (["thinking"] if tok.has_thinking else [])
         template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+        info = {"general.architecture": s.model_type,
+                f"{s.model_type}.context_length": s.context_length}
+        if s.experts_per_token is not None:  # as llama.cpp's GGUF keys name them
+            info[f"{s.model_type}.expert_used_count"] = s.experts_per_token.used
         return JSONResponse({
             "template": template, "modelfile": "", "parameters": "",
             "details": self._details(), "capabilities": capabilities,
-            "model_info": {"general.architecture": s.model_type,
-                           f"{s.model_type}.context_length": s.context_length},
+            "model_info": info,
             "modified_at": self._card()["modified_at"]})
 
     # -- requests ------------------------------------------------------------------------
