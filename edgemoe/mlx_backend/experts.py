@@ -236,11 +236,11 @@ class StreamingExperts(nn.Module):
         return out
 
     def _resident_call(self, x: mx.array, indices: mx.array) -> mx.array:
-        """Every expert of the layer is in a slot: the router's ids become slot ids on the
+        """Every expert of the layer is in a slot: the router's ids are slot ids as they are
+        (each expert in its own: `identity`, mlx-lm's own call), else become them on the
         device (`live_table`), so the call needs no host sync, as in mlx-lm; the experts it
         requested are counted on the device too (`QueuedReads.tally`)."""
         self._bind_deltas()
-        # (each expert in its own slot: mlx-lm's call itself, no lookup in the graph)
         slot_ids = indices if self.slots.identity else mx.take(self.pool.table, indices)
         out = self.pool.module(x, slot_ids)
         self.streaming.queued.tally(self.slots, indices, self.slots.layer.num_experts)
