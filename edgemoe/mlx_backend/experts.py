@@ -184,8 +184,7 @@ class StreamingExperts(nn.Module):
         fills = self.slots.claim(sorted(set(ids)))
         if fills is None:
             return None
-        # the graph is built while the misses are read: it reads their slots only once
-        # evaluated, after `finish` (the slots they were given are in the table already)
+        # built while the misses are read: it reads their slots once evaluated, after finish
         self._bind_deltas()
         out = self.pool.module(x, mx.take(self.pool.table, indices))
         try:
