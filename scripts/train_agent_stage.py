@@ -156,11 +156,11 @@ def chat_stream(tok, path: Path, cache: Path):
     return arr
 
 
-def lr_at(step, steps):
+def lr_at(step, steps, peak=LR):
     if step < WARMUP:
-        return LR * (step + 1) / WARMUP
+        return peak * (step + 1) / WARMUP
     progress = (step - WARMUP) / max(steps - WARMUP, 1)
-    return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def batch_at(step, rng, long_ids, chat_ids, long):
@@ -195,6 +195,7 @@ def main():
     ap.add_argument("--qat", action="store_true",
                     help="train on the weights as the int4 pack will store them (straight-through)")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when other work shares the cores")
+    ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (cosine to a tenth)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
@@ -240,13 +241,13 @@ def main():
         logf.flush()
 
     log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long, qat=args.qat, init=str(args.init),
-        chat_window=CHAT_WINDOW, lr=LR, chat_tokens=int(len(chat_ids)))
+        chat_window=CHAT_WINDOW, lr=args.lr, chat_tokens=int(len(chat_ids)))
     model.train()
     shape = first.SHAPES["fine"]
     fake_quant = FakeQuant(quantized_params(model, json.loads((args.pack / "config.json").read_text())))
     t0, last_save = time.time(), time.time()
     while step < args.steps:
-        lr = lr_at(step, args.steps)
+        lr = lr_at(step, args.steps, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch_at(step, rng, long_ids, chat_ids, args.long)
