@@ -43,7 +43,7 @@ from edgemoe.options import StreamOptions  # noqa: E402
 from edgemoe.mlx_backend.conditional import SlotSim, install_conditional  # noqa: E402
 from edgemoe.routing.between import plain_heads, with_native_layers  # noqa: E402
 from edgemoe.format.adapters import adapter_subset, expert_key  # noqa: E402
-from edgemoe.format.deltas import expert_deltas  # noqa: E402
+from edgemoe.format.deltas import MANIFEST as DELTAS_MANIFEST, expert_deltas  # noqa: E402
 from edgemoe.format.pack import Pack  # noqa: E402
 from edgemoe.format.resident import read_safetensors_header  # noqa: E402
 from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
@@ -401,7 +401,7 @@ def speed(result, native, heads_native_layers, forecast: "Forecast"):
         if spec.get("adapter") and not spec.get("attention_only"):  # each expert's delta
             # rides with it: more bytes a read
             adapted = len(spec["adapter"]) / 8 if isinstance(spec["adapter"], list) else 1
-            more = 1 + adapted * (delta_share() - 1)  # (the layers' reads taken as equal)
+            more = 1 + adapted * (delta_share(adapter_of(spec)) - 1)  # (layers' reads equal)
             ratio *= more
             experts *= more  # (in experts' worth of bytes)
             result["deltas_counted"] = True
@@ -428,14 +428,21 @@ def native_loads(trace, slots, layers) -> int:
     return loads
 
 
-def delta_share() -> float:
-    """(expert record + its delta) / expert record, of the pack's adapter, layer 0."""
+def adapter_of(spec: dict) -> Path:
+    """The adapter a row loads: the heads' own (`shipped`: whatever adapter those heads
+    carry, another rank's too), else the pack's or a subset of it (same record sizes)."""
+    return Path(spec.get("adapter_path") or PACK / "adapter")
+
+
+def delta_share(adapter: Path) -> float:
+    """(expert record + its delta) / expert record, of `adapter` (the one the row loads:
+    a delta's size follows its rank), its first adapted layer."""
     expert = json.loads((PACK / "manifest.json").read_text())["layers"][0]["records"][0][1]
-    delta = PACK / "adapter" / "expert_deltas.json"
-    if not delta.exists():  # (ignored by git) written when the adapter first loads: a run
-        #                     whose rows load only the heads' own adapter writes it here
-        expert_deltas(PACK / "adapter", Pack.open(PACK))
-    return 1 + json.loads(delta.read_text())["layers"][0]["records"][0][1] / expert
+    records = expert_deltas(adapter, Pack.open(PACK))  # written first if missing, as loading
+    if records is None:  # an attention-only adapter
+        return 1.0
+    delta = json.loads((records.path.parent / DELTAS_MANIFEST).read_text())
+    return 1 + delta["layers"][0]["records"][0][1] / expert
 
 
 def replayed_experts(traces: dict, budget) -> float:
@@ -565,7 +572,8 @@ def count_deltas(row, native, out: Path):
     the cache of a run in `out`)."""
     cached = pickle.loads((out / "native.pkl").read_bytes())
     forecast = Forecast(_joined(cached["traces"][None]))
-    spec, share = row["spec"], delta_share()
+    spec = row["spec"]
+    share = delta_share(adapter_of(spec))
     for budget, b in row["budgets"].items():
         ratio = share * b["experts_per_token"] / native["budgets"][budget]["experts_per_token"]
         kind = "conditional" if spec.get("conditional") else "prerouted"

@@ -247,3 +247,25 @@ def test_heads_carry_their_adapter_unless_another_is_given(tmp_path):
     (heads / "prerouter_config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="adapter 'missing'"):
         edgemoe.load(expert_budget="25%", routing="prerouted", prerouter_path=str(heads))
+
+
+def test_frontier_counts_the_delta_bytes_of_the_adapter_it_loads(tmp_path):
+    """frontier.py's bytes a token count the expert deltas of the adapter a row loads (a
+    retrained adapter of another rank: half the rank, half the delta bytes), not the pack's."""
+    import frontier
+
+    pack = BUNDLED_MODEL / "adapter"
+    full = mx.load(str(pack / "adapters.safetensors"))
+    half = {k: (v[:, :2] if k.endswith("lora_a") else v[..., :2]) if "switch_mlp" in k
+            else (v[:, :2] if k.endswith("lora_a") else v[:2]) for k, v in full.items()}
+    (tmp_path / "r2").mkdir()
+    mx.save_safetensors(str(tmp_path / "r2" / "adapters.safetensors"), half)
+    config = json.loads((pack / "adapter_config.json").read_text())
+    config["lora_parameters"]["rank"] = 2
+    (tmp_path / "r2" / "adapter_config.json").write_text(json.dumps(config))
+    shipped = frontier.delta_share(pack) - 1
+    assert shipped > 0
+    assert frontier.delta_share(tmp_path / "r2") - 1 == pytest.approx(shipped / 2, rel=0.05)
+    row = {"adapter_path": str(tmp_path / "r2"), "adapter": [5, 6, 7]}
+    assert frontier.adapter_of(row) == tmp_path / "r2"
+    assert frontier.adapter_of({"adapter": True}) == pack
