@@ -24,3 +24,26 @@ def test_short_every_trains_every_nth_corpus_step_at_the_first_stages_length():
     assert shapes(2) == [long, chat, short, chat] * 2
     assert shapes(3, 12) == [long, chat, long, chat, short, chat] * 2
     assert stage.SHORT_BATCH * stage.SHORT == 4096  # a short step: a long step's tokens
+
+
+class FixedTeacher:
+    """A model whose next-token logits are given."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __call__(self, input_ids):
+        return type("Out", (), {"logits": self.logits})()
+
+
+def test_distillation_is_the_teachers_kl_to_the_student_per_token():
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.zeros(2, 5, dtype=torch.long)
+    teacher, student = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    assert stage.distillation_loss(teacher, FixedTeacher(teacher), x).item() < 1e-6
+    p, q = teacher.log_softmax(-1), student.log_softmax(-1)
+    expected = (p.exp() * (p - q)).sum(-1).mean()
+    found = stage.distillation_loss(student, FixedTeacher(teacher), x)
+    assert torch.allclose(found, expected, atol=1e-6)
