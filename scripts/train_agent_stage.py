@@ -12,6 +12,11 @@ context grows by the weights and the base alone), and trains on a mix of
 - short chat turns in the pack's ChatML whose replies end with <|im_end|>
   (scripts/agent_chat_data.py builds them from the corpus and man's index), packed into
   windows of CHAT_WINDOW tokens,
+- with `--short-every N`, short windows (SHORT tokens, the first stage's length, SHORT_BATCH
+  of them) of the corpus as every N-th corpus step: the new base moves every position, so
+  the first stage's own length is trained again beside the long ones; with `--distil`,
+  toward the pack's own next-token distributions there (the pack at its own base, as int4
+  stores it: a teacher of what short windows should give),
 at a low learning rate, with the per-layer load-balancing loss of the first stage, so that
 short-context quality and routing stay as they were. The config it writes says the new
 context (max_position_embeddings) and ends generation at <|im_end|> as well as
@@ -47,6 +52,8 @@ LONG = 4096                 # tokens of a long window
 CHAT_WINDOW = 1024          # tokens of a window of packed chat turns
 CHAT_BATCH = 2              # chat windows per chat step
 CHAT_EVERY = 2              # every CHAT_EVERY-th step is a chat step
+SHORT = 512                 # tokens of a short window (--short-every): the first stage's
+SHORT_BATCH = 8             # short windows a short step: a long step's tokens
 MAX_CHAT_TURNS = 20000      # more than a stage sees
 LR = 2e-4
 MIN_LR_FRAC = 0.1
@@ -156,6 +163,17 @@ def chat_stream(tok, path: Path, cache: Path):
     return arr
 
 
+def distillation_loss(logits, teacher, x):
+    """KL(teacher || student) per token, the teacher's distributions over `x`."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
+    student = F.log_softmax(logits.float(), -1)
+    return F.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True,
+                    reduction="batchmean")
+
+
 def lr_at(step, steps, peak=LR):
     if step < WARMUP:
         return peak * (step + 1) / WARMUP
@@ -163,10 +181,16 @@ def lr_at(step, steps, peak=LR):
     return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_at(step, rng, long_ids, chat_ids, long):
-    """A chat step (CHAT_BATCH packed windows) or a long step (one window of `long`)."""
-    ids, width, n = ((chat_ids, CHAT_WINDOW, CHAT_BATCH) if step % CHAT_EVERY == CHAT_EVERY - 1
-                     else (long_ids, long, 1))
+def batch_at(step, rng, long_ids, chat_ids, long, short_every=0):
+    """A chat step (CHAT_BATCH packed windows), a short step (SHORT_BATCH windows of SHORT:
+    every `short_every`-th corpus step) or a long step (one window of `long`)."""
+    corpus_step = step // CHAT_EVERY
+    if step % CHAT_EVERY == CHAT_EVERY - 1:
+        ids, width, n = chat_ids, CHAT_WINDOW, CHAT_BATCH
+    elif short_every and corpus_step % short_every == short_every - 1:
+        ids, width, n = long_ids, SHORT, SHORT_BATCH
+    else:
+        ids, width, n = long_ids, long, 1
     starts = rng.integers(0, len(ids) - width, size=n)
     return torch.from_numpy(np.stack([ids[s:s + width] for s in starts]).astype(np.int64))
 
@@ -196,6 +220,10 @@ def main():
                     help="train on the weights as the int4 pack will store them (straight-through)")
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when other work shares the cores")
     ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (cosine to a tenth)")
+    ap.add_argument("--short-every", type=int, default=0,
+                    help="every N-th corpus step trains SHORT-token windows (0: none)")
+    ap.add_argument("--distil", action="store_true",
+                    help="short steps learn the pack's own distributions (KL), not the text")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
@@ -208,6 +236,12 @@ def main():
         sys.exit(f"{out}/chat_train.jsonl: expected the chat turns (scripts/agent_chat_data.py --out {out})")
 
     model, tok = load_pack(args.pack, args.rope_theta, CONTEXT)
+    teacher = None
+    if args.distil:  # the pack as it is: its own base and context, int4 weights, frozen
+        pack_config = json.loads((args.pack / "config.json").read_text())
+        teacher, _ = load_pack(args.pack, pack_config["rope_theta"],
+                               pack_config["max_position_embeddings"])
+        teacher.eval().requires_grad_(False)
     corpus = json.loads((args.corpus / "corpus.json").read_text())
     long_ids = token_stream(tok, [t for d in corpus.values() for t in d["train"]], out / "train_ids.npy")
     del corpus
@@ -240,7 +274,7 @@ def main():
         logf.write(json.dumps(kw) + "\n")
         logf.flush()
 
-    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long, qat=args.qat, init=str(args.init),
+    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long, short_every=args.short_every, distil=args.distil, qat=args.qat, init=str(args.init),
         chat_window=CHAT_WINDOW, lr=args.lr, chat_tokens=int(len(chat_ids)))
     model.train()
     shape = first.SHAPES["fine"]
@@ -250,17 +284,20 @@ def main():
         lr = lr_at(step, args.steps, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = batch_at(step, rng, long_ids, chat_ids, args.long)
+        x = batch_at(step, rng, long_ids, chat_ids, args.long, args.short_every)
+        kind = {CHAT_WINDOW: "chat", SHORT: "short"}.get(x.shape[1], "long")
         with fake_quant if args.qat else contextlib.nullcontext():
             outp = model(input_ids=x, labels=x)
             balance = first.balance_loss(outp, shape)
-            (outp.loss + balance).backward()
+            loss = outp.loss
+            if teacher is not None and kind == "short":
+                loss = distillation_loss(outp.logits, teacher, x)
+            (loss + balance).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), first.GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        kind = "chat" if x.shape[1] == CHAT_WINDOW else "long"
-        log(event="train", step=step, kind=kind, ce=outp.loss.item(), lr=lr)
+        log(event="train", step=step, kind=kind, ce=outp.loss.item(), loss=loss.item(), lr=lr)
         print(f"step {step}/{args.steps} {kind} ce {outp.loss.item():.3f} lr {lr:.2e} "
               f"{time.time() - t0:.0f}s this run", flush=True)
         if time.time() - last_save >= CKPT_EVERY_S:
