@@ -1,16 +1,18 @@
 """The recovery LoRA's distillation in PyTorch (`edgemoe.train_lora --backend torch`).
 
-MLX trains on one CPU core here, at about 10 s a step of 1,024 tokens on the bundled
-model; PyTorch runs the same step in about 1 s. The student is the same: the int4 pack
-dequantized to float32 (the values MLX computes with), every expert resident, routed as it
-will be served: natively, or prerouted by the frozen heads through the CUDA backend's own
-routing (edgemoe.cuda.prerouted, on the CPU). The deltas are mlx-lm's LoRALinear
-(lora_a: in x rank, lora_b: rank x out) on the resident linear layers and its
-LoRASwitchLinear (lora_a: experts x rank x in, lora_b: experts x out x rank) on the routed
-experts, parameter for parameter, so the adapter is written in mlx-lm's format and served
-by the MLX path, unmerged, the experts' deltas streamed with them. The teacher is the pack
-itself (every expert resident, native routing, no adapter) or an unquantized checkpoint
-(transformers' own class). The loss, batches, schedule and resumption are train_lora's.
+MLX trains on one CPU core here, at about 10 s a step of 1,024 tokens on the bundled model;
+PyTorch runs the same step, the routed experts' deltas included, in about 2 s with both
+cores to itself (its OpenMP threads slow down many times beside another job). The student
+is the same: the int4 pack dequantized to float32 (the values MLX computes with), every
+expert resident, routed as it will be served: natively, or prerouted by the frozen heads
+through the CUDA backend's own routing (edgemoe.cuda.prerouted, on the CPU). The deltas are
+mlx-lm's LoRALinear (lora_a: in x rank, lora_b: rank x out) on the resident linear layers
+and its LoRASwitchLinear (lora_a: experts x rank x in, lora_b: experts x out x rank) on the
+routed experts, parameter for parameter, so the adapter is written in mlx-lm's format and
+served by the MLX path, unmerged, the experts' deltas streamed with them. The teacher is
+the pack itself (every expert resident, native routing, no adapter) or an unquantized
+checkpoint (transformers' own class). The loss, batches, schedule and resumption are
+train_lora's.
 
 Runs the families whose experts are mlx-lm's SwitchGLU and whose transformers class the
 CUDA backend builds (edgemoe.cuda.families); others are refused in one line.
