@@ -274,7 +274,8 @@ def main():
         logf.write(json.dumps(kw) + "\n")
         logf.flush()
 
-    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long, short_every=args.short_every, distil=args.distil, qat=args.qat, init=str(args.init),
+    log(event="start", step=step, steps=args.steps, rope_theta=args.rope_theta, long=args.long,
+        short_every=args.short_every, distil=args.distil, qat=args.qat, init=str(args.init),
         chat_window=CHAT_WINDOW, lr=args.lr, chat_tokens=int(len(chat_ids)))
     model.train()
     shape = first.SHAPES["fine"]
