@@ -164,14 +164,13 @@ def chat_stream(tok, path: Path, cache: Path):
 
 
 def distillation_loss(logits, teacher, x):
-    """KL(teacher || student) per token, the teacher's distributions over `x`."""
-    import torch.nn.functional as F
+    """KL(teacher || student) per token, the teacher's distributions over `x` (the LoRA
+    distillation's loss: edgemoe.cuda.train.kd_loss)."""
+    from edgemoe.cuda.train import kd_loss
 
     with torch.no_grad():
-        target = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
-    student = F.log_softmax(logits.float(), -1)
-    return F.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True,
-                    reduction="batchmean")
+        target = torch.log_softmax(teacher(input_ids=x).logits.float(), -1)
+    return kd_loss(logits, target)
 
 
 def lr_at(step, steps, peak=LR):
@@ -181,16 +180,21 @@ def lr_at(step, steps, peak=LR):
     return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_at(step, rng, long_ids, chat_ids, long, short_every=0):
-    """A chat step (CHAT_BATCH packed windows), a short step (SHORT_BATCH windows of SHORT:
-    every `short_every`-th corpus step) or a long step (one window of `long`)."""
-    corpus_step = step // CHAT_EVERY
+def step_kind(step, short_every=0) -> str:
+    """"chat" every CHAT_EVERY-th step; of the corpus steps, "short" every `short_every`-th,
+    else "long"."""
     if step % CHAT_EVERY == CHAT_EVERY - 1:
-        ids, width, n = chat_ids, CHAT_WINDOW, CHAT_BATCH
-    elif short_every and corpus_step % short_every == short_every - 1:
-        ids, width, n = long_ids, SHORT, SHORT_BATCH
-    else:
-        ids, width, n = long_ids, long, 1
+        return "chat"
+    corpus_step = step // CHAT_EVERY
+    return "short" if short_every and corpus_step % short_every == short_every - 1 else "long"
+
+
+def batch_at(step, rng, long_ids, chat_ids, long, short_every=0):
+    """A chat step (CHAT_BATCH packed windows), a short step (SHORT_BATCH windows of SHORT)
+    or a long step (one window of `long`): `step_kind`'s."""
+    ids, width, n = {"chat": (chat_ids, CHAT_WINDOW, CHAT_BATCH),
+                     "short": (long_ids, SHORT, SHORT_BATCH),
+                     "long": (long_ids, long, 1)}[step_kind(step, short_every)]
     starts = rng.integers(0, len(ids) - width, size=n)
     return torch.from_numpy(np.stack([ids[s:s + width] for s in starts]).astype(np.int64))
 
@@ -286,7 +290,7 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch_at(step, rng, long_ids, chat_ids, args.long, args.short_every)
-        kind = {CHAT_WINDOW: "chat", SHORT: "short"}.get(x.shape[1], "long")
+        kind = step_kind(step, args.short_every)  # (not told by the width: --long may be any)
         with fake_quant if args.qat else contextlib.nullcontext():
             outp = model(input_ids=x, labels=x)
             balance = first.balance_loss(outp, shape)
