@@ -279,19 +279,46 @@ def update_assets(pack: Path):
 AGENT = "## Agent stage"
 
 
+QAT_WHY = ("`--qat`: trained on the weights as int4 stores them, which convert would "
+           "otherwise round the stage's updates away from")
+
+
+def stage_phases(run: Path) -> list:
+    """[(a phase's start event, its steps)], first to last: a --qat phase names the stage
+    it started from (--init)."""
+    phases, folder = [], run
+    while folder is not None:
+        log = [json.loads(line) for line in open(folder / "train_log.jsonl")]
+        start = next(e for e in log if e["event"] == "start")
+        phases.insert(0, (start, sum(e["event"] == "train" for e in log)))
+        folder = Path(start["init"]) if start.get("init") not in (None, "None") else None
+    return phases
+
+
+def stage_options(start: dict, rope_theta: float) -> tuple:
+    """(the words for the first phase's options, its command line's flags)."""
+    every = start.get("short_every") or 0
+    nth = {2: "second", 3: "third", 4: "fourth"}.get(every, f"{every}th")
+    distil = " (toward the pack's own next-token distributions, `--distil`)"
+    words = (f"; every {nth} corpus step is instead eight 512-token windows, the first stage's "
+             f"length, so that short context is trained again at the new base"
+             + (distil if start.get("distil") else "") if every else "")
+    words += f", all quantization-aware ({QAT_WHY})" if start.get("qat") else ""
+    flags = ((" --qat" if start.get("qat") else "") + (f" --short-every {every}" if every else "")
+             + (" --distil" if start.get("distil") else "")
+             + f" --rope-theta {rope_theta:g} --lr {start['lr']:g}")
+    return words, flags
+
+
 def agent_section(run: Path) -> str:
     """The agent stage's section: what it trained, perplexity by context length and the
     share of held-out chat turns ending with stop, before and after."""
     before, after = (json.loads((run / f"eval_{w}.json").read_text()) for w in ("before", "after"))
-    phases, folder = [], run  # a --qat phase names the stage it started from (--init)
-    while folder is not None:
-        log = [json.loads(l) for l in open(folder / "train_log.jsonl")]
-        start = next(e for e in log if e["event"] == "start")
-        phases.insert(0, (start, sum(e["event"] == "train" for e in log)))
-        folder = Path(start["init"]) if start.get("init") not in (None, "None") else None
+    phases = stage_phases(run)
     start, steps = phases[0]
-    qat = sum(n for s, n in phases if s.get("qat"))
+    qat = sum(n for s, n in phases[1:] if s.get("qat"))  # a --qat phase after the stage
     last = "QAT" if qat else "RUN"  # the folder whose hf/ is converted
+    short, flags = stage_options(start, after["rope_theta"])
     ppl = lambda e, n: e["perplexity"][str(n)]["ppl"]
     lengths = sorted(int(n) for n in after["perplexity"] if n.isdigit())
     lines = [AGENT, f"A last stage, from this pack's first-stage weights (dequantized) with RoPE's base "
@@ -300,12 +327,13 @@ def agent_section(run: Path) -> str:
              f"{start['long']:,}-token window of the training corpus and two {start['chat_window']:,}"
              f"-token windows of short chat turns in its ChatML template, each reply ended by "
              f"`<|im_end|>` (`scripts/agent_chat_data.py`: docstrings, signatures and man's NAME lines "
-             f"asked for by name; {start['chat_tokens']:,} tokens)"
-             + (f", then {qat} quantization-aware steps (`--qat`: trained on the weights as int4 "
-                f"stores them, which convert would otherwise round the stage's updates away from)"
-                if qat else "") + ". Generation ends at `<|im_end|>` "
+             f"asked for by name; {start['chat_tokens']:,} tokens){short}"
+             + (f", then {qat} quantization-aware steps ({QAT_WHY})" if qat else "")
+             + ". Generation ends at `<|im_end|>` "
              f"and `<|endoftext|>`; the context is {after['context']:,} tokens. 32K is not trained "
-             f"on: it comes from the raised base, measured here.", "",
+             f"on: it comes from the raised base, measured here. The sections on quality and "
+             f"routing describe the first stage's weights; the heads, adapter and cache policy are this "
+             f"stage's (`scripts/rebuild_reference.sh RUN pack agent heads lora traces`).", "",
              f"Held-out perplexity of the int4 pack (PyTorch, float32 from int4) by context length, "
              f"on the held-out files of the stdlib and packages domains joined in order "
              f"({after['perplexity']['heldout_tokens']:,} tokens; 512: 32 windows, 2K: 4, 8K: 2, 32K: 1):", "",
@@ -321,9 +349,12 @@ def agent_section(run: Path) -> str:
     b, a = before["chat"], after["chat"]
     lines += ["", f"Short chat turns ending with `stop` (not `length`) within {a['max_tokens']} "
               f"tokens, greedy, through edgemoe.generate, on {a['turns']} held-out turns never "
-              f"trained on: **{a['stop']}/{a['turns']}** (before the stage: {b['stop']}/{b['turns']}).",
+              f"trained on: **{a['stop']}/{a['turns']}** "
+              f"(before the stage: {b['stop']}/{b['turns']})."
+              + replies_said(a.get("rows", [])),
               "", "```", "python scripts/agent_chat_data.py --corpus CORPUS --out RUN",
-              f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out RUN --steps {steps}",
+              f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out RUN "
+              f"--steps {steps}{flags}",
               *([f"python scripts/train_agent_stage.py --pack PACK --corpus CORPUS --out QAT --init RUN "
                  f"--qat --steps {qat}"] if qat else []),
               f"scripts/rebuild_reference.sh {last} pack",
@@ -332,6 +363,22 @@ def agent_section(run: Path) -> str:
               "CORPUS: a first-stage run folder (its corpus.json); PACK: the pack before the stage, "
               "then this one (its eval_before.json is the same command on the pack before).", ""]
     return "\n".join(lines) + "\n"
+
+
+def replies_said(rows) -> str:
+    """What the stopped turns said: a model this small ends turns before it answers them."""
+    import re
+    import statistics
+    from collections import Counter
+
+    stopped = [r for r in rows if r["finish_reason"] == "stop"]
+    if not stopped:
+        return ""
+    reply, n = Counter(r["reply"].strip() for r in stopped).most_common(1)[0]
+    fence = "`" * (max(map(len, re.findall("`+", reply)), default=0) + 1)  # a code span
+    return (f" What they say is mostly not an answer: a median of "
+            f"{statistics.median(r['tokens'] for r in stopped):g} tokens, the most common "
+            f"reply ({n} of {len(stopped)}) {fence} {reply} {fence}.")
 
 
 def update_agent(run: Path, pack: Path):
