@@ -69,9 +69,11 @@ for step in $STEPS; do
       cp "$RUN"/lora/adapters.safetensors "$RUN"/lora/adapter_config.json \
          "$RUN"/lora/report.json "$RUN"/lora/expert_deltas.bin "$RUN"/lora/expert_deltas.json \
          "$LORA/"
-      # the default of --routing prerouted loads the adapter on the layers its heads route
-      # (cache-conditionally), expert deltas included (docs/routing.md, the frontier)
-      $PY -m edgemoe.routing.between --heads "$HEADS" --adapter "$LORA"
+      # the default of --routing prerouted loads the adapter's attention on every layer, no
+      # expert deltas: on the frontier of the agent stage's weights, closer to native on
+      # both unseen texts than the deltas on the predicted layers, and faster (docs/routing.md)
+      $PY -m edgemoe.routing.between --heads "$HEADS" --adapter "$LORA" --adapter-layers all \
+          --attention-only
       $PY scripts/model_card.py --assets --pack "$PACK" ;;
     traces)  # teacher-forced decode traces of held-out passages (4 per domain; greedy decode
       # of a small model loops and flatters every cache), their routing statistics, and the

@@ -116,12 +116,12 @@ def test_the_shipped_routing_keeps_the_layers_whose_heads_recall_least(tmp_path)
     recall = layer_recall(BUNDLED_MODEL / "prerouter" / "report.json")
     assert all(recall[t] < SHIPPED_MIN_RECALL for t in shipped["native_layers"][1:])
     assert 0 < len(shipped["native_layers"]) < 8 and shipped["conditional"] == 8
-    # and its own adapter: the pack's, on the layers the heads route, expert deltas included
+    # and its own adapter: the pack's attention LoRA on every layer, no expert deltas (the
+    # frontier's fallback-0-4-conditional-8+adapter-attn, docs/routing.md)
     own = mx.load(str(BUNDLED_MODEL / "prerouter" / shipped["adapter"] / "adapters.safetensors"))
     full = mx.load(str(BUNDLED_MODEL / "adapter" / "adapters.safetensors"))
-    predicted = read_config(BUNDLED_MODEL / "prerouter").predicted_layers
-    assert set(own) == {k for k in full if int(k.split(".")[2]) in predicted}
-    assert any("switch_mlp" in k for k in own)
+    assert set(own) == {k for k in full if "switch_mlp" not in k}
+    assert {int(k.split(".")[2]) for k in own} == set(range(8))
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,9 @@ def test_the_shipped_routing_runs_through_generate_eval_and_the_server():
     from edgemoe.mlx_backend.lora import lora_layers
     adapted = {int(n.split(".")[2]) for n, m in lora_layers(model).items()
                if mx.any(m.lora_b != 0).item()}
-    assert adapted == set(shipped.predicted_layers)  # the heads' own adapter, loaded with them
-    assert streaming_of(model).store.pack.expert_bytes > \
-        Pack.open(BUNDLED_MODEL).expert_bytes  # its deltas ride along
+    assert adapted == set(range(8))  # the heads' own adapter, loaded with them
+    assert streaming_of(model).store.pack.expert_bytes == \
+        Pack.open(BUNDLED_MODEL).expert_bytes  # attention only: no deltas ride along
     assert all(isinstance(t, ConditionalTap) and t.sim.slots == 32 for t in taps.values())
     prompt = tokenizer.encode(TEXT)
     tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
@@ -164,8 +164,9 @@ def test_the_shipped_routing_runs_through_generate_eval_and_the_server():
     result = evaluate([config], TEXT * 4, context=32, max_tokens=64)
     assert 1 < result["configs"][0]["perplexity"] < 1e4
     with running_server("--expert-budget", "25%", "--routing", "prerouted") as url:
-        ids, _, text, _ = completion(url, TEXT, max_tokens=6)
-    assert len(ids) == 6
+        ids, _, text, finish = completion(url, TEXT, max_tokens=6)
+    # the agent stage's model may end its text (token 0) before 6 tokens
+    assert len(ids) == 6 or (finish == "stop" and 1 <= len(ids) < 6), (ids, finish)
 
 
 def test_reduced_top_k_heads_route_k_experts(conditional_heads):
