@@ -149,7 +149,10 @@ def build(args) -> Tuple[Engine, Server]:
 
     options = StreamOptions.from_args(args)
     template = chat_template(args.chat_template)
-    tokenizer_config = {"chat_template": template} if template else None
+    # a template given here brings its own tool-call format (mlx-lm infers it from the
+    # template): the tool_parser_type a converted pack saved named its own template's
+    tokenizer_config = {"chat_template": template, "tool_parser_type": None} if template \
+        else None
 
     def load_model():
         return load(args.model, options, return_config=True,
