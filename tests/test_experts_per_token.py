@@ -103,6 +103,7 @@ def test_the_server_routes_to_k_says_so_and_keys_its_prompt_cache_by_it(referenc
     and Ollama's /api/show say 4 of 8; a prompt cache on disk made with K is a folder of
     its own, never the one the model's own k uses."""
     models, tokens = reference
+    tokens = tokens[:-3]  # mid-function: at its end the bundled model ends its text
     folder = tmp_path / "kv"
     seen = {}
     for k in (K, None):

@@ -121,6 +121,7 @@ def test_the_model_card_states_what_the_pack_carries():
     """The card's section on the heads, adapter and cache policy is their reports' (as
     `scripts/model_card.py --assets` writes it)."""
     import importlib.util
+    import json
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "model_card.py"
@@ -128,7 +129,10 @@ def test_the_model_card_states_what_the_pack_carries():
     card = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(card)
     section = card.assets_section(DEFAULT_MODEL)
-    assert "| 5 | 4 | 47.4% |" in section and "the attention and every routed expert" in section
+    report = json.loads((DEFAULT_MODEL / "prerouter" / "report.json").read_text())
+    recall = {r["target"]: r["head"]["recall"] for r in report["layers"]}
+    assert f"| 5 | 4 | {100 * recall[5]:.1f}% |" in section
+    assert "the attention and every routed expert" in section
     assert section in (DEFAULT_MODEL / "README.md").read_text()
 
 
