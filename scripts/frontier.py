@@ -431,7 +431,7 @@ def native_loads(trace, slots, layers) -> int:
 def adapter_of(spec: dict) -> Path:
     """The adapter a row loads: the heads' own (`shipped`: whatever adapter those heads
     carry, another rank's too), else the pack's or a subset of it (same record sizes)."""
-    return Path(spec.get("adapter_path") or PACK / "adapter")
+    return ROOT / (spec.get("adapter_path") or PACK / "adapter")  # (a JSON's: repo-relative)
 
 
 def delta_share(adapter: Path) -> float:
@@ -529,16 +529,24 @@ def main(argv=None):
     write(results, texts, out, args)
 
 
+def shown(path) -> str:
+    """A path as frontier.json records it: relative to the repository when inside it (the
+    JSON is committed under docs/; no one else has this checkout's absolute path)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def write(results, texts, out, args):
     rows = []
     for r in results:
-        row = {"name": r["name"], "spec": r["spec"], "budgets": r["budgets"],
+        spec = {k: shown(v) if k == "adapter_path" else v for k, v in r["spec"].items()}
+        row = {"name": r["name"], "spec": spec, "budgets": r["budgets"],
                "choices": r.get("choices", {}),
                "deltas_counted": r.get("deltas_counted", False),
                "texts": {k: {m: v for m, v in e.items() if not m.startswith("_")}
                          for k, e in r["texts"].items()}}
         rows.append(row)
-    result = {"heads": args.heads, "context": args.context,
+    result = {"heads": shown(args.heads), "context": args.context,
               "tokens": {k: len(v) - 1 for k, v in texts.items()},
               "forecast": f"{SHAPE} on {MACHINE}: analytic FORECAST (edgemoe.whatif.twin.forecast)",
               "configs": rows}

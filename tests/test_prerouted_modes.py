@@ -270,3 +270,19 @@ def test_frontier_counts_the_delta_bytes_of_the_adapter_it_loads(tmp_path):
     row = {"adapter_path": str(tmp_path / "r2"), "adapter": [5, 6, 7]}
     assert frontier.adapter_of(row) == tmp_path / "r2"
     assert frontier.adapter_of({"adapter": True}) == pack
+
+
+def test_the_frontiers_json_names_paths_in_the_repository_relative_to_it():
+    """docs/frontier*.json are committed: a path of this checkout means nothing to a user."""
+    import frontier
+
+    root = frontier.ROOT
+    assert frontier.shown(root / "edgemoe/models/fine/prerouter") == "edgemoe/models/fine/prerouter"
+    assert frontier.adapter_of({"adapter_path": "edgemoe/models/fine/adapter"}) == \
+        root / "edgemoe/models/fine/adapter"
+    docs = root / "docs"
+    for name in ("frontier.json", "frontier-first-stage.json"):
+        result = json.loads((docs / name).read_text())
+        paths = [result["heads"]] + [c["spec"]["adapter_path"] for c in result["configs"]
+                                     if "adapter_path" in c["spec"]]
+        assert not any(p.startswith("/") for p in paths), (name, paths)
