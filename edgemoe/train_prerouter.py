@@ -107,6 +107,7 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
     to its source layer's input. Returns True if it recorded, False if they were there.
     """
     meta_path = folder / "meta.json"
+    key = json.loads(json.dumps(key))  # as read back: its tuples are lists there
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == key:
         return False
     if folder.exists():

@@ -169,7 +169,11 @@ def test_training_is_deterministic_and_resumable(checkpoints, text_file, trained
 
     again = tmp_path / "again"  # from scratch in two runs: one epoch, then resumed
     train_prerouter.run(train_args(checkpoints, text_file, again, epochs=1))
+    recorded = {split: (again / "features" / split / "meta.json").stat().st_mtime_ns
+                for split in ("train", "eval")}
     train_prerouter.run(train_args(checkpoints, text_file, again))
+    assert recorded == {split: (again / "features" / split / "meta.json").stat().st_mtime_ns
+                        for split in ("train", "eval")}  # the resumed run records neither again
     second = weights(again / "prerouter")
     assert first.keys() == second.keys()
     assert all(mx.array_equal(first[k], second[k]) for k in first)
