@@ -107,7 +107,6 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
     to its source layer's input. Returns True if it recorded, False if they were there.
     """
     meta_path = folder / "meta.json"
-    key = json.loads(json.dumps(key))  # as read back: its tuples are lists there
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == key:
         return False
     if folder.exists():
@@ -377,7 +376,7 @@ def run(args) -> dict:
         shutil.rmtree(out / "checkpoints")  # heads of other features: start over
     eval_key = dict(key, eval_data=str(Path(args.eval_data).resolve()) if args.eval_data
                     else None, max_eval_tokens=args.max_eval_tokens,
-                    baselines=sorted(config.sources.items()))
+                    baselines=sorted(map(list, config.sources.items())))  # as JSON reads it
     record(model, blocks, eval_windows, out / "features" / "eval", eval_key, config.sources,
            "record eval")
     layers = sorted(blocks)
