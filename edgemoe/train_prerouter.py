@@ -106,7 +106,7 @@ def record(model, blocks, windows: List[np.ndarray], folder: Path, key: dict,
     target t in `baselines` (target -> source), base_<t>.npy: t's router logits applied
     to its source layer's input. Returns True if it recorded, False if they were there.
     """
-    meta_path = folder / "meta.json"
+    meta_path, key = folder / "meta.json", json.loads(json.dumps(key))  # as read back: no tuples
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == key:
         return False
     if folder.exists():
@@ -376,7 +376,7 @@ def run(args) -> dict:
         shutil.rmtree(out / "checkpoints")  # heads of other features: start over
     eval_key = dict(key, eval_data=str(Path(args.eval_data).resolve()) if args.eval_data
                     else None, max_eval_tokens=args.max_eval_tokens,
-                    baselines=sorted(map(list, config.sources.items())))  # as JSON reads it
+                    baselines=sorted(config.sources.items()))
     record(model, blocks, eval_windows, out / "features" / "eval", eval_key, config.sources,
            "record eval")
     layers = sorted(blocks)
