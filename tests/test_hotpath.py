@@ -218,3 +218,29 @@ def test_hits_first_gives_mlx_lms_logits_with_one_evaluation_started_per_missing
     per_token = counter.count / 16
     assert LAYERS + 1 < per_token <= 2 * LAYERS + 1  # (the hits of most layers started)
     model.expert_store.close()
+
+
+def test_a_resident_prompt_chunk_leaves_no_attention_for_the_next_snapshot(reference):
+    """After a prompt chunk mlx-lm evaluates only the KV cache, so the last layer's routing
+    is in no graph it evaluates. A resident call's tally of it must not keep that layer's
+    attention for the store's next snapshot to compute (a 32K prompt peaked at 16.9 GB so,
+    every chunk's scores at once): settling then allocates next to nothing."""
+    _, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="100%")
+    store = model.expert_store
+    for _ in range(3):  # reads every layer whole
+        mx.eval(model(prompt[None]))
+    wait_resident(store)
+    chunk = mx.concatenate([prompt] * 32)[None]  # 1,024 tokens
+    cache = make_prompt_cache(model)
+    for _ in range(2):  # as mlx-lm prefills
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.synchronize()
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    store.snapshot()
+    heads = model.args.num_attention_heads
+    scores = heads * chunk.shape[1] * 2 * chunk.shape[1] * 4  # one layer's, float32
+    assert mx.get_peak_memory() - active < scores / 4
+    store.close()

@@ -90,7 +90,14 @@ class QueuedReads:
         return True
 
     def tally(self, pool, ids: mx.array, num_experts: int):
-        """A resident call of `pool` routed to `ids` (..., k)."""
+        """A resident call of `pool` routed to `ids` (..., k). A prompt chunk's ids start
+        computing now: after a chunk mlx-lm evaluates only the KV cache, so the last layer's
+        routing is in no graph it evaluates. Held lazily, every chunk's would keep that
+        layer's attention graph (its cache as it was, too), all computed at once by the next
+        settle: a 32K-token prompt peaked at 16.9 GB so. (A decode step's ids are in the
+        graph of its token: they cost nothing more.)"""
+        if ids.size > ids.shape[-1]:
+            start(ids)
         self.tallies.append((self.calls, pool, (ids, num_experts)))
         if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
             old, self.tallies = self.tallies[:TALLY_BATCH], self.tallies[TALLY_BATCH:]
