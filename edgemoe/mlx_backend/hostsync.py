@@ -94,9 +94,9 @@ class QueuedReads:
         computing now: after a chunk mlx-lm evaluates only the KV cache, so the last layer's
         routing is in no graph it evaluates. Held lazily, every chunk's would keep that
         layer's attention graph (its cache as it was, too), all computed at once by the next
-        settle: a 32K-token prompt peaked at 16.9 GB so. (A decode step's ids are in the
-        graph of its token: they cost nothing more.)"""
-        if ids.size > ids.shape[-1]:
+        settle: a 32K-token prompt peaked at 16.9 GB so. (A decode step's ids, one token a
+        sequence, are in the graph of its tokens: they need no evaluation of their own.)"""
+        if ids.ndim >= 2 and ids.shape[-2] > 1:  # (batch, tokens, k), or (tokens, k)
             start(ids)
         self.tallies.append((self.calls, pool, (ids, num_experts)))
         if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
