@@ -97,7 +97,10 @@ class QueuedReads:
         settle: a 32K-token prompt peaked at 16.9 GB so. (A decode step's ids, one token a
         sequence, are in the graph of its tokens: they need no evaluation of their own.)"""
         if ids.ndim >= 2 and ids.shape[-2] > 1:  # (batch, tokens, k), or (tokens, k)
-            start(ids)
+            try:
+                start(ids)
+            except ValueError:  # inside a graph transformation (training: the loss, which
+                pass  # its caller evaluates, needs every layer's routing; nothing is left)
         self.tallies.append((self.calls, pool, (ids, num_experts)))
         if len(self.tallies) >= 2 * TALLY_BATCH:  # keep the list short, still lazy
             old, self.tallies = self.tallies[:TALLY_BATCH], self.tallies[TALLY_BATCH:]
