@@ -192,8 +192,8 @@ def quartiles(values: list) -> list:
 
 def run(args) -> dict:
     load_before = os.getloadavg()[0]
-    scratch = Path(tempfile.mkdtemp(prefix="bench_hotpath-"))
-    reference, tokenizer = mlx_lm_load(str(mlx_lm_folder(args.model, scratch)))
+    with tempfile.TemporaryDirectory(prefix="bench_hotpath-") as scratch:  # (loaded whole)
+        reference, tokenizer = mlx_lm_load(str(mlx_lm_folder(args.model, Path(scratch))))
     text = (ROOT / "README.md").read_text()
     prompt = mx.array(tokenizer.encode(text)[:args.prompt])
     models = {"mlx-lm": reference}
