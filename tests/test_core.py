@@ -285,3 +285,27 @@ def test_a_stale_prefetch_is_dropped_unread_and_its_slot_freed(packs):
     assert pool.slot_of[stale] < 0 and stale not in pool.fills
     assert not np.any(pool.state == FILLING)  # the stale one's slot is free again
     store.close()
+
+
+def test_a_whole_layer_turns_resident_when_a_cancelled_fill_gives_back_its_slot(packs):
+    """With a slot for every expert, a call's end reads the rest of the layer. A cancelled
+    prefetch still holds its slot until the reader ends it, so the last expert finds no
+    room then; it is read once that slot is free, not at the layer's next call (which
+    may never come)."""
+    path = packs["qwen3_moe"]["hf"]
+    model, _ = edgemoe.load(path, expert_budget="100%")
+    store = model.expert_store
+    pool = store.pool(store.layer_indices[1])
+    held = pool.reader = HeldReader(pool.reader)
+    stale, needed = 0, 1
+    pool.prefetch(np.array([stale]))  # held: not begun, so the call cancels it
+    pool.ensure(np.array([needed]))
+    pool.release()  # reads the rest of the layer but one: the stale fill's slot is taken
+    assert not pool.resident and len(pool.cancelled) == 1
+    held.release()  # the reader ends the cancelled fill, unread
+    deadline = time.monotonic() + 10
+    while not pool.resident:
+        assert time.monotonic() < deadline, "the layer never turned resident"
+        time.sleep(0.01)
+    assert (pool.slot_of >= 0).all() and not pool.cancelled
+    store.close()

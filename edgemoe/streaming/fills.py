@@ -88,23 +88,27 @@ class SlotFills:
             if fill.cancelled:  # detached when cancelled (_cancel_stale): the slot is free
                 self.cancelled.remove(fill)
                 self._states[fill.slot] = FREE
-                fill.ended = True
-                fill.latch.release()
-                return
-            self.fills.pop(fill.expert, None)
-            if error is None:
-                self._states[fill.slot] = READY
-                self.ready.add(fill.expert)
-                self.stats.bytes_read += nbytes
-                self.bytes_read += nbytes
+                # a whole layer's reads (`release`) may have found this slot taken: read
+                # the rest now, or the layer would wait for its next call to turn resident
+                rest = self.unheld_of_whole_layer()
             else:
-                self._slot[fill.expert] = -1
-                self._expert[fill.slot] = -1
-                self._states[fill.slot] = FREE
-                self.policy.forget(fill.expert)
-                fill.error = error
+                rest = None
+                self.fills.pop(fill.expert, None)
+                if error is None:
+                    self._states[fill.slot] = READY
+                    self.ready.add(fill.expert)
+                    self.stats.bytes_read += nbytes
+                    self.bytes_read += nbytes
+                else:
+                    self._slot[fill.expert] = -1
+                    self._expert[fill.slot] = -1
+                    self._states[fill.slot] = FREE
+                    self.policy.forget(fill.expert)
+                    fill.error = error
             fill.ended = True
             fill.latch.release()
+        if rest:
+            self._fill_ahead(np.array(rest))
 
     def _wait(self, fills, raise_errors=True):
         """Until `fills` have ended (each releases its latch: `_filled`); their first

@@ -298,8 +298,8 @@ class LayerSlots(Prefetching):
             for slot in used:
                 states[slot] = READY
                 ready.add(expert[slot])
-            whole = self.read_whole and self.num_slots >= self.layer.num_experts \
-                and not self._resident
+            whole = self.read_whole and not self._resident \
+                and self.num_slots >= self.layer.num_experts  # (no call: the hot path)
             if self.pending_prediction is None and not whole:
                 return  # (native decode under a budget: nothing to read ahead)
             # experts predicted for the next call that found no room, or that this
@@ -308,12 +308,18 @@ class LayerSlots(Prefetching):
             if self.gated and not self.earned:  # (an untrusted prediction is only scored)
                 missing = []
             if whole:
-                # a slot for every expert: hold them all, as mlx-lm does, so that the
-                # layer turns resident and its calls need no routing on the host
-                missing = [e for e in np.flatnonzero(self.slot_of < 0).tolist()
-                           if self.layer.records[e] is not None]
+                missing = self.unheld_of_whole_layer()
         if missing:
             self._fill_ahead(np.array(sorted(missing)))
+
+    def unheld_of_whole_layer(self) -> Optional[List[int]]:
+        """With a slot for every expert, the layer holds them all, as mlx-lm does, so that
+        it turns resident and its calls need no routing on the host: the experts it does
+        not hold yet (the caller holds the lock). None when it reads no whole layer."""
+        if not self.read_whole or self.num_slots < self.layer.num_experts or self._resident:
+            return None
+        return [e for e in np.flatnonzero(self.slot_of < 0).tolist()
+                if self.layer.records[e] is not None]
 
     def read_ahead(self, experts: np.ndarray):
         """Start reading a later pass's experts of the current call into the slots this
