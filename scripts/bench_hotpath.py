@@ -300,8 +300,36 @@ def host_path(args) -> dict:
                      "misses_per_call": stats.loads / calls, "hits": stats.hits,
                      "loads": stats.loads})
         store.close()
+    store = ExpertStore(pack, args.budgets[0], memory=MLXSlotMemory)
+    after = after_evaluation_us(store.pool(store.layer_indices[0]), pack.top_k)
+    store.close()
     return {"model": str(args.model), "tokens": len(routed), "rows": rows,
+            "all_hit_call_after_evaluation_us": after,
             "load_average": os.getloadavg()[0], "command": " ".join(sys.argv)}
+
+
+def after_evaluation_us(pool, k: int, reps: int = 300) -> dict:
+    """Main-thread CPU of one all-hit call's claim and release (k experts, us, median)
+    right after: no evaluation, an evaluation of nothing to compute, and one of a 1024^2
+    matmul on these cores (the decode path's host work follows a routing sync, whose
+    compute here runs on the CPU the host's caches share)."""
+    wanted = list(range(k))
+    pool.ensure(np.array(wanted))
+    pool.release()
+    small, big = mx.ones((4,)), mx.random.normal((1024, 1024))
+    before = {"none": lambda: None, "trivial": lambda: mx.eval(small + 1),
+              "matmul": lambda: mx.eval((big @ big).sum())}
+    out = {}
+    for name, evaluate in before.items():
+        times = []
+        for _ in range(reps):
+            evaluate()
+            start = time.thread_time()
+            pool.claim(wanted)
+            pool.release()
+            times.append(time.thread_time() - start)
+        out[name] = 1e6 * statistics.median(times)
+    return out
 
 
 def plot(result: dict, png: Path, before: dict = None):
@@ -367,6 +395,8 @@ def main():
         for r in result["rows"]:
             print(f"{r['budget']:>6}: {r['us_per_call']:6.1f} us a call, "
                   f"{r['misses_per_call']:.2f} misses a call, hits {r['hits']} loads {r['loads']}")
+        print("an all-hit call's claim and release, right after an evaluation of: " + ", ".join(
+            f"{k} {v:.1f} us" for k, v in result["all_hit_call_after_evaluation_us"].items()))
         return
     result = run(args)
     (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
