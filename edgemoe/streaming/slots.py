@@ -298,8 +298,9 @@ class LayerSlots(Prefetching):
             for slot in used:
                 states[slot] = READY
                 ready.add(expert[slot])
+            # (`unheld_of_whole_layer`'s test, inline: decode releases every layer's call)
             whole = self.read_whole and not self._resident \
-                and self.num_slots >= self.layer.num_experts  # (no call: the hot path)
+                and self.num_slots >= self.layer.num_experts
             if self.pending_prediction is None and not whole:
                 return  # (native decode under a budget: nothing to read ahead)
             # experts predicted for the next call that found no room, or that this
