@@ -208,6 +208,24 @@ def test_a_second_convert_to_the_same_destination_is_refused_naming_the_holder(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
 
 
+def test_a_lock_taken_but_not_yet_signed_is_read_again_for_its_holder(tmp_path):
+    """CI once saw "(another process)": the second convert read the lock in the moment
+    between the holder's flock and its signature."""
+    import fcntl
+    import threading
+
+    from edgemoe.format.destination import DestinationLock
+
+    dst = tmp_path / "pack"
+    with open(tmp_path / ".pack.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        sign = threading.Timer(0.3, lambda: (held.write("pid 4242 on host"), held.flush()))
+        sign.start()
+        with pytest.raises(FileExistsError, match=r"writing this pack \(pid 4242 on host\)"):
+            DestinationLock(dst).__enter__()
+        sign.join()
+
+
 def test_overwrite_keeps_what_convert_did_not_write(checkpoints, tmp_path, capsys):
     src = checkpoints["mixtral"][0]
     dst = convert(src, tmp_path / "pack")

@@ -76,8 +76,7 @@ class DestinationLock:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
+                holder = _holder(f)
                 f.close()
                 raise FileExistsError(errno.EEXIST, f"another convert is writing this pack "
                                                     f"({holder}); wait for it to end",
@@ -102,6 +101,18 @@ class DestinationLock:
         except FileNotFoundError:
             pass
         self.file.close()  # releases the flock
+
+
+def _holder(f, wait_s: float = 2.0) -> str:
+    """The line the lock's holder wrote on itself. It writes it just after taking the lock,
+    so a lock found taken but still empty is read again for a moment before giving up."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        f.seek(0)
+        holder = f.read().strip()
+        if holder or time.monotonic() > deadline:
+            return holder or "another process"
+        time.sleep(0.02)
 
 
 OURS = ".edgemoe-partial"  # marks a folder this tool is writing
