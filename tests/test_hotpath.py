@@ -244,3 +244,25 @@ def test_a_resident_prompt_chunk_leaves_no_attention_for_the_next_snapshot(refer
     scores = heads * chunk.shape[1] * 2 * chunk.shape[1] * 4  # one layer's, float32
     assert mx.get_peak_memory() - active < scores / 4
     store.close()
+
+
+def test_the_parts_timers_time_each_part_and_leave_the_code_as_it_was(reference):
+    """scripts/hotpath_parts.py: every part it names is timed in a decode at 50%, the
+    tokens are unchanged, and the code is as it was once the timers are removed."""
+    import collections
+
+    from hotpath_parts import parts_of, timers
+
+    ref, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
+    try:
+        parts, spent, counter = parts_of(ref), collections.Counter(), EvalCounter()
+        before = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+        plain = decode(model, prompt, TOKENS, counter)
+        with timers(parts, spent):
+            timed = decode(model, prompt, TOKENS, counter)
+        assert timed["tokens"] == plain["tokens"]
+        assert {name: getattr(owner, attr) for name, (owner, attr) in parts.items()} == before
+        assert [name for name in parts if spent[name] <= 0] == []
+    finally:
+        model.expert_store.close()
