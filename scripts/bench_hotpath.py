@@ -310,26 +310,38 @@ def host_path(args) -> dict:
 
 def after_evaluation_us(pool, k: int, reps: int = 300) -> dict:
     """Main-thread CPU of one all-hit call's claim and release (k experts, us, median)
-    right after: no evaluation, an evaluation of nothing to compute, and one of a 1024^2
-    matmul on these cores (the decode path's host work follows a routing sync, whose
-    compute here runs on the CPU the host's caches share)."""
+    right after: nothing, a 2 ms sleep, 2 ms of a Python loop, an evaluation of nothing to
+    compute, and one of a decode-sized graph (50 small matmuls, ~2 ms here). The decode
+    path's host work follows a routing sync: the sleep and the loop say what any 2 ms away
+    costs, the graph what an evaluation's own host work (its dispatch of each op) adds."""
     wanted = list(range(k))
     pool.ensure(np.array(wanted))
     pool.release()
-    small, big = mx.ones((4,)), mx.random.normal((1024, 1024))
-    before = {"none": lambda: None, "trivial": lambda: mx.eval(small + 1),
-              "matmul": lambda: mx.eval((big @ big).sum())}
-    out = {}
-    for name, evaluate in before.items():
-        times = []
-        for _ in range(reps):
+    small, x, a = mx.ones((4,)), mx.random.normal((1, 256)), mx.random.normal((256, 256))
+    mx.eval(x, a)
+
+    def graph():
+        y = x
+        for _ in range(50):
+            y = mx.tanh(y @ a)
+        mx.eval(y)
+
+    def loop(seconds=0.002):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    before = {"none": lambda: None, "sleep": lambda: time.sleep(0.002), "loop": loop,
+              "trivial": lambda: mx.eval(small + 1), "graph": graph}
+    times = {name: [] for name in before}
+    for _ in range(reps):  # (alternating: the machine's state is the same for each)
+        for name, evaluate in before.items():
             evaluate()
             start = time.thread_time()
             pool.claim(wanted)
             pool.release()
-            times.append(time.thread_time() - start)
-        out[name] = 1e6 * statistics.median(times)
-    return out
+            times[name].append(time.thread_time() - start)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
 
 def plot(result: dict, png: Path, before: dict = None):
@@ -395,7 +407,7 @@ def main():
         for r in result["rows"]:
             print(f"{r['budget']:>6}: {r['us_per_call']:6.1f} us a call, "
                   f"{r['misses_per_call']:.2f} misses a call, hits {r['hits']} loads {r['loads']}")
-        print("an all-hit call's claim and release, right after an evaluation of: " + ", ".join(
+        print("an all-hit call's claim and release, right after: " + ", ".join(
             f"{k} {v:.1f} us" for k, v in result["all_hit_call_after_evaluation_us"].items()))
         return
     result = run(args)

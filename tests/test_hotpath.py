@@ -266,3 +266,19 @@ def test_the_parts_timers_time_each_part_and_leave_the_code_as_it_was(reference)
         assert [name for name in parts if spent[name] <= 0] == []
     finally:
         model.expert_store.close()
+
+
+def test_the_host_only_bench_times_the_claim_after_each_kind_of_time_away():
+    """`bench_hotpath --host-only`: the host's side of the shipped trace's calls, and an
+    all-hit claim and release after each of its five kinds of time away, all timed."""
+    import argparse
+
+    from bench_hotpath import host_path
+
+    args = argparse.Namespace(model=BUNDLED, budgets=["25%"], host_tokens=64)
+    result = host_path(args)
+    (row,) = result["rows"]
+    assert row["loads"] > 0 and row["hits"] > 0 and row["us_per_call"] > 0
+    after = result["all_hit_call_after_evaluation_us"]
+    assert list(after) == ["none", "sleep", "loop", "trivial", "graph"]
+    assert all(us > 0 for us in after.values())
