@@ -13,6 +13,7 @@ from edgemoe.format.families import UnsupportedModelError
 from edgemoe.format.pack import Pack, PackError
 from edgemoe.streaming.budget import BudgetError, parse_budget
 from edgemoe.streaming.calls import passes, run_call
+from edgemoe.streaming.fills import FREE, READY
 from edgemoe.mlx_backend.slots import MLXSlotMemory
 from edgemoe.streaming.store import ExpertStore
 from edgemoe.streaming.budget import minimum_bytes  # noqa: E402
@@ -65,6 +66,33 @@ def test_lfu_evicts_the_least_used_and_never_a_pinned_expert(packs):
     assert store.stats.evictions == 4 and store.stats.hits == 2
     with pytest.raises(AssertionError):  # in use: nothing can be evicted for more
         slots.ensure(np.array([8, 9, 10, 11, 12]))
+
+
+def test_a_read_that_cannot_start_leaves_no_slot_filling_and_the_hits_ready(packs, monkeypatch):
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    store = ExpertStore(pack, minimum_bytes(pack) * 2, "lfu",  # 4 slots a layer
+                        memory=MLXSlotMemory)
+    slots = store.layers[pack.layers[0].module]
+    slots.finish(slots.claim([0, 1, 2, 3]))
+    slots.release()
+    assert slots.ready == {0, 1, 2, 3}
+
+    def broken(slot, expert):
+        raise OSError("staging failed")
+
+    monkeypatch.setattr(slots.memory, "stage", broken)
+    with pytest.raises(OSError, match="staging failed"):
+        slots.claim([0, 1, 5])  # two hits, then a miss whose fill cannot start
+    # its hits are ready again; its victim (3: as used as 2, and touched first as its
+    # read started, the last first) was given up, and its slot is free, not left filling
+    assert slots.in_use == [] and slots.ready == {0, 1, 2} and not slots.fills
+    assert slots.slot_of[5] == -1 and slots.slot_of[3] == -1
+    assert sorted(slots.state.tolist()) == [FREE, READY, READY, READY]
+    monkeypatch.undo()
+    fills = slots.claim([0, 1, 6])  # the next call claims as ever
+    slots.finish(fills)
+    assert sorted(slots.in_use) == sorted(slots.slot_of[[0, 1, 6]].tolist())
+    slots.release()
 
 
 def test_budget_too_small_names_the_minimum(packs):

@@ -49,10 +49,15 @@ class SlotFills:
                 self.wasted_bytes += self.expert_bytes
             if prefetch:
                 self.evicted_for_prefetch.add(victim)
+        try:
+            buffers = self.memory.stage(slot, expert)
+        except BaseException:  # no fill: the slot is free (a victim's is given up)
+            self._expert[slot] = -1
+            self._states[slot] = FREE
+            raise
         self._slot[expert] = slot
         self._expert[slot] = expert
         self._states[slot] = FILLING
-        buffers = self.memory.stage(slot, expert)
         if buffers is None:  # in the host tier: a copy, no read (see _submit)
             self.stats.host_hits += 1
         latch = threading.Lock()
