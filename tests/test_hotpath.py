@@ -17,6 +17,7 @@ from mlx_lm.utils import load as mlx_lm_load
 import edgemoe
 from edgemoe.format.pack import Pack
 from edgemoe.mlx_backend.hostsync import QueuedReads
+from edgemoe.mlx_backend.slots import slot_ids_array
 from edgemoe.streaming.budget import minimum_bytes
 
 from bench_hotpath import EvalCounter, decode, routing_sync
@@ -85,6 +86,27 @@ def test_a_streamed_layer_waits_once_for_its_routing_and_never_for_its_experts(r
     evaluations_per_token(model, prompt)  # warm
     assert evaluations_per_token(model, prompt) <= LAYERS + 1  # + the token's own
     model.expert_store.close()
+
+
+def test_a_streamed_call_sends_its_slot_ids_and_gathers_none_from_the_table(
+        reference, monkeypatch):
+    """50%: a decode call's slot ids go to the device as an array the host made (its ids
+    are on the host already), not as a gather from the live table in the graph, which
+    costs the host more (docs/benchmarks.md, session 35); its tokens are mlx-lm's."""
+    ref, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
+    counter = EvalCounter()
+    with counter.installed():
+        expected = decode(ref, prompt, TOKENS, counter)["tokens"]
+        decode(model, prompt, TOKENS, counter)  # warm: the prefill's calls gather
+        gathers, real_take = [], mx.take
+        monkeypatch.setattr(mx, "take", lambda *a, **k: gathers.append(a) or real_take(*a, **k))
+        found = decode(model, prompt, TOKENS, counter)["tokens"]
+    assert found == expected and gathers == []
+    model.expert_store.close()
+    nested = slot_ids_array([3, 1, 2], (1, 1, 3))  # (a decode step's: no reshape)
+    assert nested.dtype == mx.uint32 and nested.tolist() == [[[3, 1, 2]]]
+    assert slot_ids_array(list(range(6)), (1, 2, 3)).tolist() == [[[0, 1, 2], [3, 4, 5]]]
 
 
 def test_the_sync_floor_is_mlx_lms_own_model_reading_its_routing_back(reference):

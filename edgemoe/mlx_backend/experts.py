@@ -25,12 +25,11 @@ from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
 from .lora import ExpertDeltas, ExpertProjection
-from .slots import live_table
+from .slots import live_table, slot_ids_array
 
-# A native decode call with misses computes its hits (queued, `mx.async_eval`) while the
-# misses are read, then the misses (#50 item 3). Off: on this CPU backend the reads of a warm
-# page cache are shorter than the extra evaluation costs the host; a forecast for a Mac
-# (edgemoe.whatif.twin) must show it pays before it is turned on there.
+# A native decode call with misses computes its hits (queued, `mx.async_eval`) while its misses
+# are read (#50 item 3). Off: here a warm page cache's reads are shorter than the extra
+# evaluation costs the host; the twin (edgemoe.whatif.twin) must show it pays on a Mac first.
 HITS_FIRST = False
 
 
@@ -172,10 +171,10 @@ class StreamingExperts(nn.Module):
 
     def _plain_call(self, x: mx.array, indices: mx.array) -> Optional[mx.array]:
         """A call whose experts the pool takes at once (`LayerSlots.claim`: hits, and misses
-        read into room it has): the one pass of `run_call`, with none of its bookkeeping,
-        the router's ids (evaluated) mapped to slots on the device; left queued, its slots
-        held until a sync has evaluated it. None (nothing done) for any other call.
-        (Its ids come to the host as Python ints, no numpy call: see LayerSlots.)"""
+        read into room it has): the one pass of `run_call`, with none of its bookkeeping;
+        left queued, its slots held until a sync has evaluated it; its ids to the host as
+        Python ints (see LayerSlots), its slots to the device as an array of the host's
+        (`slot_ids_array`). None (nothing done) for any other call."""
         if indices.size > self.slots.num_slots:
             return None  # (a call of more entries than slots: more experts, often)
         ids = indices.tolist()
@@ -184,9 +183,10 @@ class StreamingExperts(nn.Module):
         fills = self.slots.claim(sorted(set(ids)))
         if fills is None:
             return None
+        slot_ids = slot_ids_array(list(map(self.slots._slot.__getitem__, ids)), indices.shape)
         # built while the misses are read: it reads their slots once evaluated, after finish
         self._bind_deltas()
-        out = self.pool.module(x, mx.take(self.pool.table, indices))
+        out = self.pool.module(x, slot_ids)
         try:
             self.slots.finish(fills)
         except BaseException:  # (a failed read: the call's slots are free again)
@@ -282,7 +282,6 @@ def prefetch_predictions(streaming: Streaming, predicted: dict, made_in=None,
     if predicted:
         streaming.routing.prefetch_all({t: np.array(p) for t, p in predicted.items()},
                                        made_in)
-
 
 
 def expert_modules(model: nn.Module) -> Dict[str, nn.Module]:
