@@ -6,6 +6,9 @@ mx.async_eval during decode (edgemoe's own host syncs go through edgemoe.mlx_bac
 which calls mx.eval), with mlx-lm's own decode loop (one a token).
 """
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -304,3 +307,24 @@ def test_the_host_only_bench_times_the_claim_after_each_kind_of_time_away():
     after = result["all_hit_call_after_evaluation_us"]
     assert list(after) == ["none", "sleep", "loop", "trivial", "graph"]
     assert all(us > 0 for us in after.values())
+
+
+def test_the_instruction_count_reads_each_threads_total_and_names_a_missing_valgrind(
+        tmp_path):
+    """scripts/hotpath_instructions.py: a run's threads in numeric order (the decoding thread
+    first), the process it runs under callgrind decodes as bench_hotpath does, and without
+    valgrind it says so in one line."""
+    import hotpath_instructions
+
+    for thread, count in ((1, 100), (2, 7), (10, 3)):
+        (tmp_path / f"callgrind.50.8-{thread:02d}").write_text(
+            f"# callgrind format\nevents: Ir\nsummary: {count}\n")
+    assert hotpath_instructions.thread_counts(tmp_path / "callgrind.50.8") == [100, 7, 3]
+    script = Path(hotpath_instructions.__file__)
+    child = subprocess.run([sys.executable, str(script), "--child", "50%", "3", "--prompt", "8"],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    bare = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "PATH": str(tmp_path)}, timeout=60)
+    assert bare.returncode == 1 and bare.stderr.strip().splitlines() == [
+        "hotpath_instructions: needs valgrind (apt install valgrind), not found on PATH"]
