@@ -114,12 +114,10 @@ def run_one(args, config: str, tokens: int, scratch: Path) -> Path:
 
 
 def measure(args) -> dict:
-    sys.path.insert(0, str(SCRIPT.parent))
-    import edgemoe
+    from edgemoe.format.source import open_source
+    from edgemoe.mlx_backend.families import find_experts
 
-    model, _ = edgemoe.load(args.model, expert_budget="100%")
-    layers = len(model.expert_store.layer_indices)
-    model.expert_store.close()
+    layers = len(open_source(args.model, verify=False, find_experts=find_experts).layers)
     configs = ["mlx-lm", *args.budgets]
     n1, n2 = args.tokens
     files = args.out / "callgrind"

@@ -183,7 +183,7 @@ class StreamingExperts(nn.Module):
         fills = self.slots.claim(sorted(set(ids)))
         if fills is None:
             return None
-        slot_ids = slot_ids_array(list(map(self.slots._slot.__getitem__, ids)), indices.shape)
+        slot_ids = slot_ids_array(self.slots.slots_of(ids), indices.shape)
         # built while the misses are read: it reads their slots once evaluated, after finish
         self._bind_deltas()
         out = self.pool.module(x, slot_ids)

@@ -135,6 +135,10 @@ class LayerSlots(Prefetching):
             self.stats.bytes_hit += requested * self.expert_bytes
             self.stats.bytes_used += requested * self.expert_bytes
 
+    def slots_of(self, experts: list) -> List[int]:
+        """The slot of each of `experts` (-1: none), as Python ints (a decode call's few)."""
+        return list(map(self._slot.__getitem__, experts))
+
     def record_routing(self, ids: np.ndarray):
         """One call's routing, (..., k) expert ids, for the trace if one is recording."""
         if self.trace is not None:
