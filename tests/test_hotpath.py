@@ -20,7 +20,7 @@ from mlx_lm.utils import load as mlx_lm_load
 import edgemoe
 from edgemoe.format.pack import Pack
 from edgemoe.mlx_backend.hostsync import QueuedReads
-from edgemoe.mlx_backend.slots import slot_ids_array
+from edgemoe.mlx_backend.slots import CallSlotIds, slot_ids_array
 from edgemoe.streaming.budget import minimum_bytes
 
 from bench_hotpath import EvalCounter, decode, routing_sync
@@ -93,9 +93,10 @@ def test_a_streamed_layer_waits_once_for_its_routing_and_never_for_its_experts(r
 
 def test_a_streamed_call_sends_its_slot_ids_and_gathers_none_from_the_table(
         reference, monkeypatch):
-    """50%: a decode call's slot ids go to the device as an array the host made (its ids
+    """50%: a decode call's slot ids go to the device as an array the host wrote (its ids
     are on the host already), not as a gather from the live table in the graph, which
-    costs the host more (docs/benchmarks.md, session 35); its tokens are mlx-lm's."""
+    costs the host more (docs/benchmarks.md, session 35), and each layer's decode calls
+    rewrite one array, made once (session 36); its tokens are mlx-lm's."""
     ref, prompt = reference
     model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
     counter = EvalCounter()
@@ -104,8 +105,16 @@ def test_a_streamed_call_sends_its_slot_ids_and_gathers_none_from_the_table(
         decode(model, prompt, TOKENS, counter)  # warm: the prefill's calls gather
         gathers, real_take = [], mx.take
         monkeypatch.setattr(mx, "take", lambda *a, **k: gathers.append(a) or real_take(*a, **k))
+        sent, real_of = [], CallSlotIds.of
+        monkeypatch.setattr(CallSlotIds, "of",
+                            lambda self, *a: sent.append((self, real_of(self, *a))) or sent[-1][1])
         found = decode(model, prompt, TOKENS, counter)["tokens"]
     assert found == expected and gathers == []
+    arrays = {}
+    for pool, array in sent:
+        arrays.setdefault(id(pool), set()).add(id(array))
+    assert len(arrays) == LAYERS and all(len(a) == 1 for a in arrays.values())
+    assert len(sent) >= LAYERS * (TOKENS - 1)  # (every decode call, on the plain path)
     model.expert_store.close()
     nested = slot_ids_array([3, 1, 2], (1, 1, 3))  # (a decode step's: no reshape)
     assert nested.dtype == mx.uint32 and nested.tolist() == [[[3, 1, 2]]]

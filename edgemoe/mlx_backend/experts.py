@@ -25,7 +25,7 @@ from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
 from .hostsync import QueuedReads, start, wait
 from .lora import ExpertDeltas, ExpertProjection
-from .slots import live_table, slot_ids_array
+from .slots import CallSlotIds, live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while its misses
 # are read (#50 item 3). Off: here a warm page cache's reads are shorter than the extra
@@ -64,6 +64,7 @@ class SlotPool:
     slots: LayerSlots
     module: nn.Module
     table: Optional[mx.array] = None  # expert -> slot on the device, live (`live_table`)
+    slot_ids: CallSlotIds = field(default_factory=CallSlotIds)  # a call's, to the device
 
 
 class StreamingExperts(nn.Module):
@@ -174,7 +175,7 @@ class StreamingExperts(nn.Module):
         read into room it has): the one pass of `run_call`, with none of its bookkeeping;
         left queued, its slots held until a sync has evaluated it; its ids to the host as
         Python ints (see LayerSlots), its slots to the device as an array of the host's
-        (`slot_ids_array`). None (nothing done) for any other call."""
+        (`CallSlotIds`). None (nothing done) for any other call."""
         if indices.size > self.slots.num_slots:
             return None  # (a call of more entries than slots: more experts, often)
         ids = indices.tolist()
@@ -183,7 +184,7 @@ class StreamingExperts(nn.Module):
         fills = self.slots.claim(sorted(set(ids)))
         if fills is None:
             return None
-        slot_ids = slot_ids_array(self.slots.slots_of(ids), indices.shape)
+        slot_ids = self.pool.slot_ids.of(self.slots.slots_of(ids), indices.shape)
         # built while the misses are read: it reads their slots once evaluated, after finish
         self._bind_deltas()
         out = self.pool.module(x, slot_ids)

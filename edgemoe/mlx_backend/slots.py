@@ -5,6 +5,7 @@ The loader hands it to the store (`ExpertStore(..., memory=MLXSlotMemory)`), as 
 loader hands its DeviceSlotMemory.
 """
 
+from array import array as Array
 from typing import Dict
 
 import mlx.core as mx
@@ -57,6 +58,30 @@ def live_table(slots: LayerSlots) -> mx.array:
     mx.eval(table)
     slots.share_slot_table(np.asarray(table))  # (shares the MLX buffer, writable)
     return table
+
+
+class CallSlotIds:
+    """A layer's calls' slot ids as the device reads them, made from the host's list
+    (`slot_ids_array`); a decode call's (one token: every leading dimension 1) are written
+    in place into one uint32 array per shape, so that no array is made per call (made, it
+    cost the host ~6 us a MoE layer more: docs/benchmarks.md, session 36). The rule of the
+    slots' own bytes and of `live_table` makes this safe: a call writes its ids after its
+    routing sync, which has evaluated every graph that read the previous ones (a layer's
+    earlier calls are held until a sync has included them: edgemoe.mlx_backend.hostsync)."""
+
+    def __init__(self):
+        self._held = {}  # shape -> (the array, a writable view of its memory as uint32s)
+
+    def of(self, slot_ids: list, shape) -> mx.array:
+        """`slot_ids`, in the call's (..., k) order, as a uint32 array of `shape`."""
+        if len(slot_ids) != shape[-1]:  # (more than one token)
+            return slot_ids_array(slot_ids, shape)
+        held = self._held.get(shape)
+        if held is None:
+            array = mx.array(np.zeros(shape, dtype=np.uint32))
+            held = self._held[shape] = array, memoryview(np.asarray(array).reshape(-1))
+        held[1][:] = Array("I", slot_ids)
+        return held[0]
 
 
 def slot_ids_array(slot_ids: list, shape) -> mx.array:

@@ -65,13 +65,14 @@ class LFUPolicy:
 
     Counts survive eviction: a layer has few experts, and an expert's popularity is a
     property of the model more than of the moment. Both are one integer per expert, its
-    rank as a victim (`_key`: uses, then last touch), so a touch is two dict updates: it
-    runs for every expert of every call.
+    rank as a victim (`_key`: uses, then last touch; the uses are its bits from 40 up), so
+    a touch reads and writes one dict: it runs for every expert of every call (a second
+    dict of the uses alone cost a decode call's claim ~1 us more: docs/benchmarks.md,
+    session 36).
     """
 
     def __init__(self):
         self._clock = 0
-        self._uses = {}
         self._key = {}  # expert -> its rank as a victim: uses, then last touch, in one int
         self._held = set()  # touched and not forgotten: resident, or about to be loaded
 
@@ -80,11 +81,10 @@ class LFUPolicy:
 
     def touch_all(self, experts):
         """`touch` each of `experts` in turn (a call's: its locals looked up once)."""
-        uses, key, clock = self._uses, self._key, self._clock
+        key, clock = self._key, self._clock
         for expert in experts:
             clock += 1
-            n = uses[expert] = uses.get(expert, 0) + 1
-            key[expert] = n << 40 | clock  # (a clock below 2**40 touches)
+            key[expert] = ((key.get(expert, 0) >> 40) + 1) << 40 | clock  # (clock < 2**40)
         self._clock = clock
         self._held.update(experts)
 
