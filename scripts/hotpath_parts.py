@@ -13,8 +13,9 @@ order alternating by round; figures per decoded token and per MoE layer:
   of the slots that earlier layers held), the slots' claim (misses' reads started), the
   wait for the misses (`finish`), the slots' release.
 
-Parts nest (a call holds its sync), so they do not add up to the total. Writes
-DIR/hotpath_parts.json.
+Parts nest (a call holds its sync), so they do not add up to the total. Beside them, each
+claim by itself: main-thread CPU of one call's claim (median), for the calls that were all
+hits and for those with misses, and how many had misses. Writes DIR/hotpath_parts.json.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import collections
 import contextlib
 import functools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +67,26 @@ def timers(parts: dict, spent: collections.Counter):
             setattr(owner, attr, function)
 
 
+@contextlib.contextmanager
+def claims_timed(calls: dict):
+    """While installed, each claim's main-thread CPU goes to `calls["all hits"]` or
+    `calls["with misses"]` (a claim returns the fills of its misses)."""
+    claim = LayerSlots.claim
+
+    def timed(self, wanted):
+        start = time.thread_time()
+        fills = claim(self, wanted)
+        if fills is not None:
+            calls["with misses" if fills else "all hits"].append(time.thread_time() - start)
+        return fills
+
+    LayerSlots.claim = timed
+    try:
+        yield
+    finally:
+        LayerSlots.claim = claim
+
+
 def parts_of(model) -> dict:
     """The parts timed: name -> (owner, attribute). Attention and the MoE block are the
     model's own classes (a MoE block holds `switch_mlp`)."""
@@ -98,12 +120,13 @@ def main():
     prompt = mx.array(tokenizer.encode((ROOT / "README.md").read_text())[:args.prompt])
     counter, parts = EvalCounter(), parts_of(reference)
     spent = {name: collections.Counter() for name in models}
+    claims = {name: {"all hits": [], "with misses": []} for name in models}
     tokens = collections.Counter()
     for model in models.values():  # warm: page cache, slots
         decode(model, prompt, args.tokens, counter)
     for r in range(args.rounds):
         for name in (list(models) if r % 2 == 0 else list(models)[::-1]):
-            with timers(parts, spent[name]):
+            with timers(parts, spent[name]), claims_timed(claims[name]):
                 result = decode(models[name], prompt, args.tokens, counter)
             n = len(result["tokens"]) - 1
             tokens[name] += n
@@ -112,6 +135,8 @@ def main():
     table = {name: {part: {"us_per_token": 1e6 * s / tokens[name],
                            "us_per_moe_layer": 1e6 * s / tokens[name] / layers}
                     for part, s in spent[name].items()} for name in models}
+    per_claim = {name: {kind: {"us_median": 1e6 * statistics.median(t), "calls": len(t)}
+                        for kind, t in claims[name].items() if t} for name in models}
     for name in models:
         store = getattr(models[name], "expert_store", None)
         if store is not None:
@@ -119,11 +144,16 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hotpath_parts.json").write_text(json.dumps(
         {"model": str(args.model), "moe_layers": layers, "rounds": args.rounds,
-         "tokens": args.tokens, "parts": table, "command": " ".join(sys.argv)}, indent=1))
+         "tokens": args.tokens, "parts": table, "claim_per_call": per_claim,
+         "command": " ".join(sys.argv)}, indent=1))
     print(f"{'part':>28} " + " ".join(f"{n + ' us/layer':>16}" for n in models))
     for part in ["total (a decode step)", *parts]:
         print(f"{part:>28} " + " ".join(
             f"{table[n].get(part, {}).get('us_per_moe_layer', 0.0):16.1f}" for n in models))
+    for name, kinds in per_claim.items():
+        if kinds:
+            print(f"{name}: a claim, median: " + ", ".join(
+                f"{kind} {k['us_median']:.1f} us ({k['calls']} calls)" for kind, k in kinds.items()))
 
 
 if __name__ == "__main__":

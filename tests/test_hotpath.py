@@ -22,6 +22,7 @@ from edgemoe.format.pack import Pack
 from edgemoe.mlx_backend.hostsync import QueuedReads
 from edgemoe.mlx_backend.slots import CallSlotIds, slot_ids_array
 from edgemoe.streaming.budget import minimum_bytes
+from edgemoe.streaming.slots import LayerSlots
 
 from bench_hotpath import EvalCounter, decode, routing_sync
 from unpack import unpack
@@ -281,23 +282,26 @@ def test_a_resident_prompt_chunk_leaves_no_attention_for_the_next_snapshot(refer
 
 
 def test_the_parts_timers_time_each_part_and_leave_the_code_as_it_was(reference):
-    """scripts/hotpath_parts.py: every part it names is timed in a decode at 50%, the
-    tokens are unchanged, and the code is as it was once the timers are removed."""
+    """scripts/hotpath_parts.py: every part it names is timed in a decode at 50%, and
+    each claim, as all hits or with misses (both kinds occur there); the tokens are
+    unchanged, and the code is as it was once the timers are removed."""
     import collections
 
-    from hotpath_parts import parts_of, timers
+    from hotpath_parts import claims_timed, parts_of, timers
 
     ref, prompt = reference
     model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
     try:
         parts, spent, counter = parts_of(ref), collections.Counter(), EvalCounter()
         before = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+        claim, claims = LayerSlots.claim, {"all hits": [], "with misses": []}
         plain = decode(model, prompt, TOKENS, counter)
-        with timers(parts, spent):
+        with timers(parts, spent), claims_timed(claims):
             timed = decode(model, prompt, TOKENS, counter)
         assert timed["tokens"] == plain["tokens"]
         assert {name: getattr(owner, attr) for name, (owner, attr) in parts.items()} == before
         assert [name for name in parts if spent[name] <= 0] == []
+        assert LayerSlots.claim is claim and all(t and min(t) > 0 for t in claims.values())
     finally:
         model.expert_store.close()
 
