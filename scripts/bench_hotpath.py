@@ -25,9 +25,11 @@ slots between rounds, as a server does between requests).
 `--sync-floor` adds a row of mlx-lm's own model whose expert modules read their routing
 back first (an evaluation and the ids on the host, as a streamer with one routing sync per
 MoE layer must): the host cost of the sync alone, the floor of any such path on this
-machine, beside edgemoe's; and the main-thread CPU of one blocking hand-off between two
+machine, beside edgemoe's; the main-thread CPU of one blocking hand-off between two
 threads (a wait woken by another thread: what a miss read by a reader thread costs the
-decoding thread here, whatever the code around it).
+decoding thread here, whatever the code around it); and that of a 2 KB allocation right
+after each routing sync, in both (glibc's share of the floor here: docs/benchmarks.md,
+session 36).
 
 `--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
 the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
@@ -50,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +62,8 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
+from edgemoe.mlx_backend.experts import streaming_of
+from edgemoe.mlx_backend.hostsync import QueuedReads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,9 +109,10 @@ def decode(model, prompt: mx.array, tokens: int, counter: EvalCounter) -> dict:
 
 
 @contextlib.contextmanager
-def routing_sync(on: bool):
+def routing_sync(on: bool, after: Callable[[], None] = None):
     """While on, mlx-lm's expert modules read their routing back before computing: one
-    evaluation and the ids on the host per MoE layer (`--sync-floor`)."""
+    evaluation and the ids on the host per MoE layer (`--sync-floor`); then `after()`, if
+    given."""
     if not on:
         yield
         return
@@ -118,6 +124,8 @@ def routing_sync(on: bool):
         def __call__(self, x, indices):
             mx.eval(indices)
             indices.tolist()
+            if after is not None:
+                after()
             return call(self, x, indices)
         return __call__
 
@@ -128,6 +136,35 @@ def routing_sync(on: bool):
     finally:
         for cls, call in originals.items():
             cls.__call__ = call
+
+
+def allocation_after_sync_us(models: dict, prompt: mx.array, tokens: int,
+                             counter: EvalCounter) -> dict:
+    """Main-thread CPU of a 2 KB allocation right after each routing sync (us, median over
+    one decode), for each model that syncs: mlx-lm's with the sync floor, and edgemoe's
+    (after `QueuedReads.sync`). The first allocation of 1 KB or more after an evaluation
+    pays for glibc's sorting of what the evaluation freed: whatever code allocates first
+    pays it, once a sync (docs/benchmarks.md, session 36)."""
+    times = {}
+
+    def allocate(into: list):
+        start = time.thread_time()
+        bytearray(2048)
+        into.append(1e6 * (time.thread_time() - start))
+
+    sync = QueuedReads.sync
+    for name, model in models.items():
+        into = times[name] = []
+        if name == "mlx-lm + routing sync":
+            with routing_sync(True, after=lambda: allocate(into)):
+                decode(model, prompt, tokens, counter)
+        elif streaming_of(model) is not None:
+            QueuedReads.sync = lambda self, *arrays: (sync(self, *arrays), allocate(into))[0]
+            try:
+                decode(model, prompt, tokens, counter)
+            finally:
+                QueuedReads.sync = sync
+    return {name: statistics.median(t) for name, t in times.items() if t}
 
 
 def handoff_cpu_us(reps: int = 400) -> float:
@@ -247,6 +284,8 @@ def run(args) -> dict:
             "same_tokens_as_mlx_lm": all(x["tokens"] == expected for x in results)
             if "prerouted" not in name else None,  # (prerouted is not exact)
         })
+    allocation = allocation_after_sync_us(models, prompt, args.tokens, counter) \
+        if args.sync_floor else None
     for name, model in models.items():
         if model is not reference:
             model.expert_store.close()
@@ -255,6 +294,8 @@ def run(args) -> dict:
             "io": args.io, "mlx_lm": base, "rows": rows,
             # one blocking hand-off between threads, main-thread CPU (`--sync-floor`)
             "handoff_cpu_us": handoff_cpu_us() if args.sync_floor else None,
+            # a 2 KB allocation right after each routing sync (`--sync-floor`)
+            "allocation_after_sync_us": allocation,
             # the machine's load average (1 min) at the start and the end: timings taken
             # beside other work are noisy; the evaluation counts are not
             "load_average": [load_before, os.getloadavg()[0]],
@@ -395,7 +436,8 @@ def main():
     p.add_argument("--host-tokens", type=int, default=400)
     p.add_argument("--sync-floor", action="store_true",
                    help="add mlx-lm's model with its routing read back at every MoE layer "
-                        "(the host cost of the sync alone), and one thread hand-off's CPU")
+                        "(the host cost of the sync alone), one thread hand-off's CPU, and "
+                        "a 2 KB allocation's right after each routing sync")
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")
@@ -425,6 +467,8 @@ def main():
     if result["handoff_cpu_us"] is not None:
         print(f"one blocking hand-off between threads: {result['handoff_cpu_us']:.1f} us of "
               f"the waiting thread's CPU")
+        print("a 2 KB allocation right after a routing sync: " + ", ".join(
+            f"{name} {us:.1f} us" for name, us in result["allocation_after_sync_us"].items()))
 
 
 if __name__ == "__main__":

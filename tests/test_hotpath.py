@@ -137,6 +137,25 @@ def test_the_sync_floor_is_mlx_lms_own_model_reading_its_routing_back(reference)
         == (1, LAYERS + 1, 1)
 
 
+def test_the_allocation_after_a_sync_is_timed_in_the_floor_and_in_edgemoe(reference):
+    """bench_hotpath --sync-floor: a 2 KB allocation right after each routing sync, timed in
+    mlx-lm's model with the floor and in a 50% model (a model with no sync has no row), and
+    edgemoe's sync as it was afterwards."""
+    from bench_hotpath import allocation_after_sync_us
+
+    ref, prompt = reference
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
+    sync = QueuedReads.sync
+    try:
+        found = allocation_after_sync_us(
+            {"mlx-lm": ref, "mlx-lm + routing sync": ref, "50%": model}, prompt, TOKENS,
+            EvalCounter())
+    finally:
+        model.expert_store.close()
+    assert sorted(found) == ["50%", "mlx-lm + routing sync"]
+    assert all(us > 0 for us in found.values()) and QueuedReads.sync is sync
+
+
 def test_prerouted_decode_evaluates_twice_a_token(reference, tmp_path):
     """Prerouted: the routing of every predicted layer is on the host a token ahead, and
     the predictions are evaluated with the next token's first routing sync (the pack's
