@@ -3,6 +3,7 @@
 import errno
 import os
 import shutil
+import threading
 import time
 
 import mlx.core as mx
@@ -182,6 +183,32 @@ def test_adjacent_records_are_merged_into_one_read_of_bounded_length(packs, monk
     two = layer.records[4].offset + layer.records[4].length - layer.records[3].offset
     monkeypatch.setattr(reader_module, "MAX_RUN_BYTES", two)  # a read spans two at most
     assert runs_of((7, 3, 4, 5, 9)) == [[3, 4], [5], [7], [9]]
+
+
+def test_a_reader_closed_on_its_own_thread_closes_and_its_threads_end(packs):
+    """A store dropped by the last reference a fill's end held is closed on its reader's
+    own thread (`ExpertStore.__del__`): the close completes there, its files closed and
+    every thread ended, not stopped by a thread joining itself."""
+    from edgemoe.streaming.reader import Reader
+    from edgemoe.streaming.reads import Fill
+
+    pack = Pack.open(packs["qwen3_moe"]["hf"])
+    reader = Reader(pack, threads=2)
+    record = pack.layers[0].records[3]
+    errors, done = [], threading.Event()
+
+    def close_here(fill, nbytes, error):
+        try:
+            reader.close()
+        except Exception as e:  # (what __del__ would have swallowed)
+            errors.append(e)
+        done.set()
+
+    reader.submit([Fill(0, 3, 0, record, [np.empty(record.length, np.uint8)], close_here)])
+    assert done.wait(10) and errors == []
+    for t in reader.threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in reader.threads) and reader.fds == []
 
 
 def test_a_merged_read_never_passes_preadvs_buffer_limit(packs):

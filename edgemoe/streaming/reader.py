@@ -113,7 +113,10 @@ class Reader(PackReads):
         for _ in self.threads:
             self.queue.put(None)
         for t in self.threads:
-            t.join(timeout=5)
+            # (a store whose last reference a fill's end dropped closes on its own reader
+            # thread, which then ends at its stop mark: it cannot join itself)
+            if t is not threading.current_thread():
+                t.join(timeout=5)
         super().close()
 
     def _run(self):
