@@ -28,8 +28,8 @@ MoE layer must): the host cost of the sync alone, the floor of any such path on 
 machine, beside edgemoe's; the main-thread CPU of one blocking hand-off between two
 threads (a wait woken by another thread: what a miss read by a reader thread costs the
 decoding thread here, whatever the code around it); and that of a 2 KB allocation right
-after each routing sync, in both (glibc's share of the floor here: docs/benchmarks.md,
-session 36).
+after each routing sync, in both (glibc's bill for what the evaluation freed, which the first
+such allocation pays, wherever it is: docs/benchmarks.md, session 36).
 
 `--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
 the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -109,7 +109,7 @@ def decode(model, prompt: mx.array, tokens: int, counter: EvalCounter) -> dict:
 
 
 @contextlib.contextmanager
-def routing_sync(on: bool, after: Callable[[], None] = None):
+def routing_sync(on: bool, after: Optional[Callable[[], None]] = None):
     """While on, mlx-lm's expert modules read their routing back before computing: one
     evaluation and the ids on the host per MoE layer (`--sync-floor`); then `after()`, if
     given."""

@@ -153,7 +153,8 @@ def main():
     for name, kinds in per_claim.items():
         if kinds:
             print(f"{name}: a claim, median: " + ", ".join(
-                f"{kind} {k['us_median']:.1f} us ({k['calls']} calls)" for kind, k in kinds.items()))
+                f"{kind} {k['us_median']:.1f} us ({k['calls']} calls)"
+                for kind, k in kinds.items()))
 
 
 if __name__ == "__main__":
