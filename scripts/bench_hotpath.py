@@ -3,6 +3,7 @@ CPU per MoE layer, tok/s (issue #50).
 
     python scripts/bench_hotpath.py [--model edgemoe/models/fine] [--budgets 100%,50%,25%]
            [--routing native,prerouted] [--tokens 48] [--rounds 5] [--out DIR]
+           [--sync-floor] [--minimal 50%]
 
 Every configuration decodes the same prompt greedily with mlx-lm's own loop
 (`mlx_lm.generate.generate_step`), mlx-lm's model first and each edgemoe budget after it, in
@@ -30,6 +31,11 @@ threads (a wait woken by another thread: what a miss read by a reader thread cos
 decoding thread here, whatever the code around it); and that of a 2 KB allocation right
 after each routing sync, in both (glibc's bill for what the evaluation freed, which the first
 such allocation pays, wherever it is: docs/benchmarks.md, session 36).
+
+`--minimal BUDGET` adds the minimal streamer (scripts/minimal_streamer.py): mlx-lm's model
+streaming its experts through as many slots as edgemoe's at BUDGET, with one routing sync a
+layer, an LRU dict and one reader thread, and none of edgemoe's bookkeeping: the least such a
+streamer costs the host here, and edgemoe's figure over it, paired round by round.
 
 `--host-only` times the host's side of the calls alone (`host_path`: the slot state machine,
 the reader hand-off, no model), main-thread CPU per call at each budget: a figure that MLX's
@@ -64,6 +70,9 @@ import edgemoe
 from edgemoe.format.source import BUNDLED_MODEL
 from edgemoe.mlx_backend.experts import streaming_of
 from edgemoe.mlx_backend.hostsync import QueuedReads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from minimal_streamer import install as install_minimal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +224,11 @@ def mlx_lm_folder(model: Path, scratch: Path) -> Path:
     return unpack(model, scratch / "mlx")
 
 
+def misses_and_calls(streamers: list) -> tuple:
+    """The minimal streamers' misses and decode calls so far (`--minimal`)."""
+    return sum(s.misses for s in streamers), sum(s.calls for s in streamers)
+
+
 def moe_layers(model) -> int:
     return len(model.expert_store.layer_indices)
 
@@ -230,7 +244,9 @@ def quartiles(values: list) -> list:
 def run(args) -> dict:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_hotpath-") as scratch:  # (loaded whole)
-        reference, tokenizer = mlx_lm_load(str(mlx_lm_folder(args.model, Path(scratch))))
+        folder = mlx_lm_folder(args.model, Path(scratch))
+        reference, tokenizer = mlx_lm_load(str(folder))
+        minimal = mlx_lm_load(str(folder))[0] if args.minimal else None
     text = (ROOT / "README.md").read_text()
     prompt = mx.array(tokenizer.encode(text)[:args.prompt])
     models = {"mlx-lm": reference}
@@ -241,7 +257,15 @@ def run(args) -> dict:
             name = budget if routing == "native" else f"{budget} {routing}"
             models[name], _ = edgemoe.load(args.model, expert_budget=budget, routing=routing,
                                            io=args.io)
-    layers = moe_layers(next(m for m in models.values() if m is not reference))
+    streamers = []
+    if minimal is not None:  # (as many slots as edgemoe's at that budget)
+        if args.minimal not in models:
+            raise SystemExit(f"--minimal {args.minimal}: not among the native budgets "
+                             f"({','.join(args.budgets)})")
+        store = models[args.minimal].expert_store
+        streamers = install_minimal(minimal, store.pool(store.layer_indices[0]).num_slots)
+        models[f"minimal {args.minimal}"] = minimal
+    layers = moe_layers(next(m for m in models.values() if streaming_of(m) is not None))
     counter = EvalCounter()
     runs = {name: [] for name in models}
     with counter.installed():
@@ -252,7 +276,12 @@ def run(args) -> dict:
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 with routing_sync(name == "mlx-lm + routing sync"):
+                    before = misses_and_calls(streamers) if models[name] is minimal else None
                     runs[name].append(decode(models[name], prompt, args.tokens, counter))
+                    if before is not None:  # (the decode's calls alone: not the builds')
+                        after = misses_and_calls(streamers)
+                        runs[name][-1]["misses_per_call"] = \
+                            (after[0] - before[0]) / max(1, after[1] - before[1])
                     runs[name][-1]["build_us"] = graph_build_us(models[name], prompt,
                                                                 args.builds)
                 print(f"round {r} {name}: {runs[name][-1]['tok_s']:.1f} tok/s, "
@@ -286,8 +315,16 @@ def run(args) -> dict:
         })
     allocation = allocation_after_sync_us(models, prompt, args.tokens, counter) \
         if args.sync_floor else None
+    over_minimal = None
+    if minimal is not None:  # edgemoe over the yardstick, round by round
+        paired = [(x["cpu_us_per_token"] - y["cpu_us_per_token"]) / layers
+                  for x, y in zip(runs[args.minimal], runs[f"minimal {args.minimal}"])]
+        over_minimal = {"budget": args.minimal, "us_per_moe_layer": statistics.median(paired),
+                        "quartiles": quartiles(paired),
+                        "minimal_misses_per_call": statistics.median(
+                            x["misses_per_call"] for x in runs[f"minimal {args.minimal}"])}
     for name, model in models.items():
-        if model is not reference:
+        if streaming_of(model) is not None:
             model.expert_store.close()
     return {"model": str(args.model), "moe_layers": layers, "prompt_tokens": args.prompt,
             "decode_tokens": args.tokens - 1, "rounds": args.rounds,
@@ -296,6 +333,8 @@ def run(args) -> dict:
             "handoff_cpu_us": handoff_cpu_us() if args.sync_floor else None,
             # a 2 KB allocation right after each routing sync (`--sync-floor`)
             "allocation_after_sync_us": allocation,
+            # edgemoe's main-thread CPU over the minimal streamer's at its budget (`--minimal`)
+            "over_minimal": over_minimal,
             # the machine's load average (1 min) at the start and the end: timings taken
             # beside other work are noisy; the evaluation counts are not
             "load_average": [load_before, os.getloadavg()[0]],
@@ -438,6 +477,10 @@ def main():
                    help="add mlx-lm's model with its routing read back at every MoE layer "
                         "(the host cost of the sync alone), one thread hand-off's CPU, and "
                         "a 2 KB allocation's right after each routing sync")
+    p.add_argument("--minimal", metavar="BUDGET",
+                   help="add the minimal streamer (scripts/minimal_streamer.py) with as many "
+                        "slots as edgemoe's at BUDGET, one of --budgets: the least a streamer "
+                        "with one routing sync a layer does on the host")
     p.add_argument("--before", type=Path, help="an earlier run's JSON, drawn beside this one")
     args = p.parse_args()
     args.budgets = args.budgets.split(",")
@@ -469,6 +512,11 @@ def main():
               f"the waiting thread's CPU")
         print("a 2 KB allocation right after a routing sync: " + ", ".join(
             f"{name} {us:.1f} us" for name, us in result["allocation_after_sync_us"].items()))
+    if result["over_minimal"] is not None:
+        m = result["over_minimal"]
+        print(f"{m['budget']} over the minimal streamer, paired: {m['us_per_moe_layer']:.1f} "
+              f"us a MoE layer ({'%.0f..%.0f' % tuple(m['quartiles'])}); the minimal's "
+              f"misses: {m['minimal_misses_per_call']:.2f} a decode call")
 
 
 if __name__ == "__main__":

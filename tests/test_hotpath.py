@@ -156,6 +156,28 @@ def test_the_allocation_after_a_sync_is_timed_in_the_floor_and_in_edgemoe(refere
     assert all(us > 0 for us in found.values()) and QueuedReads.sync is sync
 
 
+@pytest.mark.parametrize("num_slots", [8, 64])
+def test_the_minimal_streamer_decodes_mlx_lms_tokens_through_its_slots(reference, tmp_path,
+                                                                       num_slots):
+    """bench_hotpath --minimal: the yardstick streams every decode call through its slots
+    (8: top-k, every call evicts; 64: half the experts) and decodes mlx-lm's tokens."""
+    from minimal_streamer import install
+
+    ref, prompt = reference
+    model, _ = mlx_lm_load(str(unpack(BUNDLED, tmp_path)))
+    streamers = install(model, num_slots)
+    counter = EvalCounter()
+    with counter.installed():
+        expected = decode(ref, prompt, TOKENS, counter)["tokens"]
+        got = decode(model, prompt, TOKENS, counter)["tokens"]
+    assert got == expected
+    assert len(streamers) == LAYERS
+    for s in streamers:
+        assert s.calls >= TOKENS - 1 and s.misses >= 8  # (its first decode call misses all)
+        assert len(s.slot_of) <= num_slots
+        assert sorted(s.slot_of.values()) == sorted(set(s.slot_of.values()))
+
+
 def test_prerouted_decode_evaluates_twice_a_token(reference, tmp_path):
     """Prerouted: the routing of every predicted layer is on the host a token ahead, and
     the predictions are evaluated with the next token's first routing sync (the pack's
