@@ -14,7 +14,7 @@ import numpy as np
 from ..format.pack import PackError
 from .reads import Fill
 
-FREE, FILLING, READY, IN_USE = range(4)  # a slot's states
+FREE, FILLING, READY = range(3)  # a slot's states (one in use is ready: LayerSlots.in_use)
 WAIT_POLL_S = 0.05  # how often a waiting compute checks the reader and its deadline
 
 
@@ -146,9 +146,12 @@ class SlotFills:
                 raise f.error
 
     def _evictable(self, pinned) -> set:
-        """The experts in ready slots, neither pinned nor being read (a ready slot always
-        holds an expert): kept as a set (`ready`), as this runs for each call that
-        misses."""
+        """The experts in ready slots, neither pinned, nor being read, nor in use (a ready
+        slot always holds an expert): kept as a set (`ready`), as this runs for each call
+        that misses."""
+        if self.in_use:
+            return self.ready.difference(pinned, self.fills,
+                                         map(self._expert.__getitem__, self.in_use))
         return self.ready.difference(pinned, self.fills)
 
     def _victim(self, pinned, candidates: Optional[set] = None) -> int:

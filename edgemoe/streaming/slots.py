@@ -1,10 +1,11 @@
 """The slot interface: one MoE layer's fixed pool of expert slots and its state machine.
 
-A slot is free, filling (the reader is writing it), ready, or in use (a computation
-reads it). Compute asks `ensure(experts)` for a slot table; missing experts are read on
-demand and waited for. A prediction may `prefetch` a layer's experts ahead of time
-(advice must earn it: edgemoe.streaming.prefetch). The cache policy picks which ready
-slot to give up; filling and in-use slots are never evicted (edgemoe.streaming.fills).
+A slot is free, filling (the reader is writing it) or ready; a ready slot may be in use
+by the current call (`in_use`: a computation reads it, until `release`). Compute asks
+`ensure(experts)` for a slot table; missing experts are read on demand and waited for. A
+prediction may `prefetch` a layer's experts ahead of time (advice must earn it:
+edgemoe.streaming.prefetch). The cache policy picks which ready slot to give up; filling
+and in-use slots are never evicted (edgemoe.streaming.fills).
 Where a slot's bytes live is a backend's SlotMemory (edgemoe.streaming.memory). This
 module needs neither MLX nor PyTorch.
 """
@@ -15,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Protocol
 import numpy as np
 
 from ..format.pack import PackLayer
-from .fills import FILLING, FREE, IN_USE, READY, Room, defined_with
+from .fills import FILLING, FREE, READY, Room, defined_with
 from .memory import SlotMemory
 from .prefetch import WASTE_DECAY, Prefetching
 from .reads import Fill
@@ -78,7 +79,7 @@ class LayerSlots(Prefetching):
         self._expert = memoryview(self.expert_in)
         self._states = bytearray(num_slots)  # (FREE is 0)
         self.state = np.frombuffer(self._states, dtype=np.int8)  # (writable: a bytearray's)
-        self.ready: set = set()  # the experts in ready slots (the evictable, but a call's)
+        self.ready: set = set()  # the experts in ready slots (evictable, but those in use)
         self.fills: Dict[int, Fill] = {}  # expert -> its fill in flight
         self.cancelled: List[Fill] = []  # fills cancelled unread, their slots not yet free
         self.pending_prediction: Optional[set] = None  # for this layer's next call
@@ -179,7 +180,7 @@ class LayerSlots(Prefetching):
                     self.on_demand += 1
                     if e in self.fills:
                         waits.append(self.fills[e])
-                elif slot >= 0 and self.state[slot] in (READY, IN_USE):
+                elif slot >= 0 and self.state[slot] == READY:
                     self.stats.hits += 1
                     self.stats.bytes_hit += self.expert_bytes
                 elif slot >= 0:
@@ -223,11 +224,8 @@ class LayerSlots(Prefetching):
 
     def _use(self, slots: List[int], disjoint: bool = False):
         """Mark `slots` in use by the current call (the caller holds the lock); `disjoint`:
-        none of them is in use yet."""
-        states, ready, expert = self._states, self.ready, self._expert
-        for slot in slots:
-            states[slot] = IN_USE
-            ready.discard(expert[slot])
+        none of them is in use yet. A list, and no state of each slot: that costs a decode
+        call nothing per slot, here or at its release (docs/benchmarks.md, session 37)."""
         if not self.in_use:
             self.in_use = list(slots)
         elif disjoint:
@@ -298,10 +296,6 @@ class LayerSlots(Prefetching):
             used, self.in_use = self.in_use, []
             # under the lock: no fill can claim these slots before their release is known
             self.memory.release(used)
-            states, ready, expert = self._states, self.ready, self._expert
-            for slot in used:
-                states[slot] = READY
-                ready.add(expert[slot])
             # (`unheld_of_whole_layer`'s test, inline: decode releases every layer's call)
             whole = self.read_whole and not self._resident \
                 and self.num_slots >= self.layer.num_experts
