@@ -156,6 +156,42 @@ def test_the_allocation_after_a_sync_is_timed_in_the_floor_and_in_edgemoe(refere
     assert all(us > 0 for us in found.values()) and QueuedReads.sync is sync
 
 
+def test_decode_after_a_prompts_look_ahead_takes_the_plain_path(reference):
+    """A prompt long enough for the look-ahead (edgemoe.streaming.prefill_ahead) leaves experts
+    read ahead that no call requested (`prefetched`): the decode calls after it still take
+    the plain path (`LayerSlots.claim`), not the general one, and decode mlx-lm's tokens."""
+    ref, _ = reference
+    # 48 tokens x top-8 entries, over twice the 128 experts: the prompt's calls look ahead, and
+    # in some layers experts read ahead stay unrequested (in free slots: never evicted)
+    prompt = mx.array(list(range(3, 51)))
+    model, _ = edgemoe.load(BUNDLED, expert_budget="50%")
+    store, claim, refused = model.expert_store, LayerSlots.claim, []
+
+    def counted(self, wanted):
+        fills = claim(self, wanted)
+        if fills is None:
+            refused.append(self.layer.index)
+        return fills
+
+    try:
+        models = (ref, model)  # (mlx-lm's first)
+        caches = [make_prompt_cache(m) for m in models]
+        logits = [m(prompt[None], cache=c)[:, -1] for m, c in zip(models, caches)]
+        mx.eval(*logits)
+        assert any(store.pool(i).prefetched for i in store.layer_indices)
+        LayerSlots.claim = counted
+        for _ in range(6):
+            token = mx.argmax(logits[0], axis=-1)[None]
+            assert mx.array_equal(token, mx.argmax(logits[1], axis=-1)[None])
+            logits = [m(token, cache=c)[:, -1] for m, c in zip(models, caches)]
+            mx.eval(*logits)
+        assert refused == []
+        assert mx.array_equal(logits[0], logits[1])
+    finally:
+        LayerSlots.claim = claim
+        store.close()
+
+
 @pytest.mark.parametrize("num_slots", [8, 64])
 def test_the_minimal_streamer_decodes_mlx_lms_tokens_through_its_slots(reference, tmp_path,
                                                                        num_slots):

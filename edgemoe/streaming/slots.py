@@ -252,7 +252,7 @@ class LayerSlots(Prefetching):
         try:
             with self.lock:
                 if (self.fills or self.cancelled or self.pending_prediction is not None
-                        or self.next_prediction is not None or self.prefetched
+                        or self.next_prediction is not None
                         or self.evicted_for_prefetch or self.staged):
                     return None
                 slot = self._slot  # (nothing in flight: a slot that holds an expert is ready)
@@ -262,6 +262,8 @@ class LayerSlots(Prefetching):
                 room = Room(self, wanted, needed=len(missing)) if missing else None
                 if missing and not room.fits_all(missing):
                     return None  # slots held by queued compute: the general path settles it
+                if self.prefetched:  # (landed prefetches: a long prefill's look-ahead)
+                    self.prefetched.difference_update(wanted)  # requested now, as `ensure`
                 self.bytes_read *= WASTE_DECAY
                 self.wasted_bytes *= WASTE_DECAY
                 self.last_call = set(wanted)
