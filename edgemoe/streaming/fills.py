@@ -149,10 +149,8 @@ class SlotFills:
         """The experts in ready slots, neither pinned, nor being read, nor in use (a ready
         slot always holds an expert): kept as a set (`ready`), as this runs for each call
         that misses."""
-        if self.in_use:
-            return self.ready.difference(pinned, self.fills,
-                                         map(self._expert.__getitem__, self.in_use))
-        return self.ready.difference(pinned, self.fills)
+        return self.ready.difference(pinned, self.fills,
+                                     map(self._expert.__getitem__, self.in_use))
 
     def _victim(self, pinned, candidates: Optional[set] = None) -> int:
         """The resident, unpinned, settled expert the policy gives up next (`candidates`:
