@@ -98,13 +98,19 @@ class StreamingExperts(nn.Module):
                 projections.append(name)
         # (a tuple attribute would be a child of the module: a string is not)
         self._projections = " ".join(projections)
+        # a slot for every expert: the layer may turn resident (`LayerSlots.resident`)
+        self._may_turn_resident = self.slots.num_slots >= self.slots.layer.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        layer = self.slots.layer.index
-        routing, share, queued = self.streaming.routing, self.streaming.share, \
-            self.streaming.queued
+        slots, streaming = self.slots, self.streaming
+        routing, share, queued = streaming.routing, streaming.share, streaming.queued
+        if routing is None and share is None and slots.trace is None and not HITS_FIRST \
+                and indices.size <= slots.num_slots \
+                and not (self._may_turn_resident and slots.resident):
+            return self._decode_call(x, indices)  # (the common native decode call)
+        layer = slots.layer.index
         queued.layer_calls[layer] = queued.layer_calls.get(layer, 0) + 1
-        if share is None and self.slots.trace is None and self.slots.resident \
+        if share is None and slots.trace is None and slots.resident \
                 and (routing is None or routing.advisory):  # (no read to advise)
             return self._resident_call(x, indices)
         predicted, ids = {}, None
@@ -119,21 +125,28 @@ class StreamingExperts(nn.Module):
         if ids is None:  # the layer's one sync: its routing, any prediction, and the work
             # earlier layers left queued, whose slots it then releases
             if routing is None and share is None:  # a long prefill's first pass reads
-                look_ahead(self.slots, indices.size)  # while the sync computes attention
+                look_ahead(slots, indices.size)  # while the sync computes attention
             queued.sync(indices, *predicted.values())
-            self.slots.stats.host_syncs += 1
-            if not predicted and share is None and not HITS_FIRST and self.slots.trace is None:
-                out = self._plain_call(x, indices)  # (the common decode call)
-                if out is not None:
-                    return out
+            slots.stats.host_syncs += 1
+            if not predicted and share is None and not HITS_FIRST and slots.trace is None \
+                    and indices.size <= slots.num_slots:
+                return self._decode_call(x, indices, synced=True)
             ids = np.array(indices)
             if predicted:  # its prefetches overlap this layer's compute
                 routed = lambda: self._prefetch(predicted)  # noqa: E731
         else:  # no routing sync: the predictions (about the next token) wait for the next
             # sync (the next token's first layer without known routing)
             queued.defer(predicted, functools.partial(
-                prefetch_predictions, self.streaming, made_in=routing.made_now(),
+                prefetch_predictions, streaming, made_in=routing.made_now(),
                 calls_then={t: queued.layer_calls.get(t, 0) for t, _ in predicted}))
+        return self._routed_call(x, indices, ids, routed, routed_natively)
+
+    def _routed_call(self, x: mx.array, indices: mx.array, ids: np.ndarray, routed,
+                     routed_natively: bool) -> mx.array:
+        """A call whose routing the host has (`ids`), in passes where its experts exceed
+        the slots (edgemoe.streaming.calls.run_call); `routed`: what to start once its slots
+        are claimed; `routed_natively`: `indices` are the router's own, as `ids`."""
+        share, layer = self.streaming.share, self.slots.layer.index
 
         def compute(rows, slot_ids):
             self._bind_deltas()
@@ -150,7 +163,7 @@ class StreamingExperts(nn.Module):
             self.slots.stats.host_syncs += 1
             return out
 
-        if HITS_FIRST and share is None and routing is None:
+        if HITS_FIRST and share is None and self.streaming.routing is None:
             out = self._hits_first(x, ids)
             if out is not None:
                 return out
@@ -160,7 +173,7 @@ class StreamingExperts(nn.Module):
             return share.combine(parts, ids.shape, layer)
         parts = run_call(self.slots, ids, compute, routed, hold=True)
         if len(parts) == 1 and parts[0][0] is None:
-            queued.hold(self.slots, parts[0][1])
+            self.streaming.queued.hold(self.slots, parts[0][1])
             return parts[0][1]
         # the passes' rows partition the entries: where each entry's output went, the
         # inverse of their concatenation (an O(n) scatter, not a sort)
@@ -170,30 +183,49 @@ class StreamingExperts(nn.Module):
         out = mx.concatenate([y for _, y in parts])[mx.array(order)]
         return out.reshape(*ids.shape, out.shape[-1])
 
-    def _plain_call(self, x: mx.array, indices: mx.array) -> Optional[mx.array]:
-        """A call whose experts the pool takes at once (`LayerSlots.claim`: hits, and misses
-        read into room it has): the one pass of `run_call`, with none of its bookkeeping;
-        left queued, its slots held until a sync has evaluated it; its ids to the host as
-        Python ints (see LayerSlots), its slots to the device as an array of the host's
-        (`CallSlotIds`). None (nothing done) for any other call."""
-        if indices.size > self.slots.num_slots:
-            return None  # (a call of more entries than slots: more experts, often)
+    def _decode_call(self, x: mx.array, indices: mx.array, synced: bool = False) -> mx.array:
+        """A native call of no more entries than slots (a decode step's): the layer's one
+        sync (its routing), then, where the pool takes its experts at once
+        (`LayerSlots.claim`: hits, and misses read into room it has), one pass of mlx-lm's
+        call over the slots, left queued, its slots held until a sync has evaluated it; its
+        ids to the host as Python ints (see LayerSlots), its slots to the device as an array
+        of the host's (`CallSlotIds`); else the general path (`_routed_call`).
+
+        In one function, few calls: after a sync the host's caches are cold, and each
+        function the call runs costs there (an all-hit claim and release, in one function
+        with the same work: 36 against 70 us, docs/benchmarks.md, session 38). A call needs
+        no look-ahead (a prompt's: more entries than slots) and no prediction to make.
+        `synced`: the caller has made the sync (a call with routing that predicted nothing)."""
+        slots, queued = self.slots, self.streaming.queued
+        if not synced:
+            layer = slots.layer.index
+            queued.layer_calls[layer] = queued.layer_calls.get(layer, 0) + 1
+            queued.sync(indices)
+            slots.stats.host_syncs += 1
         ids = indices.tolist()
-        while ids and isinstance(ids[0], list):
-            ids = [e for row in ids for e in row]
-        fills = self.slots.claim(sorted(set(ids)))
+        if indices.size == indices.shape[-1]:  # one token: [[...]] to [...]
+            while ids and isinstance(ids[0], list):
+                ids = ids[0]
+        else:
+            while ids and isinstance(ids[0], list):
+                ids = [e for row in ids for e in row]
+        fills = slots.claim(sorted(set(ids)))
         if fills is None:
-            return None
-        slot_ids = self.pool.slot_ids.of(self.slots.slots_of(ids), indices.shape)
+            return self._routed_call(x, indices, np.array(indices), None,
+                                     self.pool.table is not None)
+        slot_ids = self.pool.slot_ids.of(list(map(slots.slot_ints.__getitem__, ids)),
+                                         indices.shape)
         # built while the misses are read: it reads their slots once evaluated, after finish
-        self._bind_deltas()
+        if ExpertDeltas.made:
+            self._bind_deltas()
         out = self.pool.module(x, slot_ids)
-        try:
-            self.slots.finish(fills)
-        except BaseException:  # (a failed read: the call's slots are free again)
-            self.slots.release()
-            raise
-        self.streaming.queued.hold(self.slots, out)
+        if fills:
+            try:
+                slots.finish(fills)
+            except BaseException:  # (a failed read: the call's slots are free again)
+                slots.release()
+                raise
+        queued.hold(slots, out)
         return out
 
     def _hits_first(self, x: mx.array, ids: np.ndarray) -> Optional[mx.array]:

@@ -13,6 +13,7 @@ Every host wait of the streaming expert path goes through `wait`, so that a coun
 `mx.eval` calls (scripts/bench_hotpath.py, tests/test_hotpath.py) counts them all.
 """
 
+import itertools
 from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
@@ -78,9 +79,17 @@ class QueuedReads:
             then(preds)
 
     def sync(self, *arrays):
-        """One host sync: `arrays` and everything pending."""
-        wait(*arrays, *self.pending())
-        self.settled()
+        """One host sync: `arrays` and everything pending. (A decode step's, with nothing
+        predicted, in this function alone: see StreamingExperts._decode_call.)"""
+        if self.predictions:
+            wait(*arrays, *self.pending())
+            self.settled()
+            return
+        held = self.held
+        wait(*arrays, *itertools.chain.from_iterable(held.values()))
+        self.held = {}
+        for pool in held:
+            pool.release()
 
     def flush(self) -> bool:
         """Evaluate what is pending (a pool needs a held slot); False when nothing was."""

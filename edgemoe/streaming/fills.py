@@ -38,8 +38,8 @@ class SlotFills:
             free.remove(slot)
         else:
             victim = self._victim(pinned) if room is None else room.victim(self, pinned)
-            slot = self._slot[victim]
-            self._slot[victim] = -1
+            slot = self.slot_ints[victim]
+            self.slot_ints[victim] = -1
             self.ready.discard(victim)
             self.policy.forget(victim)
             self.stats.evictions += 1
@@ -55,7 +55,7 @@ class SlotFills:
             self._expert[slot] = -1
             self._states[slot] = FREE
             raise
-        self._slot[expert] = slot
+        self.slot_ints[expert] = slot
         self._expert[slot] = expert
         self._states[slot] = FILLING
         if buffers is None:  # in the host tier: a copy, no read (see _submit)
@@ -105,7 +105,7 @@ class SlotFills:
                     self.stats.bytes_read += nbytes
                     self.bytes_read += nbytes
                 else:
-                    self._slot[fill.expert] = -1
+                    self.slot_ints[fill.expert] = -1
                     self._expert[fill.slot] = -1
                     self._states[fill.slot] = FREE
                     self.policy.forget(fill.expert)

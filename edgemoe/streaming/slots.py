@@ -17,7 +17,7 @@ import numpy as np
 
 from ..format.pack import PackLayer
 from .fills import FILLING, FREE, READY, Room, defined_with
-from .memory import SlotMemory
+from .memory import SlotMemory, UnorderedMemory
 from .prefetch import WASTE_DECAY, Prefetching
 from .reads import Fill
 from .stats import ExpertStats
@@ -57,6 +57,11 @@ class LayerSlots(Prefetching):
                  reader, stats: ExpertStats, lock: threading.Lock):
         self.layer, self.num_slots, self.policy = layer, num_slots, policy
         self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
+        # whether the memory orders its reads after compute (`acquire`, `release`): where
+        # they are UnorderedMemory's, they do nothing, and are not called (after a sync each
+        # function a decode call runs costs: experts.StreamingExperts._decode_call)
+        self.ordered = type(memory).acquire is not UnorderedMemory.acquire \
+            or type(memory).release is not UnorderedMemory.release
         self.expert_bytes = layer.expert_bytes  # (a sum over the tensors: asked per call)
         # the policy's `victim_among`, where the class that defines its `victim` defines it
         # too (a subclass that changes `victim` alone is asked by `victim`); found once: it
@@ -71,7 +76,7 @@ class LayerSlots(Prefetching):
         self.in_use: List[int] = []  # the slots the current call uses
         self.owned = layer.owned  # all experts, or one host's share (edgemoe.distributed)
         # The state is numpy arrays for what scans it, and memoryviews of the same memory
-        # for a decode call's few entries (`_slot`, `_expert`, `_states`: Python ints,
+        # for a decode call's few entries (`slot_ints`, `_expert`, `_states`: Python ints,
         # no numpy call: after each routing sync the host's caches are cold, and a numpy
         # call then costs ~30 us on these machines against ~1 us for a memoryview's item).
         self.share_slot_table(np.full(layer.num_experts, -1, dtype=np.int64))
@@ -107,7 +112,7 @@ class LayerSlots(Prefetching):
         edgemoe.mlx_backend.slots.live_table), with the table's entries copied in."""
         if hasattr(self, "slot_of"):
             slot_of[:] = self.slot_of
-        self.slot_of, self._slot = slot_of, memoryview(slot_of)
+        self.slot_of, self.slot_ints = slot_of, memoryview(slot_of)
 
     @property
     def arrays(self) -> Dict[str, object]:
@@ -135,10 +140,6 @@ class LayerSlots(Prefetching):
             self.stats.hits += requested
             self.stats.bytes_hit += requested * self.expert_bytes
             self.stats.bytes_used += requested * self.expert_bytes
-
-    def slots_of(self, experts: list) -> List[int]:
-        """The slot of each of `experts` (-1: none), as Python ints (a decode call's few)."""
-        return list(map(self._slot.__getitem__, experts))
 
     def record_routing(self, ids: np.ndarray):
         """One call's routing, (..., k) expert ids, for the trace if one is recording."""
@@ -217,7 +218,7 @@ class LayerSlots(Prefetching):
                 self._wait(in_flight[:1], raise_errors=False)
         self._wait(waits)
         with self.lock:
-            used = [self._slot[e] for e in wanted]
+            used = [self.slot_ints[e] for e in wanted]
             self._use(used)
         self.memory.acquire(used)
         return self.slot_of
@@ -255,8 +256,8 @@ class LayerSlots(Prefetching):
                         or self.next_prediction is not None
                         or self.evicted_for_prefetch or self.staged):
                     return None
-                slot = self._slot  # (nothing in flight: a slot that holds an expert is ready)
-                used = [slot[e] for e in wanted]
+                # (nothing in flight: a slot that holds an expert is ready)
+                used = list(map(self.slot_ints.__getitem__, wanted))
                 missing = [] if min(used, default=0) >= 0 else \
                     [e for e, s in zip(wanted, used) if s < 0]
                 room = Room(self, wanted, needed=len(missing)) if missing else None
@@ -277,11 +278,15 @@ class LayerSlots(Prefetching):
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
                 hits = [s for s in used if s >= 0] if missing else used
-                self._use(hits)
+                if self.in_use:
+                    self._use(hits)
+                else:  # (`_use`, inline: a decode call's, each function costs: see below)
+                    self.in_use = hits
         finally:  # (outside the lock: a fill served from a host tier ends at once)
             if fills:  # a claimed slot is always read, or it stays filling
                 self._submit(fills)
-        self.memory.acquire(hits)
+        if self.ordered:
+            self.memory.acquire(hits)
         return fills
 
     def finish(self, fills: list):
@@ -291,13 +296,15 @@ class LayerSlots(Prefetching):
             with self.lock:
                 used = [f.slot for f in fills]  # (the slots the call's misses were given)
                 self._use(used, disjoint=True)
-            self.memory.acquire(used)
+            if self.ordered:
+                self.memory.acquire(used)
 
     def release(self):
         with self.lock:
             used, self.in_use = self.in_use, []
             # under the lock: no fill can claim these slots before their release is known
-            self.memory.release(used)
+            if self.ordered:
+                self.memory.release(used)
             # (`unheld_of_whole_layer`'s test, inline: decode releases every layer's call)
             whole = self.read_whole and not self._resident \
                 and self.num_slots >= self.layer.num_experts
