@@ -23,13 +23,15 @@ from ..streaming.calls import run_call
 from ..streaming.prefill_ahead import look_ahead
 from ..streaming.slots import LayerSlots
 from ..streaming.store import ExpertStore
-from .hostsync import QueuedReads, start, wait
+from .hits_first import hits_first_call
+from .hostsync import QueuedReads, wait
 from .lora import ExpertDeltas, ExpertProjection
 from .slots import CallSlotIds, live_table
 
 # A native decode call with misses computes its hits (queued, `mx.async_eval`) while its misses
-# are read (#50 item 3). Off: here a warm page cache's reads are shorter than the extra
-# evaluation costs the host; the twin (edgemoe.whatif.twin) must show it pays on a Mac first.
+# are read (#50 item 3: edgemoe.mlx_backend.hits_first). Off: here a warm page cache's reads
+# are shorter than the extra evaluation costs the host; the twin (edgemoe.whatif.twin) must
+# show it pays on a Mac first.
 HITS_FIRST = False
 
 
@@ -149,7 +151,7 @@ class StreamingExperts(nn.Module):
         share, layer = self.streaming.share, self.slots.layer.index
 
         def compute(rows, slot_ids):
-            self._bind_deltas()
+            self.bind_deltas()
             if rows is None:  # one pass: exactly mlx-lm's call, over the slots, left queued
                 # (its slots stay in use until a sync has evaluated it: `queued.hold`);
                 # the router's own ids, where they are the call's, map to slots on the device
@@ -164,7 +166,7 @@ class StreamingExperts(nn.Module):
             return out
 
         if HITS_FIRST and share is None and self.streaming.routing is None:
-            out = self._hits_first(x, ids)
+            out = hits_first_call(self, x, ids)
             if out is not None:
                 return out
         if share is not None:
@@ -217,7 +219,7 @@ class StreamingExperts(nn.Module):
                                          indices.shape)
         # built while the misses are read: it reads their slots once evaluated, after finish
         if ExpertDeltas.made:
-            self._bind_deltas()
+            self.bind_deltas()
         out = self.pool.module(x, slot_ids)
         if fills:
             try:
@@ -228,57 +230,18 @@ class StreamingExperts(nn.Module):
         queued.hold(slots, out)
         return out
 
-    def _hits_first(self, x: mx.array, ids: np.ndarray) -> Optional[mx.array]:
-        """A decode call whose experts fit the slots, on the plain path (`LayerSlots.claim`):
-        the rows of its hits start computing (`start`: no wait) while its misses are read,
-        then the rows of its misses; the outputs go back in mlx-lm's (token, k) order, so the
-        block's weighted sum is mlx-lm's, bit for bit (each row is its own `gather_qmm`
-        product, as in the passes of `run_call`). None (nothing done) for any other call."""
-        flat = ids.reshape(-1)
-        wanted = sorted(set(flat.tolist()))
-        if len(wanted) > self.slots.num_slots or self.slots.trace is not None:
-            return None
-        fills = self.slots.claim(wanted)
-        if fills is None:
-            return None
-        self._bind_deltas()
-        if not fills:  # every expert in a slot: one pass, as run_call's
-            out = self.pool.module(x, mx.array(self.slots.slot_of[ids].astype(np.uint32)))
-            self.streaming.queued.hold(self.slots, out)
-            return out
-        try:
-            missed = np.isin(flat, [f.expert for f in fills])
-            tokens, k = x.reshape(-1, x.shape[-1]), ids.shape[-1]
-
-            def rows_out(rows):
-                slot_ids = self.slots.slot_of[flat[rows]].astype(np.uint32)[:, None]
-                return self.pool.module(tokens[mx.array(rows // k)], mx.array(slot_ids))[:, 0]
-
-            hit_rows, miss_rows = np.flatnonzero(~missed), np.flatnonzero(missed)
-            parts = [rows_out(hit_rows)] if hit_rows.size else []
-            start(*parts)
-            self.slots.finish(fills)
-            parts.append(rows_out(miss_rows))
-        except BaseException:
-            self.slots.release()
-            raise
-        order = np.argsort(np.concatenate([hit_rows, miss_rows]))
-        out = mx.concatenate(parts)[mx.array(order)].reshape(*ids.shape, -1)
-        self.streaming.queued.hold(self.slots, out)
-        return out
-
     def _resident_call(self, x: mx.array, indices: mx.array) -> mx.array:
         """Every expert of the layer is in a slot: the router's ids are slot ids as they are
         (each expert in its own: `identity`, mlx-lm's own call), else become them on the
         device (`live_table`), so the call needs no host sync, as in mlx-lm; the experts it
         requested are counted on the device too (`QueuedReads.tally`)."""
-        self._bind_deltas()
+        self.bind_deltas()
         slot_ids = indices if self.slots.identity else mx.take(self.pool.table, indices)
         out = self.pool.module(x, slot_ids)
         self.streaming.queued.tally(self.slots, indices, self.slots.layer.num_experts)
         return out
 
-    def _bind_deltas(self):
+    def bind_deltas(self):
         """Give the pool the deltas of the experts in its slots (resident ExpertDeltas:
         gathered, so a trained delta gets its gradient)."""
         if not ExpertDeltas.made:  # (no LoRA of routed experts was ever made: none here)

@@ -67,7 +67,7 @@ class ExpertDeltas(nn.Module):
     LoRASwitchLinear holds it (lora_a: experts x rank x in, lora_b: experts x out x rank)
     and computes it, over the slots."""
 
-    made = 0  # how many were made, in this process (StreamingExperts._bind_deltas)
+    made = 0  # how many were made, in this process (StreamingExperts.bind_deltas)
 
     def __init__(self, num_experts: int, input_dims: int, output_dims: int, rank: int,
                  scale: float):

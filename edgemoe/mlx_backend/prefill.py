@@ -43,7 +43,7 @@ LOGIT_TOLERANCE = 1e-4  # max |logit - mlx-lm's| on the bundled model's prompt (
 class BlasExperts(SwitchGLU):
     """A pool's mlx-lm SwitchGLU (`SlotPool.module`) made anew over the same projections:
     the same call, (x (..., D), slot ids (..., k)) -> (..., k, D), through BLAS when the
-    call is large. A projection set on it later (a LoRA's deltas, `_bind_deltas`) is its
+    call is large. A projection set on it later (a LoRA's deltas, `bind_deltas`) is its
     own, as on mlx-lm's module, and then mlx-lm's call computes it (`supported`)."""
 
     def __init__(self, module: SwitchGLU):
