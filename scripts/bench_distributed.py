@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from plotting import pyplot
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -205,10 +207,7 @@ def table(report) -> str:
 
 
 def plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [s for s in report["summary"] if s["ok"]]
     hosts = [str(s["hosts"]) for s in rows]

@@ -73,6 +73,7 @@ from edgemoe.mlx_backend.hostsync import QueuedReads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from minimal_streamer import install as install_minimal  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -438,10 +439,7 @@ def after_evaluation_us(pool, k: int, reps: int = 300) -> dict:
 
 
 def plot(result: dict, png: Path, before: dict = None):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = [("after" if before else "", result)] + ([("before", before)] if before else [])
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -510,8 +508,6 @@ def main():
         return
     result = run(args)
     (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
-    before = json.loads(args.before.read_text()) if args.before else None
-    plot(result, args.out / "bench_hotpath.png", before)
     print(f"{'config':>18} {'evals/tok':>9} {'evals/layer':>11} {'cpu+us/layer':>12} "
           f"{'(quartiles)':>15} {'build+us/layer':>14} {'tok/s':>7} {'x mlx-lm':>8} same")
     for r in result["rows"]:
@@ -531,6 +527,8 @@ def main():
               f"us a MoE layer ({'%.0f..%.0f' % tuple(m['quartiles'])}); misses a decode "
               f"call: the minimal's {m['minimal_misses_per_call']:.2f}, edgemoe's "
               f"{m['edgemoe_misses_per_call']:.2f}")
+    before = json.loads(args.before.read_text()) if args.before else None
+    plot(result, args.out / "bench_hotpath.png", before)  # (last: it may need matplotlib)
 
 
 if __name__ == "__main__":

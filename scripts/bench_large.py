@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from plotting import pyplot
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
@@ -250,10 +252,7 @@ def run_config(args, name, cmd, fio=None):
 
 
 def plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["runs"]
     names = [r["config"] for r in rows]

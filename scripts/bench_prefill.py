@@ -42,6 +42,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plotting import pyplot
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
@@ -168,10 +170,7 @@ def main():
 
 
 def _plot(rows, budgets, path, args):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.35

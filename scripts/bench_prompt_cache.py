@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 from agent_requests import claude_code, fit, split  # noqa: E402
 from test_agents import serving  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 
 def session_ttft(url: str, key: str, chars: int):
@@ -80,9 +81,7 @@ def main():
 
 
 def picture(result: dict, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     width = 0.38

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from plotting import pyplot
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED = [sys.executable, "-m", "edgemoe.constrained"]  # a memory / read-rate cgroup
 
@@ -119,9 +121,7 @@ def run(source: str, budget: str, regime: str, args) -> dict:
 
 
 def plot(rows, png: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [f"{r['source']} {float(r['budget']):.0%} {r['regime']}" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))

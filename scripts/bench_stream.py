@@ -31,6 +31,7 @@ from pathlib import Path
 
 from edgemoe.format.source import NO_ADAPTER
 from edgemoe.options import StreamOptions
+from plotting import pyplot
 
 BUDGETS = [1.0, 0.5, 0.25, 0.10]
 ADVISORY_BUDGETS = [0.25, 0.10]
@@ -318,10 +319,7 @@ def print_table(rows):
 
 
 def plot(rows, png: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["config"] for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.8))

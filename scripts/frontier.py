@@ -50,6 +50,7 @@ from edgemoe.mlx_backend.gates import moe_blocks  # noqa: E402
 from edgemoe.streaming.budget import SlotPlan  # noqa: E402
 from edgemoe.streaming.cache import make_policy  # noqa: E402
 from edgemoe.whatif.replay import simulate  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 PACK = ROOT / "edgemoe" / "models" / "fine"
 BUDGETS = ("10%", "25%")
@@ -632,9 +633,7 @@ def print_table(result):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     head = list(result["tokens"])[0]
     native = result["configs"][0]

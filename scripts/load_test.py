@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
+from plotting import pyplot
 
 # Knobs
 CONCURRENCY = [1, 2, 4, 8]
@@ -124,9 +125,7 @@ def run_level(url: str, n: int, max_tokens: int, rng, prefix=(), shared=False) -
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for kind in ("unique", "shared"):

@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from edgemoe.eval import ModelConfig, evaluate
+from plotting import pyplot
 
 CARD = """# {title}
 
@@ -463,10 +464,7 @@ def train_minutes(log) -> float:
 
 
 def plot_usage(routing, png: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(routing), 1, figsize=(8, 1.3 * len(routing)), sharex=True)
     for ax, r in zip(axes, routing):

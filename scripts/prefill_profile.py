@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from plotting import pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("attention projections", "attention (sdpa, rope, norms)", "routers", "expert matmuls",
@@ -150,10 +151,7 @@ def profile(args, budgets):
 
 
 def _plot(medians, names, path, prompt_len):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     bottom = [0.0] * len(names)
@@ -237,10 +235,7 @@ def peers(args, budgets):
     (out / "peers.json").write_text(json.dumps(
         {"prompt_len": args.prompt_len, "model": _name(args.model), "gguf": _name(args.gguf),
          "runs": runs, "median_ttft_s": medians}, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(names, [args.prompt_len / medians[n] for n in names])

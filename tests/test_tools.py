@@ -340,3 +340,19 @@ def test_the_benchmarks_forced_decode_feeds_the_texts_own_tokens():
     with pytest.raises(SystemExit, match="T: --forced needs 11 tokens after the prompt, "
                                          "found 10"):
         bench_stream.forced_sampler(following[:10], 10, "T")
+
+
+def test_a_picture_without_matplotlib_is_one_line_that_names_the_extra(monkeypatch):
+    """The scripts draw through scripts/plotting.py: without matplotlib (the `bench` extra)
+    a script says in one line what to install, with no traceback, and draws nothing."""
+    import plotting
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (its import raises ImportError)
+    monkeypatch.setattr(sys, "argv", ["scripts/bench_hotpath.py"])
+    with pytest.raises(SystemExit) as exit_:
+        plotting.pyplot()
+    assert str(exit_.value) == ("bench_hotpath.py: no picture drawn: it needs matplotlib "
+                                "(pip install -e '.[bench]')")
+    drawing = [f.name for f in sorted((ROOT / "scripts").glob("*.py"))
+               if f.name != "plotting.py" and "import matplotlib" in f.read_text()]
+    assert drawing == [], "these scripts import matplotlib themselves: use plotting.pyplot"
