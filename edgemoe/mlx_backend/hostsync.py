@@ -63,33 +63,17 @@ class QueuedReads:
         if predictions:
             self.predictions.append((predictions, then))
 
-    def pending(self) -> list:
-        """What the next sync must evaluate along with its own arrays."""
-        return [o for outs in self.held.values() for o in outs] + \
-            [p for preds, _ in self.predictions for p in preds.values()]
-
-    def settled(self):
-        """The arrays `pending()` gave were just evaluated: release the held pools and hand
-        the predictions on."""
+    def sync(self, *arrays):
+        """One host sync: `arrays` and everything pending (the held outputs, the deferred
+        predictions); then the held pools are released and the predictions handed on."""
         held, predictions = self.held, self.predictions
+        wait(*arrays, *itertools.chain.from_iterable(held.values()),
+             *((p for preds, _ in predictions for p in preds.values()) if predictions else ()))
         self.held, self.predictions = {}, []
         for pool in held:
             pool.release()
         for preds, then in predictions:
             then(preds)
-
-    def sync(self, *arrays):
-        """One host sync: `arrays` and everything pending. (A decode step's, with nothing
-        predicted, in this function alone: see StreamingExperts._decode_call.)"""
-        if self.predictions:
-            wait(*arrays, *self.pending())
-            self.settled()
-            return
-        held = self.held
-        wait(*arrays, *itertools.chain.from_iterable(held.values()))
-        self.held = {}
-        for pool in held:
-            pool.release()
 
     def flush(self) -> bool:
         """Evaluate what is pending (a pool needs a held slot); False when nothing was."""

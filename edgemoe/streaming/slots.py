@@ -16,8 +16,8 @@ from typing import Callable, Dict, List, Optional, Protocol
 import numpy as np
 
 from ..format.pack import PackLayer
-from .fills import FILLING, FREE, READY, Room, defined_with
-from .memory import SlotMemory, UnorderedMemory
+from .fills import FILLING, READY, Room, defined_with
+from .memory import SlotMemory
 from .prefetch import WASTE_DECAY, Prefetching
 from .reads import Fill
 from .stats import ExpertStats
@@ -57,11 +57,6 @@ class LayerSlots(Prefetching):
                  reader, stats: ExpertStats, lock: threading.Lock):
         self.layer, self.num_slots, self.policy = layer, num_slots, policy
         self.memory, self.reader, self.stats, self.lock = memory, reader, stats, lock
-        # whether the memory orders its reads after compute (`acquire`, `release`): where
-        # they are UnorderedMemory's, they do nothing, and are not called (after a sync each
-        # function a decode call runs costs: experts.StreamingExperts._decode_call)
-        self.ordered = type(memory).acquire is not UnorderedMemory.acquire \
-            or type(memory).release is not UnorderedMemory.release
         self.expert_bytes = layer.expert_bytes  # (a sum over the tensors: asked per call)
         # the policy's `victim_among`, where the class that defines its `victim` defines it
         # too (a subclass that changes `victim` alone is asked by `victim`); found once: it
@@ -278,15 +273,11 @@ class LayerSlots(Prefetching):
                 for e in reversed(missing):  # (as the general path: the last first)
                     fills.append(self._start_fill(e, pinned=wanted, room=room))
                 hits = [s for s in used if s >= 0] if missing else used
-                if self.in_use:
-                    self._use(hits)
-                else:  # (`_use`, inline: a decode call's, each function costs: see below)
-                    self.in_use = hits
+                self._use(hits)
         finally:  # (outside the lock: a fill served from a host tier ends at once)
             if fills:  # a claimed slot is always read, or it stays filling
                 self._submit(fills)
-        if self.ordered:
-            self.memory.acquire(hits)
+        self.memory.acquire(hits)
         return fills
 
     def finish(self, fills: list):
@@ -296,15 +287,13 @@ class LayerSlots(Prefetching):
             with self.lock:
                 used = [f.slot for f in fills]  # (the slots the call's misses were given)
                 self._use(used, disjoint=True)
-            if self.ordered:
-                self.memory.acquire(used)
+            self.memory.acquire(used)
 
     def release(self):
         with self.lock:
             used, self.in_use = self.in_use, []
             # under the lock: no fill can claim these slots before their release is known
-            if self.ordered:
-                self.memory.release(used)
+            self.memory.release(used)
             # (`unheld_of_whole_layer`'s test, inline: decode releases every layer's call)
             whole = self.read_whole and not self._resident \
                 and self.num_slots >= self.layer.num_experts
