@@ -17,7 +17,9 @@ slots between rounds, as a server does between requests).
   token; `.item()` then waits on that same evaluation).
 - main-thread CPU: `time.thread_time()` of the decoding thread over the same span; MLX
   computes on its own threads, so this is the host's work (Python, graph building, waits
-  that spin). Reported per MoE layer as edgemoe's minus mlx-lm's.
+  that spin). Reported per MoE layer as edgemoe's minus mlx-lm's, paired round by round:
+  the median, the quartiles (the rounds' spread) and a 95% bootstrap interval of the median
+  (its own uncertainty: how far a run can place the median, beside a bar).
 - tok/s over the same span; tokens are checked against mlx-lm's (exact modes).
 - graph build: main-thread CPU to build a decode step's graph, never evaluated
   (`graph_build_us`): the host's cost alone where the step has no host sync (a resident
@@ -53,6 +55,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -242,6 +245,16 @@ def moe_layers(model) -> int:
     return len(model.expert_store.layer_indices)
 
 
+def median_interval(values: list, resamples: int = 2000, seed: int = 0) -> list:
+    """A 95% bootstrap interval of the median of `values` (paired rounds): how far the
+    median itself may be off, which the quartiles (the rounds' spread) do not say."""
+    if len(values) < 2:
+        return quartiles(values)
+    pick = random.Random(seed).choices
+    medians = sorted(statistics.median(pick(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
 def quartiles(values: list) -> list:
     """The first and third quartiles of `values` (both the value itself when one)."""
     if len(values) < 2:
@@ -316,6 +329,7 @@ def run(args) -> dict:
             # the spread of the paired rounds (quartiles): run-to-run noise on these VMs
             # is of the order of the differences measured
             "cpu_over_mlx_lm_quartiles": quartiles(over),
+            "cpu_over_mlx_lm_median_95": median_interval(over),
             "cpu_over_mlx_lm_per_round": over,
             # building a step's graph (with its host syncs, where it has any)
             "build_over_mlx_lm_us_per_moe_layer": statistics.median(build_over),
@@ -333,6 +347,7 @@ def run(args) -> dict:
                   for x, y in zip(runs[args.minimal], runs[f"minimal {args.minimal}"])]
         over_minimal = {"budget": args.minimal, "us_per_moe_layer": statistics.median(paired),
                         "quartiles": quartiles(paired),
+                        "median_95": median_interval(paired),
                         "minimal_misses_per_call": statistics.median(
                             x["misses_per_call"] for x in runs[f"minimal {args.minimal}"]),
                         "edgemoe_misses_per_call": statistics.median(
@@ -509,11 +524,13 @@ def main():
     result = run(args)
     (args.out / "bench_hotpath.json").write_text(json.dumps(result, indent=1))
     print(f"{'config':>18} {'evals/tok':>9} {'evals/layer':>11} {'cpu+us/layer':>12} "
-          f"{'(quartiles)':>15} {'build+us/layer':>14} {'tok/s':>7} {'x mlx-lm':>8} same")
+          f"{'(quartiles)':>15} {'(median 95%)':>13} {'build+us/layer':>14} {'tok/s':>7} "
+          f"{'x mlx-lm':>8} same")
     for r in result["rows"]:
         print(f"{r['config']:>18} {r['evals_per_token']:9.2f} {r['evals_per_moe_layer']:11.2f} "
               f"{r['cpu_over_mlx_lm_us_per_moe_layer']:12.1f} "
               f"{'%.0f..%.0f' % tuple(r['cpu_over_mlx_lm_quartiles']):>15} "
+              f"{'%.0f..%.0f' % tuple(r['cpu_over_mlx_lm_median_95']):>13} "
               f"{r['build_over_mlx_lm_us_per_moe_layer']:14.1f} {r['tok_s']:7.1f} "
               f"{r['tok_s_vs_mlx_lm']:8.3f} {r['same_tokens_as_mlx_lm']}")
     if result["handoff_cpu_us"] is not None:
@@ -524,7 +541,8 @@ def main():
     if result["over_minimal"] is not None:
         m = result["over_minimal"]
         print(f"{m['budget']} over the minimal streamer, paired: {m['us_per_moe_layer']:.1f} "
-              f"us a MoE layer ({'%.0f..%.0f' % tuple(m['quartiles'])}); misses a decode "
+              f"us a MoE layer (quartiles {'%.0f..%.0f' % tuple(m['quartiles'])}, median "
+              f"95% {'%.0f..%.0f' % tuple(m['median_95'])}); misses a decode "
               f"call: the minimal's {m['minimal_misses_per_call']:.2f}, edgemoe's "
               f"{m['edgemoe_misses_per_call']:.2f}")
     before = json.loads(args.before.read_text()) if args.before else None

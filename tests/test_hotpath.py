@@ -7,6 +7,7 @@ which calls mx.eval), with mlx-lm's own decode loop (one a token).
 """
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -397,6 +398,24 @@ def test_the_host_only_bench_times_the_claim_after_each_kind_of_time_away():
     after = result["all_hit_call_after_evaluation_us"]
     assert list(after) == ["none", "sleep", "loop", "trivial", "graph"]
     assert all(us > 0 for us in after.values())
+
+
+def test_the_benchs_interval_of_a_median_is_the_medians_not_the_rounds_spread():
+    """`median_interval`: a bootstrap interval of the paired rounds' median. It holds the
+    median, it is narrower than the rounds' quartiles and narrows as rounds are added,
+    and it is the same for the same rounds (a fixed seed: a rerun prints the same)."""
+    import random
+
+    from bench_hotpath import median_interval, quartiles
+
+    draw = random.Random(7)
+    rounds = [draw.gauss(100, 80) for _ in range(160)]
+    few, many = median_interval(rounds[:20]), median_interval(rounds)
+    q = quartiles(rounds)
+    assert many[0] <= statistics.median(rounds) <= many[1]
+    assert q[0] < many[0] and many[1] < q[1]
+    assert many[1] - many[0] < few[1] - few[0]
+    assert median_interval(rounds) == many and median_interval([3.0]) == [3.0, 3.0]
 
 
 def test_the_instruction_count_reads_each_threads_total_and_names_a_missing_valgrind(
